@@ -1,0 +1,75 @@
+"""Budgets: "8k", "8192", "0.5k" tokens, or "512MiB", "1.5GB" bytes of KV cache.
+
+A token budget N is the number of KV entries kept per layer per KV head (the KeyDiff
+paper's convention). A byte budget is the whole KV cache at its peak — N + B entries per
+layer and head (K, V and the entry's position) — so N = bytes / bytes_per_token − B."""
+
+from __future__ import annotations
+
+import re
+
+from .models.config import ModelConfig
+
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class BudgetError(ValueError):
+    """The --budget the user gave cannot be used; the message says how to fix it."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "512MiB", "1.5GB", "100B" (used for budgets and memory limits)."""
+    m = _BYTES.match(str(text))
+    if not m:
+        raise BudgetError(f"cannot read {text!r} as a size; write e.g. 512MiB, 1.5GB or 1.5GiB")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128, dtype_bytes: int = 4) -> int:
+    """Tokens N per layer and KV head. Byte forms need the model geometry (``config``)."""
+    raw = str(text).strip()
+    m = _TOKENS.match(raw)
+    if m:
+        scale = {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+        value = float(m.group(1)) * scale
+        if value != int(value):
+            raise BudgetError(f"budget {raw!r} is not a whole number of tokens ({value:g}); use e.g. 512 or 0.5k")
+        tokens = int(value)
+        if tokens <= 0:
+            raise BudgetError(f"budget {raw!r} keeps no tokens; give at least one block, e.g. --budget {block}")
+    elif _BYTES.match(raw):
+        if config is None:
+            raise BudgetError("a byte budget needs the model geometry; give tokens (e.g. 2k) instead")
+        per_token = config.kv_bytes_per_token(dtype_bytes)
+        total_tokens = parse_size(raw) // per_token
+        tokens = total_tokens - block
+        if tokens < block:
+            need = 2 * block * per_token
+            raise BudgetError(
+                f"budget {raw} holds only {total_tokens} tokens of KV cache ({per_token} bytes per token for "
+                f"this model), not enough for the cache plus one block of {block}; give at least "
+                f"{_human(need)} or a smaller --block"
+            )
+    else:
+        raise BudgetError(
+            f"cannot read budget {raw!r}; write tokens (8k, 8192, 0.5k) or bytes of KV cache (512MiB, 1.5GB)"
+        )
+    if tokens < block:
+        raise BudgetError(
+            f"budget {tokens} tokens is smaller than one block ({block}); use --budget {block} or more, "
+            f"or a smaller --block"
+        )
+    return tokens
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n}"
+
+
+human_bytes = _human

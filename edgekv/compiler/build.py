@@ -1,0 +1,249 @@
+"""Build: lower → ``tvm.compile`` → artifact directory.
+
+An artifact is a directory:
+
+    model.so | model.tar     the compiled library (``export_library``); .tar for cross targets
+    params.safetensors        the weights, in the functions' argument order (names in manifest)
+    manifest.json             what was built and how to check it (see ``write_manifest``)
+
+``compile_model(model, policy, budget, block, target="host", out_dir=...)`` is the public entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARTIFACT_FORMAT = "edgekv-artifact"
+ARTIFACT_VERSION = 1
+MANIFEST = "manifest.json"
+PARAMS_FILE = "params.safetensors"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILE_DIR = REPO_ROOT / "compile"
+
+
+class CompileError(ValueError):
+    """Compilation cannot proceed; the message says why and what to change."""
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    manifest: dict
+    executable: Any  # tvm.relax.VMExecutable (kept for in-process use and tests)
+    params: list = None  # [(name, numpy array)] in argument order
+
+
+def edgekv_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("edgekv")
+    except Exception:  # not installed (running from a checkout)
+        import re
+
+        text = (REPO_ROOT / "pyproject.toml").read_text()
+        m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+        return m.group(1) if m else "unknown"
+
+
+def versions() -> dict[str, str]:
+    import tvm
+
+    return {"edgekv": edgekv_version(), "tvm": str(tvm.__version__)}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _profile_path(target: str) -> Path | None:
+    p = Path(target)
+    if p.suffix == ".json" and p.exists():
+        return p
+    cand = PROFILE_DIR / f"{target}.json"
+    return cand if cand.exists() else None
+
+
+def resolve_target(target: str | dict = "host") -> tuple[dict, dict]:
+    """A target profile name (``compile/<name>.json``), a JSON path, a target dict, or a TVM
+    target kind such as ``llvm``. Returns (profile, resolved TVM target dict); ``"host"`` values
+    for ``mcpu`` / ``num-cores`` become this machine's CPU (from LLVM) and core count."""
+    if isinstance(target, dict):
+        profile = {"name": "custom", "target": dict(target)}
+    else:
+        path = _profile_path(target)
+        if path is not None:
+            profile = json.loads(path.read_text())
+        elif target == "llvm":
+            profile = json.loads((PROFILE_DIR / "host.json").read_text())
+        else:
+            known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+            raise CompileError(f"unknown target '{target}'; known profiles in compile/: {', '.join(known)} "
+                               "(or a path to a profile .json)")
+    tgt = dict(profile["target"])
+    if tgt.get("kind") == "llvm":
+        if tgt.get("mcpu") == "host":
+            from tvm.target import codegen
+
+            tgt["mcpu"] = str(codegen.llvm_get_system_cpu())
+        if tgt.get("num-cores") == "host":
+            tgt["num-cores"] = int(os.cpu_count() or 1)
+    return profile, tgt
+
+
+def policy_kernel_params(policy: Any, budget: int) -> dict[str, Any]:
+    """The policy's parameters as its kernel builder takes them (e.g. fractions → counts)."""
+    name = policy.name
+    if name == "streaming":
+        return {"sinks": int(policy.sinks)}
+    if name == "keydiff":
+        from ..policies.keydiff import recent_count
+
+        return {"recent": recent_count(float(policy.recent_window), budget)}
+    if name == "full":
+        return {}
+    from .kernels import UnsupportedPolicyError, compiled_policy_names
+
+    raise UnsupportedPolicyError(
+        f"policy '{name}' has no compiled kernel yet; compiled policies: {', '.join(compiled_policy_names())}")
+
+
+def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:
+    """Static plan in bytes: weights and caches exactly; activations as the peak of live
+    intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
+    of what TVM's static block-memory planner allocates, which reuses storage)."""
+    from .attention_sites import _arg_vars, shape_of
+
+    weights = sum(int(a.nbytes) for _, a in lowered.params)
+    cache = 0
+    for s in lowered.sites:
+        cache += 2 * s.num_kv_heads * budget * s.head_dim * dtype_bytes + s.num_kv_heads * budget * 4 + 4
+    func = lowered.mod["prefill_block"]
+    params = set(func.params)
+    size: dict = {}
+    last_use: dict = {}
+    order = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            i = len(order)
+            order.append(b.var)
+            shp = shape_of(b.var)
+            aliasing = type(b.value).__name__ in ("TupleGetItem", "Var", "DataflowVar")  # views, not new memory
+            if shp is not None and not aliasing:
+                dt = str(b.var.ty.dtype)
+                size[b.var] = int(np.prod(shp, dtype=np.int64)) * np.dtype(dt).itemsize
+            for a in _arg_vars(b.value):
+                last_use[a] = i
+    frees: dict[int, list] = {}
+    for v, i in last_use.items():
+        if v in size and v not in params:
+            frees.setdefault(i, []).append(v)
+    live = peak = 0
+    for i, v in enumerate(order):
+        if v in size:
+            live += size[v]
+        peak = max(peak, live)
+        for u in frees.get(i, []):
+            live -= size[u]
+    return {"weights_bytes": weights, "cache_bytes": cache, "activation_bytes": int(peak),
+            "total_bytes": int(weights + cache + peak)}
+
+
+def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
+                  out_dir: str | Path | None = None, *, mem_limit: int | None = None,
+                  progress=None, imported=None) -> BuildResult:
+    """Compile ``model`` (a ``LoadedModel``) with ``policy`` (a ``Policy`` instance) at budget N
+    and block B for ``target``; write the artifact to ``out_dir`` when given.
+
+    ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
+    several policies can be compiled from one export."""
+    import tvm
+    from tvm import relax  # noqa: F401
+
+    from .block_cache import BlockCacheSpec
+    from .pipeline import Lowered, import_model, lower_module
+
+    if budget <= 0 or block <= 0:
+        raise CompileError("budget and block must be positive token counts")
+    policy.check_budget(budget, block)
+    profile, tgt = resolve_target(target)
+    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget))
+    say = progress or (lambda msg: None)
+    say("exporting and lowering")
+    mod, params, timings = imported if imported is not None else import_model(model, block)
+    timings = dict(timings)
+    t0 = time.perf_counter()
+    mod, sites = lower_module(mod, spec)
+    timings["passes_s"] = time.perf_counter() - t0
+    lowered = Lowered(mod=mod, params=params, sites=sites, timings=timings)
+    plan = memory_plan(lowered, budget)
+    if mem_limit is not None and plan["total_bytes"] > mem_limit:
+        raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
+                           f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
+                           f"{mem_limit}; lower --budget or --block")
+    say("compiling with TVM")
+    t0 = time.perf_counter()
+    ex = tvm.compile(lowered.mod, target=tvm.target.Target(tgt))
+    lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
+    cfg = model.config
+    manifest: dict[str, Any] = {
+        "format": ARTIFACT_FORMAT,
+        "format_version": ARTIFACT_VERSION,
+        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict()},
+        "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
+        "budget": budget,
+        "block": block,
+        "dtype": "float32",
+        "target": {"profile": profile.get("name", str(target)), "tvm": tgt},
+        "num_layers": len(lowered.sites),
+        "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
+                             "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
+        "cache": [{"k": [s.num_kv_heads, budget, s.head_dim], "v": [s.num_kv_heads, budget, s.head_dim],
+                   "pos": [s.num_kv_heads, budget], "fill": [1]} for s in lowered.sites],
+        "functions": {
+            "prefill_block": {"inputs": ["tokens[B] int64", "positions[B] int64", "n_valid[1] int32",
+                                         "caches (k, v, pos, fill) × layers", "weights"],
+                              "outputs": ["logits[V] of token n_valid-1", "caches"]},
+            "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],
+                       "outputs": ["logits[V]", "caches"]},
+        },
+        "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
+        "memory_plan": plan,
+        "versions": versions(),
+        "timings": lowered.timings,
+    }
+    result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
+                         params=lowered.params)
+    if out_dir is not None:
+        write_artifact(result, lowered.params, tgt)
+    return result
+
+
+def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict) -> None:
+    from safetensors.numpy import save_file
+
+    out = result.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    host_like = tgt.get("kind") == "llvm" and "mtriple" not in tgt
+    lib_name = "model.so" if host_like else "model.tar"
+    t0 = time.perf_counter()
+    result.executable.export_library(str(out / lib_name))
+    save_file({n: np.ascontiguousarray(a) for n, a in params}, str(out / PARAMS_FILE))
+    result.manifest["timings"]["export_library_s"] = time.perf_counter() - t0
+    result.manifest["files"] = {
+        "library": {"name": lib_name, "sha256": sha256_file(out / lib_name)},
+        "params": {"name": PARAMS_FILE, "sha256": sha256_file(out / PARAMS_FILE)},
+    }
+    (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, default=str))

@@ -1,0 +1,147 @@
+"""Export a Llama-family model's *plain* forward and import it into Relax.
+
+The compiler pass never sees this module's Python class: it works on the exported graph.
+This file only produces that graph the way any user would export a decoder:
+
+    logits[1, T, V] = forward(tokens[1, T] int64, positions[1, T] int64)
+
+with RMSNorm, RoPE computed from the position-ids input, GQA (``repeat_interleave`` of the
+KV heads), ``scaled_dot_product_attention(..., is_causal=True)``, a SiLU-gated MLP and the
+(tied) LM head, at a static sequence length T.
+
+Exported forms the pass accepts (see ``attention_sites.py``):
+  * attention written as ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` — with
+    the default ``torch.export`` decompositions it imports as matmul → (scale) → causal mask
+    (``R.tril``/``R.where`` on a constant) → softmax → matmul; without decompositions as
+    ``R.nn.attention(..., causal_mask="TopLeft")``. Both are matched.
+  * explicit eager attention ``softmax(q @ k.T * scale + causal_mask) @ v`` with the mask
+    built from constants (``torch.triu``/``torch.full``) — the same matmul–softmax–matmul form.
+  * K/V either with kv_heads (GQA expanded by ``repeat_interleave``/``expand``+``reshape``
+    inside the graph, which the pass looks through) or already with the query head count.
+Not accepted: HF transformers' ``LlamaForCausalLM`` export. Its mask subgraph (cumsum,
+bitwise ops, index_tensor over the cache position) is not a causal-mask constant; TVM 0.27
+cannot even code-generate it, and the pass refuses it naming the operators it found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PlainLlama(nn.Module):
+    """A stateless decoder forward over HF-named weights (fp32), for export only."""
+
+    def __init__(self, config: Any, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0):
+        super().__init__()
+        self.cfg = config
+        self.attention_scaling = float(attention_scaling)
+        self.w = nn.ParameterDict()
+        for name, tensor in weights.items():
+            self.w[name.replace(".", "__")] = nn.Parameter(tensor.detach().to(torch.float32), requires_grad=False)
+        # RoPE angles in float64 (as the reference engine): positions up to 8K+ lose ~1e-3 rad in fp32.
+        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64), persistent=False)
+
+    def p(self, name: str) -> torch.Tensor:
+        return self.w[name.replace(".", "__")]
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.cfg.rms_eps) * weight
+
+    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        bias_name = prefix + ".bias"
+        bias = self.p(bias_name) if bias_name.replace(".", "__") in self.w else None
+        return F.linear(x, self.p(prefix + ".weight"), bias)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, seq = tokens.shape
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(tokens, self.p("model.embed_tokens.weight"))
+        freqs = positions.to(torch.float64)[..., None] * self.inv_freq[None, None, :]  # [1, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(torch.float32)[:, None, :, :]
+        sin = (emb.sin() * self.attention_scaling).to(torch.float32)[:, None, :, :]
+        for i in range(cfg.num_layers):
+            pre = f"model.layers.{i}."
+            h = self._rms(x, self.p(pre + "input_layernorm.weight"))
+            q = self._linear(h, pre + "self_attn.q_proj").view(bsz, seq, hq, d).transpose(1, 2)
+            k = self._linear(h, pre + "self_attn.k_proj").view(bsz, seq, hkv, d).transpose(1, 2)
+            v = self._linear(h, pre + "self_attn.v_proj").view(bsz, seq, hkv, d).transpose(1, 2)
+            q = q * cos + self._rotate_half(q) * sin
+            k = k * cos + self._rotate_half(k) * sin
+            if hq != hkv:
+                k = k.repeat_interleave(hq // hkv, dim=1)
+                v = v.repeat_interleave(hq // hkv, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(bsz, seq, hq * d)
+            x = x + F.linear(a, self.p(pre + "self_attn.o_proj.weight"))
+            h = self._rms(x, self.p(pre + "post_attention_layernorm.weight"))
+            gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
+            up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
+            x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
+        x = self._rms(x, self.p("model.norm.weight"))
+        head = self.p("model.embed_tokens.weight") if cfg.tie_embeddings else self.p("lm_head.weight")
+        return F.linear(x, head)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def plain_module(model: Any) -> PlainLlama:
+    """The plain forward of a ``edgekv.models.LoadedModel``."""
+    return PlainLlama(model.config, model.weights, model.inv_freq,
+                      getattr(model, "attention_scaling", 1.0)).eval()
+
+
+def export_plain_forward(model: Any, seq_len: int) -> torch.export.ExportedProgram:
+    """torch.export the plain forward of a LoadedModel at a static sequence length."""
+    module = plain_module(model)
+    tokens = torch.zeros((1, seq_len), dtype=torch.int64)
+    positions = torch.arange(seq_len, dtype=torch.int64)[None, :]
+    with torch.no_grad():
+        return torch.export.export(module, (tokens, positions))
+
+
+def import_to_relax(program: torch.export.ExportedProgram):
+    """Import into a Relax IRModule whose ``main(tokens, positions, *params)`` keeps the weights
+    as inputs (``num_input`` = 2), plus the parameter tensors in order (numpy arrays, named)."""
+    from tvm.relax.frontend import detach_params
+    from tvm.relax.frontend.torch import from_exported_program
+
+    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    mod, params = detach_params(mod)
+    named = []
+    main = mod["main"]
+    num_input = int(main.attrs["num_input"])
+    for var, value in zip(main.params[num_input:], params["main"]):
+        named.append((var.name, value.numpy()))
+    return mod, named
+
+
+def weights_hash(weights: dict[str, torch.Tensor]) -> str:
+    """A content hash of the weights (names, shapes and bytes), order-independent."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().to(torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,121 @@
+"""Top-N selection and in-place compaction of one layer's cache, as one TIR kernel.
+
+Candidates are cache rows [0, fill) ⊕ block rows [0, n_valid) (see ``common``). When
+n = fill + n_valid ≤ N the block rows are appended. Otherwise the n − N candidates with the
+lowest score are evicted — among equal scores the *higher* candidate index goes first, so the
+kept set is the top-N by (score descending, index ascending): the ``topk_keep`` rule of
+``edgekv.policies.base``. The survivors are written back in ascending candidate order, so the
+cache stays in temporal order. Because kept[j] ≥ j, writing row j from candidate kept[j] in
+ascending j never overwrites a row that is still to be read: the compaction runs in place.
+
+Selection cost is O((n − N) · n) per head; n − N ≤ B after every step (the cache never holds
+more than N), so it is linear in N for a fixed block. NaN scores are never evicted (torch's
+descending sort puts NaN first, i.e. keeps it).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import check_dtype
+
+
+def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                                dtype: str = "float32", with_score: bool = True):
+    """In-place kernel ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid[, score])``.
+
+    Without a score (policy ``full``) the block is appended while it fits and the newest
+    overflowing rows are dropped (the host refuses a ``full`` run that would overflow)."""
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+
+    @T.prim_func(private=True, s_tir=True)
+    def select_compact(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        for h in T.parallel(H):
+            with T.sblock("select"):
+                gone = T.sblock_alloc_buffer((NB,), "int32")
+                best = T.sblock_alloc_buffer((1,), "int32")
+                bestv = T.sblock_alloc_buffer((1,), "float32")
+                cnt = T.sblock_alloc_buffer((1,), "int32")
+                nf: T.let[T.int32] = fill[0]
+                nv: T.let[T.int32] = n_valid[0]
+                if nf + nv <= N:
+                    for i in T.serial(B):
+                        if i < nv:
+                            for c in T.serial(D):
+                                k_cache[h, nf + i, c] = k_blk[0, h, i, c]
+                                v_cache[h, nf + i, c] = v_blk[0, h, i, c]
+                            pos_cache[h, nf + i] = pos_blk[i]
+                else:
+                    for i in T.serial(NB):
+                        gone[i] = 0
+                    for e in T.serial(nf + nv - N):
+                        best[0] = -1
+                        bestv[0] = T.float32("inf")
+                        for i in T.serial(NB):
+                            if i < nf + nv:
+                                if gone[i] == 0:
+                                    if score[h, i] <= bestv[0]:
+                                        best[0] = i
+                                        bestv[0] = score[h, i]
+                        if best[0] >= 0:
+                            gone[best[0]] = 1
+                    cnt[0] = 0
+                    for i in T.serial(NB):
+                        if i < nf + nv:
+                            if gone[i] == 0:
+                                if cnt[0] < N:
+                                    if i < nf:
+                                        if cnt[0] != i:
+                                            for c in T.serial(D):
+                                                k_cache[h, cnt[0], c] = k_cache[h, i, c]
+                                                v_cache[h, cnt[0], c] = v_cache[h, i, c]
+                                            pos_cache[h, cnt[0]] = pos_cache[h, i]
+                                    else:
+                                        for c in T.serial(D):
+                                            k_cache[h, cnt[0], c] = k_blk[0, h, i - nf, c]
+                                            v_cache[h, cnt[0], c] = v_blk[0, h, i - nf, c]
+                                        pos_cache[h, cnt[0]] = pos_blk[i - nf]
+                                    cnt[0] = cnt[0] + 1
+        with T.sblock("fill"):
+            fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    @T.prim_func(private=True, s_tir=True)
+    def append_only(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        for h in T.parallel(H):
+            with T.sblock("append"):
+                nf: T.let[T.int32] = fill[0]
+                nv: T.let[T.int32] = n_valid[0]
+                for i in T.serial(B):
+                    if i < nv:
+                        if nf + i < N:
+                            for c in T.serial(D):
+                                k_cache[h, nf + i, c] = k_blk[0, h, i, c]
+                                v_cache[h, nf + i, c] = v_blk[0, h, i, c]
+                            pos_cache[h, nf + i] = pos_blk[i]
+        with T.sblock("fill"):
+            fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    return select_compact if with_score else append_only

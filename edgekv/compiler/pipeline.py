@@ -1,0 +1,67 @@
+"""The compiler pipeline, in order:
+
+  0. ``export.py``            torch.export the plain forward at T = B and T = 1, import both
+                              with ``relax.frontend.torch`` (functions ``prefill_src``, ``decode_src``)
+  1. ``block_cache.py``       RewriteBlockCache: attention sites → block attention + eviction
+                              kernels over explicit caches; ``prefill_block`` and ``decode``
+  2. ``last_token.py``        HoistLastTokenGather: LM head on the last valid row only
+  3. (TVM) DeadCodeElimination: drops the dead softmax/mask subgraphs and the full LM head
+  4. ``build.py``             tvm.compile (Relax default pipeline + LLVM) and the artifact
+
+``lower(model, ...)`` runs 0–3 and returns the IRModule plus what the artifact records.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from .attention_sites import AttentionSite
+from .block_cache import BlockCacheSpec, RewriteBlockCache
+from .export import export_plain_forward, import_to_relax
+from .last_token import HoistLastTokenGather
+
+FUNCTIONS = ("prefill_block", "decode")
+
+
+@dataclass
+class Lowered:
+    mod: tvm.IRModule
+    params: list[tuple[str, Any]]  # (name, numpy array) in function-argument order
+    sites: list[AttentionSite]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def passes(spec: BlockCacheSpec) -> list:
+    rewrite = RewriteBlockCache(spec, [("prefill_src", "prefill_block", None), ("decode_src", "decode", 1)])
+    return [rewrite, HoistLastTokenGather(list(FUNCTIONS)), relax.transform.DeadCodeElimination(list(FUNCTIONS))]
+
+
+def import_model(model: Any, block: int) -> tuple[tvm.IRModule, list[tuple[str, Any]], dict[str, float]]:
+    t0 = time.perf_counter()
+    mod_b, params = import_to_relax(export_plain_forward(model, block))
+    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1))
+    t1 = time.perf_counter()
+    if [n for n, _ in params] != [n for n, _ in params_1]:
+        raise RuntimeError("the block and decode exports disagree on their weight inputs")
+    mod = tvm.IRModule({"prefill_src": mod_b["main"], "decode_src": mod_1["main"]})
+    return mod, params, {"export_import_s": t1 - t0}
+
+
+def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite]]:
+    seq = passes(spec)
+    for p in seq:
+        mod = p(mod)
+    return mod, seq[0].sites["prefill_block"]
+
+
+def lower(model: Any, spec: BlockCacheSpec, block: int) -> Lowered:
+    mod, params, timings = import_model(model, block)
+    t0 = time.perf_counter()
+    mod, sites = lower_module(mod, spec)
+    timings["passes_s"] = time.perf_counter() - t0
+    return Lowered(mod=mod, params=params, sites=sites, timings=timings)

@@ -1,0 +1,252 @@
+"""The reference engine: block-wise prefill and decode with a fixed-size cache (eager PyTorch).
+
+This is the oracle every compiled result is checked against, so it is written for
+clarity: one block step runs every layer as
+    RMSNorm → q/k/v → RoPE at the tokens' original positions → write block K/V after the cache
+    → attention of the block's queries over cache ⊕ block (causal inside the block)
+    → o_proj, residual, RMSNorm, SwiGLU MLP, residual
+    → the policy cuts this layer's cache ⊕ block back to ≤ N (per KV head).
+Decode is the same step with B = 1. The whole prompt's KV never exists: each layer holds
+at most N + B entries (+ a policy's pseudo rows) at any moment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..models.loaded import LoadedModel
+from ..policies.base import EvictionContext, Policy, PolicyError
+from .cache import LayerCache
+
+
+@dataclass
+class StepRecord:
+    """What happened in one step (used by tests and reports)."""
+
+    start: int
+    length: int
+    evicted: bool
+    kept_positions: list[torch.Tensor] | None = None  # per layer [H, k] when recording
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    eviction_events: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the HF (half-split) layout. x [heads, b, d]; cos/sin [b, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class BlockEngine:
+    def __init__(self, model: LoadedModel, policy: Policy, budget: int, block: int = 128, *,
+                 record_kept: bool = False):
+        if budget <= 0:
+            raise PolicyError("the budget must be a positive number of tokens")
+        if block <= 0:
+            raise PolicyError("the block size must be a positive number of tokens")
+        policy.check_budget(budget, block)
+        self.model, self.policy, self.budget, self.block = model, policy, budget, block
+        self.cfg = model.config
+        self.record_kept = record_kept
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        self.extra_rows = int(getattr(policy, "max_extra_tokens", 0))
+        self.capacity = budget + block + self.extra_rows
+        self.layer_budgets = self._layer_budgets()
+        self.caches = [
+            LayerCache(self.cfg.num_kv_heads, self.capacity, self.cfg.head_dim, policy.entry_state)
+            for _ in range(self.cfg.num_layers)
+        ]
+        self.position = 0  # next token's position
+        self.stats = EngineStats()
+        w = model.weights
+        self._layers = [
+            {name: w.get(f"model.layers.{i}.{name}") for name in (
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+            for i in range(self.cfg.num_layers)
+        ]
+
+    def _layer_budgets(self) -> list[int]:
+        return [min(self.budget, self.policy.layer_budget(i, self.budget)) for i in range(self.cfg.num_layers)]
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the engine allocated for caches (all layers): fixed at construction."""
+        return sum(c.nbytes for c in self.caches)
+
+    def cache_lengths(self) -> list[int]:
+        return [c.length for c in self.caches]
+
+    def kept_positions(self, layer: int) -> torch.Tensor:
+        c = self.caches[layer]
+        return c.positions[:, : c.length].clone()
+
+    # ---- one step ---------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor):
+        freqs = positions.double()[:, None] * self.model.inv_freq.double()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        s = self.model.attention_scaling
+        return (emb.cos() * s).float(), (emb.sin() * s).float()
+
+    def _project(self, lw, h, name, heads):
+        out = h @ lw[f"self_attn.{name}_proj.weight"].T
+        bias = lw.get(f"self_attn.{name}_proj.bias")
+        if bias is not None:
+            out = out + bias
+        return out.view(h.shape[0], heads, self.cfg.head_dim).transpose(0, 1)
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor, *, all_logits: bool = False, extra=None) -> torch.Tensor:
+        """Run one block of real tokens (positions continue from self.position).
+
+        ``extra`` = (ids, positions) of pseudo tokens appended after the block (DapQ); their
+        queries are handed to the policy and their K/V never stay in the cache.
+        Returns logits of the last real token [vocab] (or of every real token [b, vocab])."""
+        cfg = self.cfg
+        b = token_ids.shape[0]
+        positions = torch.arange(self.position, self.position + b, dtype=torch.long)
+        ids, all_pos = token_ids, positions
+        n_extra = 0
+        if extra is not None:
+            n_extra = extra[0].shape[0]
+            ids = torch.cat([token_ids, extra[0]])
+            all_pos = torch.cat([positions, extra[1].long()])
+        cos, sin = self._rope(all_pos)
+        x = self.model.weights["model.embed_tokens.weight"][ids]
+        record = StepRecord(start=self.position, length=b, evicted=False,
+                            kept_positions=[] if self.record_kept else None)
+        for layer, (lw, cache) in enumerate(zip(self._layers, self.caches)):
+            h = rms_norm(x, lw["input_layernorm.weight"], cfg.rms_eps)
+            q = rotate(self._project(lw, h, "q", cfg.num_heads), cos, sin)
+            k = rotate(self._project(lw, h, "k", cfg.num_kv_heads), cos, sin)
+            v = self._project(lw, h, "v", cfg.num_kv_heads)
+            old = cache.length
+            cache.write(old, k, v, all_pos)
+            n_all = old + b + n_extra
+            keys, values, key_pos = cache.view(n_all)
+            # Causal by original position: cache entries precede the block, so only the block
+            # (and pseudo rows after it) is masked. Positions are shared by all heads for the
+            # block's own entries, and every cached position is < the block's first.
+            mask = key_pos[0][None, :].long() <= all_pos[:, None]
+            attn = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True
+            )[0]
+            x = x + attn.transpose(0, 1).reshape(b + n_extra, -1) @ lw["self_attn.o_proj.weight"].T
+            h = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_eps)
+            x = x + (F.silu(h @ lw["mlp.gate_proj.weight"].T) * (h @ lw["mlp.up_proj.weight"].T)) @ lw["mlp.down_proj.weight"].T
+            if self._evict(layer, cache, old + b, q, all_pos, b, n_extra):
+                record.evicted = True
+            if record.kept_positions is not None:
+                record.kept_positions.append(self.kept_positions(layer))
+        self.position += b
+        self.stats.steps.append(record)
+        if record.evicted:
+            self.stats.eviction_events += 1
+        x = x[:b] if all_logits else x[b - 1 : b]
+        x = rms_norm(x, self.model.weights["model.norm.weight"], cfg.rms_eps)
+        logits = x @ self.model.lm_head.T
+        return logits if all_logits else logits[0]
+
+    def _evict(self, layer, cache, n, q, all_pos, b, n_extra) -> bool:
+        policy = self.policy
+        budget = self.layer_budgets[layer]
+        must = n > budget
+        if not must and not policy.observes_every_step:
+            cache.length = n
+            return False
+        keys, values, key_pos = cache.view(n)
+        ctx = EvictionContext(
+            layer=layer, num_layers=self.cfg.num_layers, budget=budget, keys=keys, values=values,
+            positions=key_pos, n_cache=n - b, is_prefill=b > 1, scale=self.scale,
+            state={name: buf[:, :n] for name, buf in cache.state.items()},
+        )
+        if policy.needs_queries:
+            ctx.queries, ctx.query_positions = q[:, :b], all_pos[:b]
+        if n_extra:
+            ctx.extra_queries, ctx.extra_query_positions = q[:, b:], all_pos[b:]
+            ctx.extra_keys = cache.keys[:, n : n + n_extra]
+        if policy.observes_every_step:
+            policy.observe(ctx)
+        if not must:
+            cache.length = n
+            return False
+        cache.compact(n, policy.select(ctx))
+        return True
+
+    # ---- prefill / decode ---------------------------------------------------------------
+    def prefill(self, prompt_ids: torch.Tensor, progress=None, all_logits: bool = False) -> torch.Tensor:
+        """Block-wise prefill of the whole prompt; returns the last token's logits
+        (or every prompt token's logits with ``all_logits``, for teacher-forced evaluation)."""
+        import time
+
+        prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+        if prompt_ids.numel() == 0:
+            raise PolicyError("the prompt is empty; give at least one token")
+        self.policy.prepare(prompt_ids, self)
+        self.layer_budgets = self._layer_budgets()  # may depend on the prompt (D2O)
+        outs = []
+        t0 = time.perf_counter()
+        for start in range(0, prompt_ids.numel(), self.block):
+            chunk = prompt_ids[start : start + self.block]
+            extra = self._extra_for(chunk.numel())
+            outs.append(self.step(chunk, all_logits=all_logits, extra=extra))
+            if progress is not None:
+                progress(chunk.numel())
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_tokens += prompt_ids.numel()
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def _extra_for(self, b: int):
+        """Pseudo rows go with blocks that trigger eviction in some layer (DapQ)."""
+        extra = self.policy.extra_tokens()
+        if extra is None:
+            return None
+        if max(c.length for c in self.caches) + b <= min(self.layer_budgets):
+            return None
+        return extra
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        logits = self.step(torch.tensor([token_id], dtype=torch.long))
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_tokens += 1
+        return logits
+
+    def generate(self, prompt_ids, max_new_tokens: int, sampler=None, eos_ids=(), on_token=None, progress=None):
+        """Prefill then decode; returns the generated ids (the EOS token ends it and is included)."""
+        from .sampling import Sampler
+
+        sampler = sampler or Sampler()
+        logits = self.prefill(prompt_ids, progress=progress)
+        out: list[int] = []
+        for i in range(max_new_tokens):
+            token = sampler(logits)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos_ids or i == max_new_tokens - 1:
+                break
+            logits = self.decode(token)
+        return out

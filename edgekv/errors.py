@@ -1,0 +1,13 @@
+"""User-facing errors: each names what the user did and how to fix it. The CLI prints
+them without a traceback and exits with status 2."""
+
+from .budget import BudgetError
+from .models.errors import ModelError
+from .policies.base import PolicyError
+
+
+class InputError(ValueError):
+    """A prompt, path or option the user gave cannot be used."""
+
+
+USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError)

@@ -1,0 +1,77 @@
+"""The geometry of a Llama-family decoder, read from a transformers config.
+
+Only the fields the engine, the memory plan and the compiler need; the full
+transformers config is kept beside it for RoPE initialisation (scaling types)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import ModelError
+
+# model_type values whose decoder layer is: RMSNorm → attention (GQA, RoPE) → RMSNorm → SwiGLU MLP.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes one token occupies in the cache over all layers: K + V, plus its int32 position."""
+        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * dtype_bytes + 4)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(hf_config, "rope_theta", 10000.0))
+
+
+def config_from_hf(hf_config) -> ModelConfig:
+    model_type = getattr(hf_config, "model_type", "?")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture '{model_type}'; edgekv supports Llama-family decoders: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (GQA, RoPE, RMSNorm, SwiGLU)"
+        )
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
+        raise ModelError("models with sliding-window attention layers are not supported yet")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rope_theta=_rope_theta(hf_config),
+        rms_eps=float(hf_config.rms_norm_eps),
+        max_position=int(getattr(hf_config, "max_position_embeddings", 2048)),
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        # Qwen2 has q/k/v biases without saying so in an attention_bias field.
+        attention_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
+    )

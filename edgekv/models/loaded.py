@@ -1,0 +1,75 @@
+"""A loaded model: geometry, fp32 weights under HF names, tokenizer, RoPE frequencies."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+
+
+def rope_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scaling factor, for every RoPE
+    scaling type transformers knows (default, linear, dynamic, llama3, yarn, ...).
+
+    Taken from transformers' own rotary embedding so scaling rules are not re-implemented."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=hf_config)
+    return rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    config: ModelConfig
+    hf_config: Any
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any = None
+    chat: bool = False
+    source: Path | None = None
+    known_weight_hash: str | None = None
+    inv_freq: torch.Tensor = field(init=False)
+    attention_scaling: float = field(init=False)
+
+    def __post_init__(self):
+        self.inv_freq, self.attention_scaling = rope_frequencies(self.hf_config)
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.weights.get("lm_head.weight", self.weights["model.embed_tokens.weight"])
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    @cached_property
+    def weight_hash(self) -> str:
+        """sha256 of the weights (of the source file when known, else of the tensors)."""
+        if self.known_weight_hash:
+            return self.known_weight_hash
+        digest = hashlib.sha256()
+        for name in sorted(self.weights):
+            digest.update(name.encode())
+            digest.update(self.weights[name].contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def to_hf(self):
+        """The same weights in transformers' own model class (for differential tests and peers)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(self.weights, strict=False)
+        if unexpected or any(m != "lm_head.weight" for m in missing):
+            raise RuntimeError(f"weights do not fit the HF model: missing {missing}, unexpected {unexpected}")
+        if self.config.tie_embeddings:
+            model.tie_weights()
+        return model.eval()

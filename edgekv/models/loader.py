@@ -1,0 +1,180 @@
+"""Load a model from a name, a GGUF file or an HF directory into a ``LoadedModel``.
+
+GGUF files are converted once through transformers (which dequantises with ``gguf``; ~30 s
+for SmolLM2) into an HF directory in the user cache (config.json, model.safetensors,
+tokenizer); later loads read that copy in about a second."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from .config import config_from_hf
+from .errors import ModelError
+from .loaded import LoadedModel
+from .sources import ModelSource, cache_root, resolve
+
+CONVERSION_FORMAT = 1  # bump when the cached copy's layout changes
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _gguf_tokenizer_fields(path: Path) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception:  # noqa: BLE001 - unreadable metadata is treated as absent
+            return default
+
+    return {
+        "add_bos": bool(field("tokenizer.ggml.add_bos_token", False)),
+        "bos_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_id": field("tokenizer.ggml.eos_token_id"),
+        "unk_id": field("tokenizer.ggml.unknown_token_id"),
+        "pad_id": field("tokenizer.ggml.padding_token_id"),
+        "chat_template": field("tokenizer.chat_template"),
+        "model": field("tokenizer.ggml.model"),
+    }
+
+
+def _fixed_tokenizer(converted, meta: dict):
+    """transformers 5.2 maps a GGUF 'gpt2' tokenizer to CodeLlamaTokenizer, prepends BOS even
+    when the file says add_bos_token=False, and takes EOS from BOS. Rebuild a plain fast
+    tokenizer from the same tokenizer.json with the special tokens the GGUF declares."""
+    from tokenizers import decoders, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = converted.backend_tokenizer
+    if meta["model"] == "gpt2":
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        backend.decoder = decoders.ByteLevel()
+    elif not meta["add_bos"]:
+        backend.post_processor = None
+
+    def token(idx):
+        return backend.id_to_token(int(idx)) if idx is not None else None
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=token(meta["bos_id"]),
+        eos_token=token(meta["eos_id"]),
+        unk_token=token(meta["unk_id"]),
+        pad_token=token(meta["pad_id"]),
+    )
+    if meta["chat_template"]:
+        tok.chat_template = meta["chat_template"]
+    return tok
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def convert_gguf(path: Path, dest: Path, console: Console) -> None:
+    """Dequantise a GGUF through transformers and write an HF directory at ``dest`` atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+
+    _quiet_transformers()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        with console.status(f"converting {path.name} once to a cached safetensors copy (~30 s)…"):
+            with contextlib.redirect_stderr(io.StringIO()):
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+                converted_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model_type = model.config.model_type
+            config_from_hf(model.config)  # refuse unsupported architectures before writing
+            state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+            if model.config.tie_word_embeddings:
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            model.config.save_pretrained(str(tmp))
+            _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path)).save_pretrained(str(tmp))
+            meta = {"source": str(path), "source_sha256": _sha256(path), "model_type": model_type,
+                    "format": CONVERSION_FORMAT}
+            (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.replace(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _converted_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CONVERSION_FORMAT}".encode())
+    return cache_root() / "converted" / f"{path.stem}-{key.hexdigest()[:12]}"
+
+
+def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | None = None) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {path / 'config.json'}: {exc}") from None
+    config = config_from_hf(hf_config)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ModelError(f"cannot read weights {file}: {exc}; the file is damaged or not safetensors") from None
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelError(f"{path} holds no 'model.embed_tokens.weight': not a Llama-family checkpoint")
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    meta_file = path / "edgekv.json"
+    known_hash = json.loads(meta_file.read_text()).get("source_sha256") if meta_file.is_file() else None
+    return LoadedModel(
+        model_id=model_id, config=config, hf_config=hf_config, weights=weights, tokenizer=tokenizer,
+        chat=chat or bool(getattr(tokenizer, "chat_template", None)), source=source or path,
+        known_weight_hash=known_hash,
+    )
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, console: Console | None = None) -> LoadedModel:
+    """Load by known name (``smollm2-135m``), GGUF file, or HF directory."""
+    console = console or Console(stderr=True)
+    src: ModelSource = resolve(name_or_path, console)
+    if src.kind == "hf":
+        return load_hf_dir(src.path, src.model_id, src.chat)
+    cached = _converted_dir(src.path)
+    if not (cached / "edgekv.json").is_file():
+        try:
+            convert_gguf(src.path, cached, console)
+        except ModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a bad GGUF
+            raise ModelError(f"cannot load GGUF '{src.path}': {exc}") from None
+    return load_hf_dir(cached, src.model_id, src.chat, source=src.path)

@@ -1,0 +1,56 @@
+"""Tiny random Llama-family models for fast tests (no files, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import config_from_hf
+from .loaded import LoadedModel
+
+
+def tiny_random_model(
+    seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 128,
+    vocab: int = 256,
+    max_position: int = 4096,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    model_type: str = "llama",
+    tie_embeddings: bool = False,
+) -> LoadedModel:
+    """A randomly initialised decoder built by transformers itself, so its weights and
+    config are exactly what the HF forward pass uses."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope = {**rope_scaling, "rope_theta": rope_theta}
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position, rope_parameters=rope, tie_word_embeddings=tie_embeddings,
+        rms_norm_eps=1e-5,
+    )
+    hf_config = Qwen2Config(**kwargs) if model_type == "qwen2" else LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():  # HF init is tiny (std 0.02); larger weights make attention non-trivial
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.uniform_(0.8, 1.2)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tie_embeddings:
+        weights.pop("lm_head.weight", None)
+    return LoadedModel(
+        model_id=f"tiny-{model_type}-{seed}", config=config_from_hf(hf_config), hf_config=hf_config, weights=weights
+    )

@@ -1,0 +1,63 @@
+"""Eviction policies: one file per policy, each registered here by name (one line each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from .base import EvictionContext, Policy, PolicyError, Selection, topk_keep
+from .full import FullPolicy
+from .h2o import H2OPolicy
+from .keydiff import KeyDiffPolicy
+from .lagkv import LagKVPolicy
+from .snapkv import SnapKVPolicy
+from .snapkv_pp import SnapKVPlusPlusPolicy
+from .streaming import StreamingPolicy
+from .tova import TOVAPolicy
+
+REGISTRY: dict[str, type[Policy]] = {
+    "full": FullPolicy,
+    "streaming": StreamingPolicy,
+    "keydiff": KeyDiffPolicy,
+    "lagkv": LagKVPolicy,
+    "snapkv": SnapKVPolicy,
+    "snapkv++": SnapKVPlusPlusPolicy,
+    "tova": TOVAPolicy,
+    "h2o": H2OPolicy,
+}
+
+
+def policy_names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def _coerce(value: str, annotation: typing.Any, policy: str, key: str):
+    kind = annotation if isinstance(annotation, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(
+        str(annotation).split("|")[0].strip(), str)
+    try:
+        if kind is bool:
+            low = value.lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(value)
+            return low in ("1", "true", "yes", "on")
+        return kind(value)
+    except ValueError:
+        raise PolicyError(f"policy '{policy}': argument {key}={value!r} is not a valid {kind.__name__}") from None
+
+
+def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
+    """Build a policy from its name and ``key=value`` strings (CLI ``--policy-arg``)."""
+    if name not in REGISTRY:
+        raise PolicyError(f"unknown policy '{name}'; known policies: {', '.join(policy_names())}")
+    cls = REGISTRY[name]
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in (args or {}).items():
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise PolicyError(f"policy '{name}' has no argument '{key}'; its arguments: {valid}")
+        kwargs[key] = _coerce(value, known[key].type, name, key) if isinstance(value, str) else value
+    return cls(**kwargs)
+
+
+__all__ = ["EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy", "policy_names", "topk_keep"]

@@ -1,0 +1,149 @@
+"""The one interface every eviction policy plugs into.
+
+The engine calls a policy once per layer whenever cache ⊕ block holds more than the
+budget N entries (and, for policies that ask, on every step so they can update per-entry
+state). The policy sees only tensors of that layer — never the model — and answers with
+the indices to keep per KV head. The engine gathers K, V, positions and the policy's own
+per-entry state with those indices, so a policy never manages memory.
+
+Shapes (batch 1; H = KV heads, Hq = query heads, n = cache entries + block entries,
+b = block length, d = head dim):
+
+    keys, values     [H, n, d]   post-RoPE, the first ``n_cache`` rows are the old cache
+    positions        [H, n]      original token positions (kept across eviction)
+    queries          [Hq, b, d]  post-RoPE block queries (only when ``needs_queries``)
+    query_positions  [b]
+    extra_queries    [Hq, e, d]  pseudo queries a policy asked the engine to run (DapQ)
+    extra_keys       [H, e, d]   their keys (for a softmax over candidates ⊕ pseudo rows)
+    state[name]      [H, n]      per-entry float state declared in ``entry_state``
+
+Ties are broken toward the earlier candidate index (i.e. the older entry): see
+``topk_keep`` — the compiled kernels use the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class EvictionContext:
+    layer: int
+    num_layers: int
+    budget: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    n_cache: int
+    queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    extra_queries: torch.Tensor | None = None
+    extra_query_positions: torch.Tensor | None = None
+    extra_keys: torch.Tensor | None = None  # [H, e, d] the pseudo rows' keys (never stored)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    is_prefill: bool = True
+    scale: float | None = None
+
+    @property
+    def n(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def must_evict(self) -> bool:
+        return self.n > self.budget
+
+
+@dataclass
+class Selection:
+    """What a policy answers: kept candidate indices per KV head, [H, k] with k ≤ N.
+
+    ``keys``/``values`` optionally replace the gathered rows (merge-on-evict policies such as
+    D2O fold evicted entries into kept ones); they must have shape [H, k, d].
+    """
+
+    kept: torch.Tensor
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+class PolicyError(ValueError):
+    """A policy cannot run with the given budget / arguments; the message says how to fix it."""
+
+
+@dataclass
+class Policy:
+    """Base class. Subclasses are dataclasses whose fields are the paper's defaults."""
+
+    name: ClassVar[str] = "base"
+    # The engine passes the block's queries (post-RoPE) only to policies that need them.
+    needs_queries: ClassVar[bool] = False
+    # Called on every step, even without eviction (to accumulate per-entry state).
+    observes_every_step: ClassVar[bool] = False
+    # Per-entry float state kept beside K/V and compacted with them, e.g. H2O's column sums.
+    entry_state: ClassVar[tuple[str, ...]] = ()
+
+    def check_budget(self, budget: int, block: int) -> None:
+        """Raise PolicyError if this policy cannot run with budget N and block B."""
+
+    def prepare(self, prompt_ids: torch.Tensor, model: Any) -> None:
+        """Called once before prefill with the whole prompt (DapQ builds pseudo tokens here)."""
+
+    def extra_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token ids, positions) the engine appends to blocks that evict; their K/V never
+        enter the cache and they never influence real tokens (they come last, causally)."""
+        return None
+
+    def layer_budget(self, layer: int, budget: int) -> int:
+        """The budget for one layer (≤ the global N that sized the buffers)."""
+        return budget
+
+    def select(self, ctx: EvictionContext) -> Selection:
+        raise NotImplementedError
+
+    def observe(self, ctx: EvictionContext) -> None:
+        """Update per-entry state in ``ctx.state`` in place (for ``observes_every_step``)."""
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def topk_keep(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores per row, ties toward the lower index, sorted ascending.
+
+    A stable descending sort gives the documented tie rule regardless of torch.topk's
+    implementation-defined order among equal values.
+    """
+    k = min(k, score.shape[-1])
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values
+
+
+def keep_all(ctx: EvictionContext) -> Selection:
+    idx = torch.arange(ctx.n, device=ctx.keys.device).expand(ctx.num_kv_heads, ctx.n)
+    return Selection(kept=idx.contiguous())
+
+
+def protect_recent(score: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Force the ``window`` most recent positions to be kept (score +inf)."""
+    if window <= 0:
+        return score
+    newest = positions.max(dim=-1, keepdim=True).values
+    return score.masked_fill(positions > newest - window, float("inf"))
+
+
+def protect_sinks(score: torch.Tensor, positions: torch.Tensor, sinks: int) -> torch.Tensor:
+    """Force the first ``sinks`` token positions (attention sinks) to be kept (score +inf)."""
+    if sinks <= 0:
+        return score
+    return score.masked_fill(positions < sinks, float("inf"))

@@ -1,0 +1,278 @@
+"""Host runtime: run a compiled edgekv artifact with TVM's Relax VM.
+
+    rt = HostRuntime("build/kd")            # checks manifest, hashes and versions, loads, allocates
+    logits = rt.prefill(prompt_ids)         # block loop: one compiled call per block
+    logits = rt.decode(token_id)            # one compiled call per token
+    ids = rt.generate(prompt_ids, 64)
+
+The caches (per layer K, V [H, N, d], positions [H, N], fill [1]) are allocated once at load
+and updated *in place* by the compiled functions (their eviction kernels are
+``call_tir_inplace``); nothing is reallocated per block and there is no per-layer or per-head
+Python in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..compiler.build import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, sha256_file, versions
+
+
+class ArtifactError(RuntimeError):
+    """The artifact is missing, corrupt, or does not match this installation."""
+
+
+@dataclass
+class RuntimeStats:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    prefill_blocks: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    load_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    block_seconds: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "block_seconds"}
+        d["prefill_tok_per_s"] = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else None
+        d["decode_tok_per_s"] = self.decode_tokens / self.decode_seconds if self.decode_seconds else None
+        return d
+
+
+def _rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # psutil missing: fall back to ru_maxrss (KiB on Linux)
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    mf = path / MANIFEST
+    if not path.is_dir():
+        raise ArtifactError(f"{path} is not an artifact directory (run `edgekv compile ... -o {path}` first)")
+    if not mf.exists():
+        raise ArtifactError(f"{path} has no {MANIFEST}; it is not an edgekv artifact or it is incomplete")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{mf} is corrupt ({exc})") from None
+    if manifest.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"{mf} is not an edgekv artifact manifest (format={manifest.get('format')!r})")
+    if manifest.get("format_version") != ARTIFACT_VERSION:
+        raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported by this "
+                            f"edgekv (expects {ARTIFACT_VERSION}); recompile it")
+    return manifest
+
+
+def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = True) -> None:
+    path = Path(path)
+    files = manifest.get("files") or {}
+    for key in ("library", "params"):
+        entry = files.get(key)
+        if not entry:
+            raise ArtifactError(f"{path / MANIFEST} lists no {key} file; recompile the artifact")
+        f = path / entry["name"]
+        if not f.exists():
+            raise ArtifactError(f"artifact file missing: {f}")
+        if check_hashes and sha256_file(f) != entry["sha256"]:
+            raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
+    mine = versions()
+    built = manifest.get("versions", {})
+    if built.get("tvm") != mine["tvm"]:
+        raise ArtifactError(f"artifact was built with TVM {built.get('tvm')}, this runtime has TVM {mine['tvm']}; "
+                            "recompile it with this installation")
+
+
+class HostRuntime:
+    def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None):
+        """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError)."""
+        import tvm
+        from safetensors.numpy import load_file
+
+        t0 = time.perf_counter()
+        path = Path(artifact)
+        manifest = read_manifest(path)
+        verify_artifact(path, manifest, check_hashes=check_hashes)
+        if expected_weight_hash and expected_weight_hash != manifest["model"]["weight_hash"]:
+            raise ArtifactError("the artifact was compiled from different weights than the model given "
+                                f"({manifest['model']['weight_hash'][:12]}… vs {expected_weight_hash[:12]}…)")
+        files = manifest["files"]
+        try:
+            lib = tvm.runtime.load_module(str(path / files["library"]["name"]))
+        except Exception as exc:  # noqa: BLE001 - TVM raises its own error types
+            raise ArtifactError(f"cannot load {path / files['library']['name']}: {exc}") from None
+        try:
+            arrays = load_file(str(path / files["params"]["name"]))
+        except Exception as exc:  # noqa: BLE001
+            raise ArtifactError(f"cannot read {path / files['params']['name']}: {exc}") from None
+        self._setup(path, manifest, lib, arrays, t0)
+
+    @classmethod
+    def from_executable(cls, executable, manifest: dict, params: list[tuple[str, np.ndarray]]) -> "HostRuntime":
+        """Run an in-memory build (``compile_model(...).executable``) without writing files (tests)."""
+        self = cls.__new__(cls)
+        self._setup(None, manifest, executable, dict(params), time.perf_counter())
+        return self
+
+    def _setup(self, path, manifest, lib, arrays, t0) -> None:
+        import tvm
+        from tvm import relax
+
+        self.path = path
+        self.manifest = manifest
+        self.budget = int(manifest["budget"])
+        self.block = int(manifest["block"])
+        self.policy = manifest["policy"]["name"]
+        self.num_layers = int(manifest["num_layers"])
+        self.device = tvm.cpu()
+        self.vm = relax.VirtualMachine(lib, self.device)
+        self.params = []
+        for p in manifest["params"]:
+            if p["name"] not in arrays:
+                raise ArtifactError(f"parameter {p['name']} missing from the artifact's parameters")
+            a = arrays[p["name"]]
+            if list(a.shape) != list(p["shape"]) or str(a.dtype) != p["dtype"]:
+                raise ArtifactError(f"parameter {p['name']} has shape {list(a.shape)} {a.dtype}, the manifest says "
+                                    f"{p['shape']} {p['dtype']}")
+            self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
+        del arrays
+        # caches: allocated once, mutated in place by the compiled functions
+        self.caches = []
+        for c in self.manifest["cache"]:
+            self.caches += [
+                tvm.runtime.tensor(np.zeros(c["k"], dtype="float32"), self.device),
+                tvm.runtime.tensor(np.zeros(c["v"], dtype="float32"), self.device),
+                tvm.runtime.tensor(np.zeros(c["pos"], dtype="int32"), self.device),
+                tvm.runtime.tensor(np.zeros(c["fill"], dtype="int32"), self.device),
+            ]
+        self._tail = self.caches + self.params
+        self._prefill = self.vm["prefill_block"]
+        self._decode = self.vm["decode"]
+        self._zero_fill = np.zeros((1,), dtype="int32")
+        self._tok = np.zeros((self.block,), dtype="int64")
+        self.position = 0
+        self.stats = RuntimeStats()
+        self.stats.load_seconds = time.perf_counter() - t0
+        self._sample_rss()
+
+    # ---- state --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new sequence: empty every cache (fill = 0) without reallocating."""
+        for i in range(3, len(self.caches), 4):
+            self.caches[i].copyfrom(self._zero_fill)
+        self.position = 0
+        self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
+
+    def _sample_rss(self) -> None:
+        self.stats.peak_rss_bytes = max(self.stats.peak_rss_bytes, _rss())
+
+    def cache_lengths(self) -> list[int]:
+        return [int(self.caches[4 * l + 3].numpy()[0]) for l in range(self.num_layers)]
+
+    def kept_positions(self, layer: int) -> np.ndarray:
+        """Original positions of the entries of layer ``layer``'s cache, [H, fill]."""
+        fill = int(self.caches[4 * layer + 3].numpy()[0])
+        return self.caches[4 * layer + 2].numpy()[:, :fill].copy()
+
+    def _check_room(self, extra: int) -> None:
+        if self.policy == "full" and self.position + extra > self.budget:
+            from ..policies.base import PolicyError
+
+            raise PolicyError(f"policy 'full' never evicts, but the sequence needs {self.position + extra} cache "
+                              f"entries and this artifact's budget is {self.budget}; compile with --budget "
+                              f"{self.position + extra} or more, or choose an evicting policy")
+
+    # ---- running ------------------------------------------------------------------------
+    def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
+        """One compiled prefill call on ≤ B tokens at positions start…; returns last-token logits."""
+        import tvm
+
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if not 1 <= n <= self.block:
+            raise ValueError(f"a block holds 1..{self.block} tokens, got {n}")
+        start = self.position if start is None else start
+        self._check_room(n)
+        tok = np.zeros((self.block,), dtype=np.int64)
+        tok[:n] = ids
+        pos = np.arange(start, start + self.block, dtype=np.int64)
+        out = self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
+                            tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
+        self.position = start + n
+        return out[0].numpy()
+
+    def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None) -> np.ndarray:
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        self._check_room(ids.size)
+        logits = None
+        t0 = time.perf_counter()
+        for s in range(0, ids.size, self.block):
+            tb = time.perf_counter()
+            logits = self.step_block(ids[s: s + self.block])
+            self.stats.block_seconds.append(time.perf_counter() - tb)
+            self.stats.prefill_blocks += 1
+            if progress is not None:
+                progress(min(self.block, ids.size - s))
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_tokens += int(ids.size)
+        self._sample_rss()
+        return logits
+
+    def decode(self, token_id: int) -> np.ndarray:
+        import tvm
+
+        self._check_room(1)
+        t0 = time.perf_counter()
+        out = self._decode(tvm.runtime.tensor(np.array([token_id], dtype=np.int64), self.device),
+                           tvm.runtime.tensor(np.array([self.position], dtype=np.int64), self.device), *self._tail)
+        self.position += 1
+        logits = out[0].numpy()
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_tokens += 1
+        return logits
+
+    def generate(self, prompt_ids, max_new_tokens: int, sampler: Callable[[np.ndarray], int] | None = None,
+                 eos_ids=(), on_token=None, progress=None) -> list[int]:
+        """Prefill then decode (greedy unless a sampler is given); EOS ends it and is included."""
+        sampler = sampler or (lambda logits: int(np.argmax(logits)))
+        logits = self.prefill(prompt_ids, progress=progress)
+        out: list[int] = []
+        for i in range(max_new_tokens):
+            tok = int(sampler(logits))
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in eos_ids or i == max_new_tokens - 1:
+                break
+            logits = self.decode(tok)
+        self._sample_rss()
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Plan vs measured, per phase (same keys as the eager engine's report where they overlap)."""
+        return {
+            "artifact": str(self.path) if self.path else None,
+            "model": self.manifest["model"]["id"],
+            "policy": self.manifest["policy"],
+            "budget": self.budget,
+            "block": self.block,
+            "target": self.manifest["target"],
+            "memory_plan": self.manifest["memory_plan"],
+            "measured": {"peak_rss_bytes": self.stats.peak_rss_bytes},
+            "stats": self.stats.as_dict(),
+            "cache_lengths": self.cache_lengths(),
+        }

@@ -1,0 +1,119 @@
+"""Compiled block step vs the eager reference engine (the oracle) on a tiny random model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+tvm = pytest.importorskip("tvm")
+
+from edgekv.compiler import compile_model  # noqa: E402
+from edgekv.compiler.export import plain_module  # noqa: E402
+from edgekv.compiler.pipeline import import_model  # noqa: E402
+from edgekv.engine import BlockEngine  # noqa: E402
+from edgekv.models import tiny_random_model  # noqa: E402
+from edgekv.policies.full import FullPolicy  # noqa: E402
+from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
+from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
+from edgekv.runtime import HostRuntime  # noqa: E402
+
+B = 8
+PROMPT = 45  # 5 full blocks + a 5-token tail block (exercises n_valid padding)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random_model(seed=0, layers=2)
+
+
+@pytest.fixture(scope="module")
+def imported(model):
+    return import_model(model, B)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (PROMPT,), generator=g)
+
+
+def _runtime(model, imported, policy, budget):
+    res = compile_model(model, policy, budget, B, imported=imported)
+    return HostRuntime.from_executable(res.executable, res.manifest, res.params)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
+def test_full_budget_equals_plain_forward_and_hf(model, imported, prompt):
+    budget = PROMPT + 8
+    rt = _runtime(model, imported, FullPolicy(), budget)
+    logits = rt.prefill(prompt.numpy())
+    with torch.no_grad():
+        plain = plain_module(model)(prompt[None], torch.arange(PROMPT)[None])[0, -1].numpy()
+        hf = model.to_hf()(prompt[None]).logits[0, -1].numpy()
+    assert _rel(logits, plain) < 1e-5
+    assert _rel(logits, hf) < 1e-5
+    assert rt.cache_lengths() == [PROMPT] * model.config.num_layers
+    # decoding continues at position = prompt length, still equal to the full forward
+    seq = prompt.tolist()
+    for _ in range(3):
+        tok = int(np.argmax(logits))
+        seq.append(tok)
+        logits = rt.decode(tok)
+        with torch.no_grad():
+            ref = model.to_hf()(torch.tensor([seq])).logits[0, -1].numpy()
+        assert _rel(logits, ref) < 1e-5
+    assert rt.kept_positions(0).tolist() == [list(range(len(seq)))] * model.config.num_kv_heads
+
+
+def test_full_refuses_overflow(model, imported, prompt):
+    from edgekv.policies.base import PolicyError
+
+    rt = _runtime(model, imported, FullPolicy(), 16)
+    with pytest.raises(PolicyError, match="never evicts"):
+        rt.prefill(prompt.numpy())
+
+
+@pytest.mark.parametrize("policy,budget", [
+    (StreamingPolicy(sinks=2), 16),
+    (KeyDiffPolicy(), 16),
+    (KeyDiffPolicy(), 13),  # budget not a multiple of the block
+    (KeyDiffPolicy(recent_window=4), 16),
+])
+def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy, budget):
+    rt = _runtime(model, imported, policy, budget)
+    eng = BlockEngine(model, policy, budget, B)
+    evictions = 0
+    for s in range(0, PROMPT, B):
+        chunk = prompt[s: s + B]
+        got = rt.step_block(chunk.numpy())
+        want = eng.step(chunk).numpy()
+        assert _rel(got, want) < 1e-3
+        for layer in range(model.config.num_layers):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy(),
+                                          err_msg=f"block at {s}, layer {layer}")
+        evictions += int(s + len(chunk) > budget)
+    assert evictions >= 3
+    assert rt.cache_lengths() == [budget] * model.config.num_layers
+    logits = got
+    for _ in range(4):  # decode keeps evicting once the cache is full
+        tok = int(np.argmax(logits))
+        logits = rt.decode(tok)
+        want = eng.decode(tok).numpy()
+        assert _rel(logits, want) < 1e-3
+        for layer in range(model.config.num_layers):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy())
+
+
+def test_caches_updated_in_place(model, imported, prompt):
+    rt = _runtime(model, imported, KeyDiffPolicy(), 16)
+    handles = [c.handle.value if hasattr(c, "handle") else id(c) for c in rt.caches]
+    rt.prefill(prompt.numpy())
+    assert [c.handle.value if hasattr(c, "handle") else id(c) for c in rt.caches] == handles
+    assert rt.cache_lengths() == [16, 16]
+    rt.reset()
+    assert rt.cache_lengths() == [0, 0]
