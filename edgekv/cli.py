@@ -154,5 +154,87 @@ def list_policies():
     out.print(table)
 
 
+from .simulate.cli import simulate_cmd  # noqa: E402 - the command lives in edgekv/simulate
+
+app.command("simulate")(simulate_cmd)
+
+
 def main():  # pragma: no cover
     app()
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Option(help="model name or GGUF path")] = "smollm2-135m",
+    prompt_lengths: Annotated[str, typer.Option(help="timed prompt lengths (within the model's context)")] = "1k,4k,8k",
+    memory_only_lengths: Annotated[str, typer.Option(help="edgekv-only lengths past the context (memory only)")] = "16k,32k",
+    budget: Annotated[str, typer.Option(help="edgekv KV budget N")] = "1k",
+    block: Annotated[int, typer.Option(help="block size B")] = 128,
+    policy: Annotated[str, typer.Option(help="edgekv eviction policy")] = "keydiff",
+    systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp",
+    artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled")] = None,
+    decode_tokens: Annotated[int, typer.Option(help="tokens decoded after the prompt")] = 32,
+    repeats: Annotated[int, typer.Option(help="runs per point (median reported)")] = 3,
+    threads: Annotated[int, typer.Option(help="threads for every system")] = 2,
+    out_dir: Annotated[Path, typer.Option("--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
+):
+    """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress and llama.cpp (one process per run)."""
+    from .bench.report import markdown, plot
+    from .bench.runner import BenchConfig, run_bench
+    from .bench.systems import SYSTEMS
+    from .budget import parse_budget
+    from .corpus import natural_token_ids
+    from .job import write_json_atomic
+    from .models import load_model
+
+    try:
+        names = [s.strip() for s in systems.split(",") if s.strip()]
+        unknown = [s for s in names if s not in SYSTEMS]
+        if unknown:
+            raise InputError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+        lengths = [parse_budget(x, block=1) for x in prompt_lengths.split(",") if x.strip()]
+        mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        check_writable_dir = out_dir / "bench.json"
+        from .job import check_writable
+
+        check_writable(check_writable_dir, "--out")
+        loaded = load_model(model, err)
+        cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
+                          budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
+                          decode_tokens=decode_tokens, repeats=repeats, threads=threads,
+                          artifact=str(artifact) if artifact else None)
+        results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
+        results["machine"] = machine_info()
+        write_json_atomic(out_dir / "bench.json", results)
+        (out_dir / "bench.md").write_text(markdown(results))
+        plot(results, str(out_dir / "bench.png"))
+        out.print(markdown(results))
+        err.print(f"results in {out_dir}/bench.json, bench.md, bench.png")
+    except USER_ERRORS as exc:
+        _fail(exc)
+
+
+def machine_info() -> dict:
+    """What a results file records about where it was measured."""
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "commit": commit}

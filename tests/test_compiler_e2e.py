@@ -15,6 +15,7 @@ from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
+from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
 from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
 from edgekv.runtime import HostRuntime  # noqa: E402
 
@@ -38,9 +39,32 @@ def prompt():
     return torch.randint(0, 256, (PROMPT,), generator=g)
 
 
+# Unoptimised LLVM code: these tests check correctness, and opt-level 0 compiles ~3x faster.
+TEST_TARGET = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
+_BUILDS: dict = {}
+
+
 def _runtime(model, imported, policy, budget):
-    res = compile_model(model, policy, budget, B, imported=imported)
+    key = (repr(policy), budget)
+    if key not in _BUILDS:
+        _BUILDS[key] = compile_model(model, policy, budget, B, target=TEST_TARGET, imported=imported)
+    res = _BUILDS[key]
     return HostRuntime.from_executable(res.executable, res.manifest, res.params)
+
+
+def test_plain_export_sites(model, imported):
+    from edgekv.compiler import find_attention_sites
+
+    mod, params, _ = imported
+    cfg = model.config
+    for fname, T in (("prefill_src", B), ("decode_src", 1)):
+        sites = find_attention_sites(mod[fname])
+        assert len(sites) == cfg.num_layers
+        for s in sites:
+            assert (s.num_q_heads, s.num_kv_heads, s.seq_len, s.head_dim) == (cfg.num_heads, cfg.num_kv_heads, T,
+                                                                              cfg.head_dim)
+            assert s.sm_scale == pytest.approx(cfg.head_dim ** -0.5)
+    assert len(params) == len(model.weights)
 
 
 def _rel(a, b):
@@ -73,16 +97,16 @@ def test_full_budget_equals_plain_forward_and_hf(model, imported, prompt):
 def test_full_refuses_overflow(model, imported, prompt):
     from edgekv.policies.base import PolicyError
 
-    rt = _runtime(model, imported, FullPolicy(), 16)
+    rt = _runtime(model, imported, FullPolicy(), PROMPT + 8)
     with pytest.raises(PolicyError, match="never evicts"):
-        rt.prefill(prompt.numpy())
+        rt.prefill(torch.cat([prompt, prompt]).numpy())
 
 
 @pytest.mark.parametrize("policy,budget", [
     (StreamingPolicy(sinks=2), 16),
-    (KeyDiffPolicy(), 16),
     (KeyDiffPolicy(), 13),  # budget not a multiple of the block
     (KeyDiffPolicy(recent_window=4), 16),
+    (LagKVPolicy(sinks=2, lag=4), 16),
 ])
 def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy, budget):
     rt = _runtime(model, imported, policy, budget)
@@ -110,10 +134,14 @@ def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy,
 
 
 def test_caches_updated_in_place(model, imported, prompt):
-    rt = _runtime(model, imported, KeyDiffPolicy(), 16)
-    handles = [c.handle.value if hasattr(c, "handle") else id(c) for c in rt.caches]
+    rt = _runtime(model, imported, KeyDiffPolicy(), 13)
+    ptrs = [c.data_ptr() for c in rt.caches]
+    out = rt.vm["prefill_block"](*[tvm.runtime.tensor(a) for a in (
+        np.zeros(B, "int64"), np.arange(B, dtype="int64"), np.array([B], "int32"))], *rt._tail)
+    assert [t.data_ptr() for t in list(out)[1:]] == ptrs  # the outputs are the input buffers
+    rt.reset()
     rt.prefill(prompt.numpy())
-    assert [c.handle.value if hasattr(c, "handle") else id(c) for c in rt.caches] == handles
-    assert rt.cache_lengths() == [16, 16]
+    assert [c.data_ptr() for c in rt.caches] == ptrs
+    assert rt.cache_lengths() == [13, 13]
     rt.reset()
     assert rt.cache_lengths() == [0, 0]

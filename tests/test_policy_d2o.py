@@ -84,6 +84,17 @@ def test_budgets_hold_in_the_engine(tiny):
     assert torch.isfinite(engine.caches[0].keys).all()
 
 
+def test_prompt_that_fits_is_full_attention(tiny):
+    ids = prompt(40, seed=3)
+    engine = BlockEngine(tiny, D2OPolicy(), budget=64, block=8)
+    logits = torch.cat([engine.prefill(ids, all_logits=True), engine.decode(3)[None], engine.decode(4)[None]])
+    assert engine.layer_budgets == [64] * 3 and engine.stats.eviction_events == 0
+    hf = tiny.to_hf()
+    with torch.no_grad():
+        ref = hf(torch.cat([ids, torch.tensor([3, 4])])[None]).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_budget_arguments(tiny):
     with pytest.raises(PolicyError):
         D2OPolicy(avg_ratio=1.5).check_budget(64, 16)
@@ -222,12 +233,10 @@ def test_single_block_equals_single_shot_d2o(tiny):
 # ---- the real model ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_d2o_smollm2_2k_blockwise():
+def test_d2o_smollm2_2k_blockwise(smol):
     import pydoc_data.topics as topics
 
-    from edgekv.models import load_model
-
-    model = load_model("smollm2-135m")
+    model = smol
     text = " ".join(list(topics.topics.values())[:40])
     ids = torch.tensor(model.tokenizer.encode(text)[:2048])
     assert ids.numel() == 2048

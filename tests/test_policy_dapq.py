@@ -196,12 +196,10 @@ def test_pooling_and_recent_switches(tiny):
 # ---- the real model ----------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_dapq_smollm2_2k_blockwise():
+def test_dapq_smollm2_2k_blockwise(smol):
     import pydoc_data.topics as topics
 
-    from edgekv.models import load_model
-
-    model = load_model("smollm2-135m")
+    model = smol
     text = " ".join(list(topics.topics.values())[:40])
     ids = torch.tensor(model.tokenizer.encode(text)[:2048])
     assert ids.numel() == 2048

@@ -107,6 +107,12 @@ class Graph:
                     self.users.setdefault(a, []).append(b.var)
         self.params = set(func.params)
 
+    def const_of(self, expr):
+        """``expr`` itself, or the constant a var is bound to."""
+        while isinstance(expr, relax.Var) and expr in self.producer:
+            expr = self.producer[expr]
+        return expr
+
     def value(self, var):
         """The bound value, looking through plain var-to-var and constant bindings."""
         return self.producer.get(var)
@@ -365,8 +371,10 @@ def _mask_is_causal(graph: Graph, mask_expr, seq: int, kind: str) -> None:
     for one in m2:
         if kind == "additive":
             ok = np.all(one[causal] == 0) and np.all(np.isneginf(one[~causal]) | (one[~causal] < -1e4))
-        else:  # boolean keep-mask
+        elif kind == "bool":  # boolean keep-mask
             ok = np.array_equal(one.astype(bool), causal)
+        else:  # boolean masked-out mask
+            ok = np.array_equal(~one.astype(bool), causal)
         if not ok:
             raise AttentionMatchError("the attention mask is not causal (lower-triangular); "
                                       "only causal self-attention can be rewritten to a block cache")
@@ -404,13 +412,18 @@ def _match_softmax_site(graph: Graph, sm_var, index: int) -> AttentionSite:
             continue
         if name == "relax.where":
             cond, x, y = val.args
-            if _scalar_of(y) is not None and _scalar_of(y) < -1e4:
-                T = shape_of(cur)[-1]
-                _mask_is_causal(graph, cond, T, "bool")
-                mask_seen = True
-                cur = x
-                ops.append(name)
-                continue
+            ys, xs = _scalar_of(graph.const_of(y)), _scalar_of(graph.const_of(x))
+            if ys is not None and ys < -1e4:  # where(keep, scores, -inf)
+                _mask_is_causal(graph, cond, shape_of(cur)[-1], "bool")
+            elif xs is not None and xs < -1e4:  # where(masked, -inf, scores) — masked_fill
+                _mask_is_causal(graph, cond, shape_of(cur)[-1], "bool_inv")
+                x = y
+            else:
+                raise AttentionMatchError(f"softmax {sm_var.name}: a where() on the score path that is not a mask")
+            mask_seen = True
+            cur = x
+            ops.append(name)
+            continue
         if name in ("relax.reshape", "relax.broadcast_to"):
             cur = val.args[0]
             ops.append(name)

@@ -112,6 +112,10 @@ def policy_kernel_params(policy: Any, budget: int) -> dict[str, Any]:
         from ..policies.keydiff import recent_count
 
         return {"recent": recent_count(float(policy.recent_window), budget)}
+    if name == "lagkv":
+        return {"sinks": int(policy.sinks), "lag": int(policy.resolve_lag(budget)),
+                "value_weight": float(policy.value_weight), "unbiased_std": bool(policy.unbiased_std),
+                "eps": float(policy.EPS)}
     if name == "full":
         return {}
     from .kernels import UnsupportedPolicyError, compiled_policy_names

@@ -109,10 +109,7 @@ class BlockEngine:
         return (emb.cos() * s).float(), (emb.sin() * s).float()
 
     def _project(self, lw, h, name, heads):
-        out = h @ lw[f"self_attn.{name}_proj.weight"].T
-        bias = lw.get(f"self_attn.{name}_proj.bias")
-        if bias is not None:
-            out = out + bias
+        out = F.linear(h, lw[f"self_attn.{name}_proj.weight"], lw.get(f"self_attn.{name}_proj.bias"))
         return out.view(h.shape[0], heads, self.cfg.head_dim).transpose(0, 1)
 
     @torch.no_grad()
@@ -151,9 +148,10 @@ class BlockEngine:
             attn = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True
             )[0]
-            x = x + attn.transpose(0, 1).reshape(b + n_extra, -1) @ lw["self_attn.o_proj.weight"].T
+            x = x + F.linear(attn.transpose(0, 1).reshape(b + n_extra, -1), lw["self_attn.o_proj.weight"])
             h = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_eps)
-            x = x + (F.silu(h @ lw["mlp.gate_proj.weight"].T) * (h @ lw["mlp.up_proj.weight"].T)) @ lw["mlp.down_proj.weight"].T
+            gate, up = F.linear(h, lw["mlp.gate_proj.weight"]), F.linear(h, lw["mlp.up_proj.weight"])
+            x = x + F.linear(F.silu(gate) * up, lw["mlp.down_proj.weight"])
             if self._evict(layer, cache, old + b, q, all_pos, b, n_extra):
                 record.evicted = True
             if record.kept_positions is not None:
@@ -164,7 +162,7 @@ class BlockEngine:
             self.stats.eviction_events += 1
         x = x[:b] if all_logits else x[b - 1 : b]
         x = rms_norm(x, self.model.weights["model.norm.weight"], cfg.rms_eps)
-        logits = x @ self.model.lm_head.T
+        logits = F.linear(x, self.model.lm_head)
         return logits if all_logits else logits[0]
 
     def _evict(self, layer, cache, n, q, all_pos, b, n_extra) -> bool:

@@ -20,6 +20,8 @@ over N is set to N and its excess goes to the others in proportion to their shar
 sinks + 2) then rounded down, so every N_l ≤ N and Σ N_l = ⌊avg_ratio·N·L⌋. ``avg_ratio=1`` is uniform
 N (D2O "without the layer operation"), ``layers="uniform"`` is uniform ⌊avg_ratio·N⌋ (for ablations at
 equal memory). To match a uniform policy's total memory N·L, run D2O with budget N / avg_ratio.
+A prompt that fits the buffers (n ≤ N) has nothing to compress: every layer gets N (so with
+N ≥ prompt + output D2O is exactly full attention, as every edgekv policy must be).
 
 Block-wise adaptation (digest §8.5, option A). The layer statistic comes from the exact attention of
 the *first block* (nothing is evicted yet): ``prepare`` runs that block once more through a throw-away
@@ -258,7 +260,11 @@ class D2OPolicy(Policy):
         engine = model
         if engine is None or self.layers == "uniform":
             return
-        first = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()[: engine.block]
+        prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+        if prompt_ids.numel() <= engine.budget:  # the prompt fits: nothing to compress, uniform N
+            self.budgets = [engine.budget] * engine.cfg.num_layers
+            return
+        first = prompt_ids[: engine.block]
         probe = _VarianceProbe()
         type(engine)(engine.model, probe, budget=first.numel(), block=first.numel()).step(first)
         head_var = torch.stack([probe.variances[i] for i in range(engine.cfg.num_layers)])

@@ -23,6 +23,11 @@ Deviations: the paper evicts only once, after prefill; the engine keeps the cach
 and there (no pseudo rows: a step with B = 1) the observers are the block's own last min(w, b) real
 queries — while decoding, that is the true decoding query the pseudo queries stand in for. The
 softmax domain, pooling and GQA reduction are not stated by the paper (digest §2.9); they are switches.
+
+Engine contract: ``max_extra_tokens`` (= window) sizes the cache tail; the pseudo rows' queries and keys
+arrive as ``ctx.extra_queries`` / ``ctx.extra_keys`` (without the keys, e.g. a hand-built ctx, the
+softmax runs over the candidates alone). Cost: w extra tokens through every layer per evicting block
+(+25 % linear-layer work at w = 32, B = 128) and a [Hq, w, N + B + w] attention tile per layer.
 """
 
 from __future__ import annotations
@@ -119,7 +124,10 @@ class DapQPolicy(Policy):
         n = int(torch.as_tensor(prompt_ids).numel())
         self._prompt_len = n
         self._pseudo = (ids, torch.arange(n, n + ids.numel(), dtype=torch.long))
-        self._engine = weakref.ref(model) if model is not None else None
+        try:
+            self._engine = weakref.ref(model) if model is not None else None
+        except TypeError:
+            self._engine = None
 
     def extra_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._pseudo is None:
@@ -137,9 +145,9 @@ class DapQPolicy(Policy):
     def observers(self, ctx: EvictionContext):
         """(queries, positions, keys or None) of the observation rows for this eviction."""
         if ctx.extra_queries is not None and ctx.extra_queries.shape[1] > 0:
+            # Without the pseudo keys (a caller other than the engine) the softmax runs over the
+            # candidates alone.
             keys = ctx.extra_keys if self.softmax_over == "prompt+pseudo" else None
-            if self.softmax_over == "prompt+pseudo" and keys is None:
-                raise PolicyError("dapq: softmax_over=prompt+pseudo needs ctx.extra_keys from the engine")
             return ctx.extra_queries, ctx.extra_query_positions, keys
         # No pseudo rows (decoding, or a step run without them): the block's own last w queries,
         # whose keys are candidates already.

@@ -29,7 +29,10 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
     NB = N + B
+    return _select_compact(H, N, B, D, NB) if with_score else _append_only(H, N, B, D)
 
+
+def _select_compact(H, N, B, D, NB):
     @T.prim_func(private=True, s_tir=True)
     def select_compact(
         k_cache: T.Buffer((H, N, D), "float32"),
@@ -92,6 +95,10 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
+    return select_compact
+
+
+def _append_only(H, N, B, D):
     @T.prim_func(private=True, s_tir=True)
     def append_only(
         k_cache: T.Buffer((H, N, D), "float32"),
@@ -118,4 +125,4 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
-    return select_compact if with_score else append_only
+    return append_only

@@ -1,0 +1,65 @@
+"""Benchmark output: the ratio table (edgekv / peer, same run), markdown and a plot."""
+
+from __future__ import annotations
+
+from ..budget import human_bytes
+
+
+def _row(results, system, length):
+    for r in results["runs"]:
+        if r["system"] == system and r["length"] == length:
+            return r
+    return None
+
+
+def markdown(results: dict) -> str:
+    cfg = results["config"]
+    systems = [s for s in cfg["systems"] if s not in results["skipped"]]
+    lines = [f"Model `{cfg['model']}`, policy `{cfg['policy']}`, N = {cfg['budget']}, B = {cfg['block']}, "
+             f"{cfg['threads']} threads, decode {cfg['decode_tokens']} tokens, median of {cfg['repeats']} runs, "
+             "each run in its own process.", "",
+             "| system | prompt | prefill tok/s | decode tok/s | peak RSS |", "|---|---:|---:|---:|---:|"]
+    for r in results["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r['length']} | error: {r['error'][:80]} | | |")
+            continue
+        dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "—"
+        pre = f"{r['prefill_tok_s']:.1f}" if not r["memory_only"] else f"({r['prefill_tok_s']:.1f}, memory run)"
+        lines.append(f"| {r['system']} | {r['length']} | {pre} | {dec} | {human_bytes(r['peak_rss'])} |")
+    peers = [s for s in systems if not s.startswith("edgekv")]
+    for ours in [s for s in systems if s.startswith("edgekv")]:
+        lines += ["", f"**{ours} / peer** (ratio > 1: edgekv faster; memory ratio < 1: edgekv smaller)", "",
+                  "| peer | prompt | prefill | decode | peak RSS |", "|---|---:|---:|---:|---:|"]
+        for peer in peers:
+            for length in cfg["lengths"]:
+                a, b = _row(results, ours, length), _row(results, peer, length)
+                if not a or not b or "error" in a or "error" in b:
+                    continue
+                dec = f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}×" if a.get("decode_tok_s") and b.get("decode_tok_s") else "—"
+                lines.append(f"| {peer} | {length} | {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}× | {dec} | "
+                             f"{a['peak_rss'] / b['peak_rss']:.2f}× |")
+    for system, why in results["skipped"].items():
+        lines.append(f"\n- `{system}` not measured: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    systems = sorted({r["system"] for r in results["runs"]})
+    for s in systems:
+        rows = sorted((r for r in results["runs"] if r["system"] == s and "error" not in r), key=lambda r: r["length"])
+        timed = [r for r in rows if not r["memory_only"]]
+        if timed:
+            ax1.plot([r["length"] for r in timed], [r["prefill_tok_s"] for r in timed], marker="o", label=s)
+        ax2.plot([r["length"] for r in rows], [r["peak_rss"] / 2**20 for r in rows], marker="o", label=s)
+    ax1.set(xlabel="prompt tokens", ylabel="prefill tok/s", xscale="log", title="prefill speed")
+    ax2.set(xlabel="prompt tokens", ylabel="peak RSS (MiB)", xscale="log", title="peak memory")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,145 @@
+"""One benchmark run per system, executed inside a worker process.
+
+Each function prefills the same prompt token ids, then decodes `decode_tokens` tokens
+greedily, and returns seconds per phase. A one-block warm-up run before the timed run is
+excluded, so the first-call costs (allocator, oneDNN/JIT set-up) are not counted."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+SYSTEMS: dict[str, Callable] = {}
+NEEDS = {  # the import each peer needs; missing → reported as "not installed"
+    "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama_cpp", "edgekv-compiled": "tvm",
+}
+
+
+def system(name):
+    def register(fn):
+        SYSTEMS[name] = fn
+        return fn
+    return register
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+@system("edgekv-eager")
+def run_edgekv_eager(ids, args):
+    from ..engine import BlockEngine
+    from ..models import load_model
+    from ..policies import make_policy
+
+    model = load_model(args["model"])
+    BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"]).prefill(ids[: args["block"]])
+    engine = BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"])
+    logits, prefill = _timed(lambda: engine.prefill(ids))
+    token = int(logits.argmax())
+
+    def decode():
+        nonlocal token
+        for _ in range(args["decode_tokens"]):
+            token = int(engine.decode(token).argmax())
+    _, dec = _timed(decode)
+    return {"prefill_seconds": prefill, "decode_seconds": dec, "kv_bytes": engine.kv_bytes}
+
+
+@system("edgekv-compiled")
+def run_edgekv_compiled(ids, args):
+    from ..runtime import load_artifact
+
+    if not args.get("artifact"):
+        raise RuntimeError("no compiled artifact given (--artifact); build one with `edgekv compile`")
+    rt = load_artifact(args["artifact"])
+    rt.reset()
+    rt.prefill(ids[: args["block"]])
+    rt.reset()
+    logits, prefill = _timed(lambda: rt.prefill(ids))
+    token = int(logits.argmax())
+
+    def decode():
+        nonlocal token
+        for _ in range(args["decode_tokens"]):
+            token = int(rt.decode(token).argmax())
+    _, dec = _timed(decode)
+    return {"prefill_seconds": prefill, "decode_seconds": dec}
+
+
+def _hf_generate(model, ids, decode_tokens, press=None):
+    from contextlib import nullcontext
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        ctx = press(model) if press is not None else nullcontext()
+        with ctx:
+            out, prefill = _timed(lambda: model(ids[None], past_key_values=cache, use_cache=True))
+        token = out.logits[0, -1].argmax()
+
+        def decode():
+            nonlocal token
+            pos = ids.numel()
+            for i in range(decode_tokens):
+                step = model(token.view(1, 1), past_key_values=cache, use_cache=True,
+                             position_ids=torch.tensor([[pos + i]]))
+                token = step.logits[0, -1].argmax()
+        _, dec = _timed(decode)
+    return prefill, dec
+
+
+@system("hf")
+def run_hf(ids, args):
+    from ..models import load_model
+
+    model = load_model(args["model"]).to_hf()
+    _hf_generate(model, ids[: args["block"]], 1)
+    prefill, dec = _hf_generate(model, ids, args["decode_tokens"])
+    return {"prefill_seconds": prefill, "decode_seconds": dec}
+
+
+@system("kvpress")
+def run_kvpress(ids, args):
+    """kvpress BlockPress(KeyDiffPress): it runs the FULL prompt in one forward pass and
+    prunes block-wise afterwards (a simulation, per its own docstring), with a compression
+    ratio chosen so that N entries remain."""
+    from kvpress import BlockPress, KeyDiffPress
+
+    from ..models import load_model
+
+    model = load_model(args["model"]).to_hf()
+    ratio = max(0.0, 1.0 - args["budget"] / ids.numel())
+    press = BlockPress(KeyDiffPress(compression_ratio=ratio), block_size=args["block"])
+    _hf_generate(model, ids[: args["block"]], 1, press)
+    prefill, dec = _hf_generate(model, ids, args["decode_tokens"], press)
+    return {"prefill_seconds": prefill, "decode_seconds": dec, "compression_ratio": ratio}
+
+
+@system("llamacpp")
+def run_llamacpp(ids, args):
+    """llama.cpp on the same GGUF file (its own Q4_1 kernels, full cache)."""
+    from llama_cpp import Llama
+
+    from ..models.sources import resolve
+
+    src = resolve(args["model"])
+    if src.kind != "gguf":
+        raise RuntimeError("llama.cpp needs a GGUF model")
+    llm = Llama(model_path=str(src.path), n_ctx=ids.numel() + args["decode_tokens"] + 8, n_threads=args["threads"],
+                n_threads_batch=args["threads"], n_batch=512, verbose=False)
+    tokens = ids.tolist()
+    llm.eval(tokens[: args["block"]])
+    llm.reset()
+    _, prefill = _timed(lambda: llm.eval(tokens))
+
+    def decode():
+        for _ in range(args["decode_tokens"]):
+            llm.eval([int(llm.sample(temp=0.0))])
+    _, dec = _timed(decode)
+    return {"prefill_seconds": prefill, "decode_seconds": dec}

@@ -1,0 +1,30 @@
+"""Worker process: `python -m edgekv.bench.worker SPEC.json` runs one system once and prints
+one JSON line with its timings and its own peak RSS."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(spec_path: str) -> None:
+    from ..memory import peak_rss_bytes
+    from .systems import SYSTEMS
+
+    spec = json.loads(open(spec_path).read())
+    torch.set_num_threads(spec["threads"])
+    ids = torch.tensor(spec["ids"], dtype=torch.long)
+    result = SYSTEMS[spec["system"]](ids, spec)
+    n = ids.numel()
+    result.update({
+        "prefill_tok_s": n / result["prefill_seconds"],
+        "decode_tok_s": spec["decode_tokens"] / result["decode_seconds"] if spec["decode_tokens"] else None,
+        "peak_rss": peak_rss_bytes(),
+    })
+    print("EDGEKV_BENCH " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,179 @@
+"""`edgekv eval`: parse the options, run the sweep with a progress bar, write the reports.
+
+The CLI command in edgekv/cli.py is a thin wrapper around ``run_eval``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..budget import parse_budget
+from ..errors import InputError
+from .runner import ONE_BLOCK, TASKS, EvalSpec, Runner, build_prompts
+
+
+def split_list(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise InputError(f"{what} is empty; give a comma-separated list")
+    return items
+
+
+def parse_lengths(text: str, what: str) -> list[int]:
+    out = []
+    for item in split_list(text, what):
+        n = parse_budget(item)  # the same "1k" / "4096" forms as --budget (token counts only)
+        out.append(n)
+    return out
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = []
+    for t in split_list(text, "--task"):
+        if t == "all":
+            tasks.extend(TASKS)
+        elif t in TASKS:
+            tasks.append(t)
+        else:
+            raise InputError(f"--task {t!r}: choose from {', '.join(TASKS)}, all (comma-separated)")
+    return list(dict.fromkeys(tasks))
+
+
+def parse_blocks(text: str, one_block: bool) -> list[int]:
+    blocks = []
+    for item in split_list(text, "--block"):
+        if item.lower() in ("one", "l", "prompt"):
+            blocks.append(ONE_BLOCK)
+            continue
+        try:
+            b = int(item)
+        except ValueError:
+            raise InputError(f"--block {item!r} is not a number of tokens (or 'one' for the whole prompt)") from None
+        if b <= 0:
+            raise InputError("--block sizes must be positive")
+        blocks.append(b)
+    if one_block and ONE_BLOCK not in blocks:
+        blocks.append(ONE_BLOCK)
+    if blocks[0] == ONE_BLOCK and len(blocks) > 1:  # the reference runs at the first block size
+        blocks = [b for b in blocks if b != ONE_BLOCK] + [ONE_BLOCK]
+    return blocks
+
+
+def parse_depths(text: str) -> list[float]:
+    out = []
+    for item in split_list(text, "--depths"):
+        try:
+            d = float(item)
+        except ValueError:
+            raise InputError(f"--depths {item!r} is not a number in [0, 1]") from None
+        if not 0 <= d <= 1:
+            raise InputError(f"--depths {item}: depths are fractions of the haystack, in [0, 1]")
+        out.append(d)
+    return out
+
+
+def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], dict[str, dict[str, str]]]:
+    from ..policies import make_policy, policy_names
+
+    names = split_list(text, "--policies")
+    if names == ["all"]:
+        names = policy_names()
+    args: dict[str, dict[str, str]] = {}
+    for pair in pairs or []:  # policy:key=value
+        if ":" not in pair or "=" not in pair:
+            raise InputError(f"--policy-arg {pair!r} is not policy:key=value; e.g. --policy-arg streaming:sinks=4")
+        pol, kv = pair.split(":", 1)
+        key, value = kv.split("=", 1)
+        args.setdefault(pol.strip(), {})[key.strip()] = value.strip()
+    for name in names:
+        make_policy(name, args.get(name, {}))  # unknown names / bad arguments fail before any work
+    return list(dict.fromkeys(names)), args
+
+
+def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bool, lengths: str, depths: str,
+               seeds: str, keys: int, haystack: str, max_new_tokens: int, fidelity_lengths: str,
+               fidelity_window: int, greedy_tokens: int, policy_arg: list[str] | None) -> EvalSpec:
+    names, args = parse_policy_specs(policies, policy_arg)
+    try:
+        seed_list = [int(s) for s in split_list(seeds, "--seeds")]
+    except ValueError:
+        raise InputError("--seeds must be integers, e.g. 0,1,2") from None
+    if keys < 2:
+        raise InputError("--keys (needles in the multi-key task) must be ≥ 2")
+    if haystack not in ("text", "repeat"):
+        raise InputError("--haystack must be 'text' (natural text) or 'repeat' (the classic repeated filler)")
+    spec = EvalSpec(tasks=parse_tasks(task), policies=names, budgets=sorted(set(parse_lengths(budgets, "--budgets"))),
+                    blocks=parse_blocks(block, one_block), lengths=parse_lengths(lengths, "--lengths"),
+                    depths=parse_depths(depths), seeds=seed_list, keys=keys, haystack=haystack,
+                    max_new_tokens=max_new_tokens, fidelity_lengths=parse_lengths(fidelity_lengths, "--fidelity-lengths"),
+                    fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args)
+    if any(fl <= fidelity_window for fl in spec.fidelity_lengths) and "fidelity" in spec.tasks:
+        raise InputError(f"--fidelity-window {fidelity_window} must be shorter than every --fidelity-lengths")
+    if greedy_tokens < 1 or max_new_tokens < 1:
+        raise InputError("--greedy-tokens and --max-new-tokens must be ≥ 1")
+    return spec
+
+
+class _Bar:
+    """A rich progress bar over prompt tokens of every engine run."""
+
+    def __init__(self, console, total: int):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.progress = Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("tokens"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+        self.task = self.progress.add_task("", total=total)
+        self.progress.start()
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def advance(self, n: int) -> None:
+        self.progress.advance(self.task, n)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, threads: int | None = None,
+             console=None, argv: list[str] | None = None, progress: bool = True) -> dict:
+    """Run the sweep and write DIR/results.json, DIR/results.md and DIR/*.png; returns the data."""
+    import torch
+
+    from ..job import check_context, write_json_atomic
+    from ..models import load_model
+    from . import report
+
+    out_dir = Path(out_dir).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = load_model(model_name, console)
+    if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+        raise InputError(f"model {model.model_id} has no tokenizer with a chat template; eval needs one")
+    prompts = build_prompts(spec, model.tokenizer)
+    for p in prompts:
+        check_context(model, p.tokens, spec.greedy_tokens if p.task == "fidelity" else spec.max_new_tokens, False)
+    data = {"schema": report.SCHEMA, "meta": report.meta(model, argv or sys.argv), "config": spec.to_dict()}
+    json_path = out_dir / "results.json"
+
+    def save_partial(partial: dict) -> None:
+        write_json_atomic(json_path, report.finish({**data, **partial}))
+
+    runner = Runner(model, spec, progress_factory=(lambda total: _Bar(console, total)) if progress else None,
+                    on_prompt_done=save_partial)
+    data.update(runner.run(prompts))
+    report.finish(data)
+    write_json_atomic(json_path, data)
+    plots = report.plot(data, out_dir)
+    md = [f"# edgekv eval · {data['meta']['model']}", "",
+          f"command: `{data['meta']['command']}`  ", f"commit: {data['meta']['commit']}  ",
+          f"machine: {data['meta']['machine']['cpu']}, torch {data['meta']['machine']['torch']}, "
+          f"{data['meta']['machine']['torch_threads']} thread(s)  ",
+          f"runtime: {data['runtime_seconds']:.0f} s", "", report.markdown(data)]
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    (out_dir / "results.md").write_text("\n".join(md) + "\n")
+    data["_files"] = [str(json_path), str(out_dir / "results.md")] + [str(p) for p in plots]
+    return data

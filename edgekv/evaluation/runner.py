@@ -1,0 +1,249 @@
+"""Sweeps: tasks × prompts × policies × budgets × blocks on the block-wise reference engine.
+
+For every prompt the full-cache reference runs once (policy ``full``, budget = prompt +
+output, B = the first block size) and every other run of that prompt is scored against it.
+Runs whose budget holds the whole prompt and output never evict, so by the engine's
+invariant they equal the full cache exactly; they reuse the reference and are marked
+``no_eviction``. ``full`` itself is run once per prompt through the same path as the
+policies (an independent engine run, not the reference) and reported at every budget.
+
+Nothing here is random except the prompt builders, which are seeded (see tasks.py);
+given the same thread count, a rerun gives identical numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..engine import BlockEngine
+from ..models.loaded import LoadedModel
+from ..policies import PolicyError, make_policy
+from .fidelity import FidelityTrace, compare, run_trace
+from .tasks import Prompt, build_fidelity, build_passkey, extract_key
+
+TASKS = ("passkey", "multikey", "fidelity")
+ONE_BLOCK = 0  # block value meaning "the whole prompt as one block"
+
+
+@dataclass
+class EvalSpec:
+    tasks: list[str]
+    policies: list[str]
+    budgets: list[int]
+    blocks: list[int] = field(default_factory=lambda: [128])  # ONE_BLOCK (0) = B = prompt length
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    keys: int = 4  # needles in the multi-key variant
+    haystack: str = "text"
+    max_new_tokens: int = 10
+    fidelity_lengths: list[int] = field(default_factory=lambda: [2048])
+    fidelity_window: int = 512
+    greedy_tokens: int = 16
+    policy_args: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def block_label(block: int) -> str:
+    return "one" if block == ONE_BLOCK else str(block)
+
+
+def build_prompts(spec: EvalSpec, tokenizer) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for task in spec.tasks:
+        if task in ("passkey", "multikey"):
+            keys = 1 if task == "passkey" else spec.keys
+            for length in spec.lengths:
+                for depth in spec.depths:
+                    for seed in spec.seeds:
+                        prompts.append(build_passkey(tokenizer, length, depth, seed, keys=keys, haystack=spec.haystack))
+        elif task == "fidelity":
+            for length in spec.fidelity_lengths:
+                for seed in spec.seeds:
+                    prompts.append(build_fidelity(tokenizer, length, seed, spec.fidelity_window))
+        else:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return prompts
+
+
+def output_tokens(spec: EvalSpec, prompt: Prompt) -> int:
+    return spec.greedy_tokens if prompt.task == "fidelity" else spec.max_new_tokens
+
+
+@dataclass
+class Outcome:
+    """One engine run on one prompt (before comparison with the reference)."""
+
+    seconds: float
+    prefill_seconds: float
+    eviction_events: int
+    passkey: dict | None = None
+    trace: FidelityTrace | None = None
+
+
+def needle_retention(engine: BlockEngine, prompt: Prompt, tokenizer) -> float | None:
+    """Fraction of (layer, KV head) caches that still hold the asked needle's key digits."""
+    if not prompt.needle_positions:
+        return None
+    start = prompt.needle_positions[prompt.asked or 0]
+    ids = prompt.ids.tolist()
+    span = [p for p in range(start, min(start + 24, len(ids)))
+            if any(ch.isdigit() for ch in tokenizer.decode([ids[p]]))][:len(prompt.answer or "")]
+    if not span:
+        return None
+    want = torch.tensor(span)
+    held = [torch.isin(want, pos).float().mean()  # pos: one KV head's kept positions
+            for layer in range(len(engine.caches)) for pos in engine.kept_positions(layer)]
+    return float(torch.stack(held).mean())
+
+
+def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: dict, budget: int, block: int,
+            spec: EvalSpec, progress: Callable[[int], None] | None = None) -> Outcome:
+    policy = make_policy(policy_name, policy_args)
+    b = prompt.tokens if block == ONE_BLOCK else block
+    engine = BlockEngine(model, policy, budget, b)
+    t0 = time.perf_counter()
+    if prompt.task == "fidelity":
+        trace = run_trace(engine, prompt.ids, prompt.eval_start, spec.greedy_tokens, progress=progress)
+        out = Outcome(0.0, engine.stats.prefill_seconds, engine.stats.eviction_events, trace=trace)
+    else:
+        tok = model.tokenizer
+        eos = tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
+        logits = engine.prefill(prompt.ids, progress=progress)
+        retention = needle_retention(engine, prompt, tok)
+        generated: list[int] = []
+        for i in range(spec.max_new_tokens):
+            token = int(torch.argmax(logits))
+            generated.append(token)
+            if token in eos or i == spec.max_new_tokens - 1:
+                break
+            logits = engine.decode(token)
+        text = tok.decode(generated, skip_special_tokens=True)
+        predicted = extract_key(text)
+        out = Outcome(0.0, engine.stats.prefill_seconds, engine.stats.eviction_events, passkey={
+            "output_ids": generated, "output_text": text, "predicted": predicted,
+            "correct": predicted == prompt.answer, "needle_retention": retention,
+        })
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def score(prompt: Prompt, ref: Outcome, out: Outcome) -> dict:
+    if prompt.task == "fidelity":
+        return compare(ref.trace, out.trace)
+    p = dict(out.passkey)
+    p["agrees_with_full"] = p["output_ids"] == ref.passkey["output_ids"]
+    return p
+
+
+class Runner:
+    """Runs a spec; ``on_prompt_done`` is called with the partial result after each prompt."""
+
+    def __init__(self, model: LoadedModel, spec: EvalSpec, *, progress_factory=None, on_prompt_done=None,
+                 log: Callable[[str], None] | None = None):
+        self.model, self.spec = model, spec
+        self.progress_factory = progress_factory
+        self.on_prompt_done = on_prompt_done
+        self.log = log or (lambda msg: None)
+
+    def plan(self, prompts: list[Prompt]) -> list[tuple[Prompt, list[tuple[str, int, int]]]]:
+        """Per prompt: the (policy, budget, block) runs that need the engine (others are reused)."""
+        spec, plan = self.spec, []
+        for prompt in prompts:
+            runs = []
+            for policy in spec.policies:
+                if policy == "full":
+                    runs.append(("full", prompt.tokens + output_tokens(spec, prompt), spec.blocks[0]))
+                    continue
+                for budget in spec.budgets:
+                    if budget >= prompt.tokens + output_tokens(spec, prompt):
+                        continue  # no eviction: equals the reference
+                    for block in spec.blocks:
+                        runs.append((policy, budget, block))
+            plan.append((prompt, runs))
+        return plan
+
+    def run(self, prompts: list[Prompt]) -> dict:
+        spec, model = self.spec, self.model
+        plan = self.plan(prompts)
+        total_tokens = sum(p.tokens * (1 + len(runs)) for p, runs in plan)
+        bar = self.progress_factory(total_tokens) if self.progress_factory else None
+        results, references = [], {}
+        t_start = time.perf_counter()
+        try:
+            for prompt, runs in plan:
+                describe = (lambda what: bar.describe(f"{prompt.id} · {what}")) if bar else (lambda what: None)
+                advance = bar.advance if bar else None
+                describe("full (reference)")
+                ref = run_one(model, prompt, "full", {}, prompt.tokens + output_tokens(spec, prompt), spec.blocks[0],
+                              spec, advance)
+                references[prompt.id] = self._reference_row(prompt, ref)
+                done: dict[tuple[str, int, int], tuple[Outcome | None, str | None]] = {}
+                for policy, budget, block in runs:
+                    describe(f"{policy} N={budget} B={block_label(block)}")
+                    try:
+                        done[(policy, budget, block)] = (run_one(model, prompt, policy, spec.policy_args.get(policy, {}),
+                                                                 budget, block, spec, advance), None)
+                    except PolicyError as exc:
+                        done[(policy, budget, block)] = (None, str(exc))
+                        if advance:
+                            advance(prompt.tokens)
+                results.extend(self._rows(prompt, ref, done))
+                self.log(f"{prompt.id}: {len(runs)} runs")
+                if self.on_prompt_done:
+                    self.on_prompt_done({"prompts": [p.meta() for p in prompts], "references": references,
+                                         "results": results, "complete": False,
+                                         "runtime_seconds": time.perf_counter() - t_start})
+        finally:
+            if bar:
+                bar.close()
+        return {"prompts": [p.meta() for p in prompts], "references": references, "results": results,
+                "complete": True, "runtime_seconds": time.perf_counter() - t_start}
+
+    def _reference_row(self, prompt: Prompt, ref: Outcome) -> dict:
+        row = {"prompt_id": prompt.id, "policy": "full", "budget": prompt.tokens + output_tokens(self.spec, prompt),
+               "block": self.spec.blocks[0], "seconds": ref.seconds}
+        if ref.passkey is not None:
+            row.update(ref.passkey)
+        else:
+            row["greedy_ids"] = ref.trace.greedy
+            row["greedy_text"] = self.model.tokenizer.decode(ref.trace.greedy)
+        return row
+
+    def _rows(self, prompt: Prompt, ref: Outcome, done: dict) -> list[dict]:
+        spec, rows = self.spec, []
+        n_out = output_tokens(spec, prompt)
+        full_run = done.get(("full", prompt.tokens + n_out, spec.blocks[0]))
+        for policy in spec.policies:
+            params = make_policy(policy, spec.policy_args.get(policy, {})).params()
+            for budget in spec.budgets:
+                for block in spec.blocks:
+                    no_evict = budget >= prompt.tokens + n_out
+                    if policy == "full":
+                        out, error = full_run
+                    elif no_evict:
+                        out, error = ref, None
+                    else:
+                        out, error = done[(policy, budget, block)]
+                    row = {
+                        "task": prompt.task, "prompt_id": prompt.id, "seed": prompt.seed,
+                        "length_target": prompt.length_target, "prompt_tokens": prompt.tokens, "depth": prompt.depth,
+                        "policy": policy, "policy_params": params, "budget": budget,
+                        "block": prompt.tokens if block == ONE_BLOCK else block,
+                        "mode": "one_block" if block == ONE_BLOCK else "block",
+                        "no_eviction": bool(no_evict or policy == "full"),
+                        "reused_reference": bool(no_evict and policy != "full"),
+                        "error": error,
+                    }
+                    if out is not None:
+                        row.update({"seconds": out.seconds, "prefill_seconds": out.prefill_seconds,
+                                    "eviction_events": out.eviction_events})
+                        row.update(score(prompt, ref, out))
+                    rows.append(row)
+        return rows

@@ -1,0 +1,223 @@
+"""Prompt builders for the accuracy tasks: passkey / needle retrieval (single and multi-key)
+and long natural text for fidelity.
+
+Everything is offline and deterministic: the haystack and the fidelity text come from
+``pydoc_data.topics`` (the Python language reference's topic help, which ships with every
+CPython, so nothing is downloaded), and every random choice comes from a ``random.Random``
+seeded with integers derived from (seed, length, depth).
+
+Passkey prompt format (chosen by checking that the *full-cache* SmolLM2-135M-Instruct
+retrieves the key reliably at 1K–4K tokens; see docs/results/accuracy.md):
+
+    <chat template: user>
+    There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.
+    I will quiz you about the pass key.
+    <haystack ... The pass key is 71432. Remember it. 71432 is the pass key. ... haystack>
+    What is the pass key?
+    <chat template: assistant>The pass key is
+
+The assistant turn is pre-filled with "The pass key is" so the answer starts with the
+number; the first run of digits in the output is compared with the key (exact match).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import torch
+
+HAYSTACKS = ("text", "repeat")
+REPEAT_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+NAMES = ("red", "blue", "green", "yellow", "orange", "purple", "silver", "golden", "black", "white")
+
+
+@dataclass
+class Prompt:
+    """One prompt of a task, with what is needed to score it."""
+
+    id: str
+    task: str  # "passkey" | "multikey" | "fidelity"
+    ids: torch.Tensor = field(repr=False)
+    seed: int = 0
+    length_target: int = 0
+    depth: float | None = None
+    answer: str | None = None  # the key to retrieve (passkey tasks)
+    needle_positions: list[int] = field(default_factory=list)  # token index where each needle starts
+    asked: int | None = None  # which needle is asked (multikey)
+    haystack: str = "text"
+    eval_start: int | None = None  # fidelity: first position whose next-token distribution is scored
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.numel())
+
+    def meta(self) -> dict:
+        d = asdict(self)
+        d.pop("ids")
+        d["tokens"] = self.tokens
+        return d
+
+
+# ---- natural text ---------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def corpus_paragraphs() -> tuple[str, ...]:
+    """Paragraphs of pydoc_data.topics (sorted topic order), whitespace-normalised, without
+    indented code blocks (prose only, so the haystack reads as English text)."""
+    from pydoc_data.topics import topics
+
+    paras = []
+    for key in sorted(topics):
+        for block in re.split(r"\n\s*\n", topics[key]):
+            lines = block.splitlines()
+            if not lines or lines[0].startswith((" ", "\t", ">>>")):
+                continue
+            text = " ".join(line.strip() for line in lines).strip()
+            if len(text.split()) >= 8 and not set(text) <= set("=-*~ "):
+                paras.append(text)
+    return tuple(paras)
+
+
+def natural_text(seed: int, min_words: int) -> list[str]:
+    """Consecutive paragraphs of the corpus starting at a seed-chosen offset (wrapping)."""
+    paras = corpus_paragraphs()
+    start = random.Random(7919 * seed + 17).randrange(len(paras))
+    out, words, i = [], 0, start
+    while words < min_words:
+        p = paras[i % len(paras)]
+        out.append(p)
+        words += len(p.split())
+        i += 1
+    return out
+
+
+def sentences(paragraphs: list[str]) -> list[str]:
+    out = []
+    for p in paragraphs:
+        out.extend(s for s in re.split(r"(?<=[.!?])\s+", p) if s)
+    return out
+
+
+# ---- passkey --------------------------------------------------------------------------
+INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the pass key.\n\n")
+
+
+def _needle(key: str, name: str | None) -> str:
+    if name is None:
+        return f"The pass key is {key}. Remember it. {key} is the pass key."
+    return f"The pass key for {name} is {key}. Remember it. {key} is the pass key for {name}."
+
+
+def _question(name: str | None) -> str:
+    return "What is the pass key?" if name is None else f"What is the pass key for {name}?"
+
+
+def _answer_prefix(name: str | None) -> str:
+    return "The pass key is" if name is None else f"The pass key for {name} is"
+
+
+def _chat_ids(tokenizer, user: str, assistant_prefix: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                         tokenize=False) + assistant_prefix
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _rng(*parts: float) -> random.Random:
+    acc = 0
+    for p in parts:
+        acc = acc * 1_000_003 + int(round(float(p) * 1000))
+    return random.Random(acc)
+
+
+def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int = 1,
+                  haystack: str = "text", digits: int = 5) -> Prompt:
+    """A needle-in-a-haystack prompt of about ``length`` tokens (chat template included).
+
+    ``keys`` = 1: one pass key at ``depth`` (0 = start of the haystack, 1 = end).
+    ``keys`` > 1 (multi-key): that many named keys spread evenly over the haystack; the
+    one at ``depth`` (nearest) is asked, the others are distractors."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError("depth must be in [0, 1]")
+    rng = _rng(seed, length, depth, keys)
+    names = rng.sample(NAMES, keys) if keys > 1 else [None]
+    values = [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in names]
+    if keys > 1:
+        depths = [(i + 0.5) / keys for i in range(keys)]
+        asked = min(range(keys), key=lambda i: abs(depths[i] - depth))
+        depths[asked] = depth
+    else:
+        depths, asked = [depth], 0
+    name = names[asked]
+    fixed = _chat_ids(tokenizer, INTRO + "\n\n" + _question(name), _answer_prefix(name))
+    needle_tokens = sum(len(tokenizer(" " + _needle(v, n), add_special_tokens=False)["input_ids"])
+                        for v, n in zip(values, names))
+    room = max(length - len(fixed) - needle_tokens, 16)
+    if haystack == "repeat":
+        filler = REPEAT_FILLER.split(". ")
+        unit = [s.strip().rstrip(".") + "." for s in filler if s.strip()]
+        sents = unit * (room // 3 + 10)
+    else:
+        sents = sentences(natural_text(seed, int(room * 0.9) + 200))
+    # trim the haystack to `room` tokens (sentence granularity)
+    lens = [len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in sents]
+    total, cut = 0, 0
+    while cut < len(sents) and total + lens[cut] <= room:
+        total += lens[cut]
+        cut += 1
+    sents = sents[:cut]
+    # insert needles at sentence boundaries nearest their depths (deepest first keeps indices valid)
+    cum = [0]
+    for n_ in lens[:cut]:
+        cum.append(cum[-1] + n_)
+    slots = [min(range(len(cum)), key=lambda j: abs(cum[j] - d * total)) for d in depths]
+    pieces = list(sents)
+    for i in sorted(range(len(depths)), key=lambda i: -slots[i]):
+        pieces.insert(slots[i], "\x00" + str(i))
+    body, starts = "", {}
+    for piece in pieces:
+        if piece.startswith("\x00"):
+            i = int(piece[1:])
+            starts[i] = len(body)
+            body += (" " if body else "") + _needle(values[i], names[i])
+        else:
+            body += (" " if body else "") + piece
+    user = INTRO + body + "\n\n" + _question(name)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                         tokenize=False) + _answer_prefix(name)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    base = text.index(INTRO)
+    positions = []
+    for i in range(len(depths)):
+        char = base + len(INTRO) + starts[i] + (1 if starts[i] else 0)
+        positions.append(next(t for t, (s0, e0) in enumerate(enc["offset_mapping"]) if e0 > char))
+    task = "passkey" if keys == 1 else "multikey"
+    pid = f"{task}-L{length}-d{depth:g}-s{seed}" + (f"-{haystack}" if haystack != "text" else "")
+    return Prompt(id=pid, task=task, ids=torch.tensor(ids, dtype=torch.long), seed=seed, length_target=length,
+                  depth=depth, answer=values[asked], needle_positions=positions, asked=asked, haystack=haystack)
+
+
+def extract_key(text: str, digits: int = 5) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+# ---- fidelity text --------------------------------------------------------------------
+def build_fidelity(tokenizer, length: int, seed: int, window: int) -> Prompt:
+    """``length`` tokens of natural text (no chat template); the next-token distributions of
+    the last ``window`` positions are scored."""
+    if window >= length:
+        raise ValueError(f"the fidelity window ({window}) must be shorter than the text ({length} tokens)")
+    paras = natural_text(seed, int(length * 0.9) + 400)
+    ids = tokenizer("\n\n".join(paras))["input_ids"]
+    while len(ids) < length:  # pragma: no cover - the corpus has ~470K characters
+        paras = paras + natural_text(seed + 1, length)
+        ids = tokenizer("\n\n".join(paras))["input_ids"]
+    ids = ids[:length]
+    return Prompt(id=f"fidelity-L{length}-s{seed}", task="fidelity", ids=torch.tensor(ids, dtype=torch.long),
+                  seed=seed, length_target=length, eval_start=length - window)

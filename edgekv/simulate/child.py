@@ -1,0 +1,148 @@
+"""The child process: put itself under the cap, load the model, run one job, report.
+
+``python -m edgekv.simulate.child JOB.json``. Everything it says goes to two files in the
+job's private temp folder: ``events.jsonl`` (stage, memory samples, prefill progress; one
+JSON line each, flushed) and ``result.json`` (written last, atomically). Exit codes:
+0 done, 3 out of memory under the cap, 4 any other error. A child killed by a signal (the
+cgroup OOM killer, an abort inside a C library that could not allocate) writes nothing more;
+the parent reads the events it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+EXIT_OK, EXIT_OOM, EXIT_ERROR = 0, 3, 4
+_OOM_TEXT = re.compile(r"can't allocate memory|Cannot allocate memory|out of memory|std::bad_alloc|ENOMEM", re.I)
+_REQ = re.compile(r"tried to allocate (\d+) bytes")
+
+
+class _Events:
+    def __init__(self, path: str):
+        self.fh = open(path, "a", buffering=1)
+        self.lock = threading.Lock()
+
+    def emit(self, **rec) -> None:
+        rec["t"] = time.time()
+        line = json.dumps(rec) + "\n"
+        with self.lock:
+            try:
+                self.fh.write(line)
+                self.fh.flush()
+            except Exception:  # noqa: BLE001 - reporting must never be what fails the run
+                pass
+
+
+def _status() -> dict:
+    from .limits import proc_status
+
+    return proc_status("self")
+
+
+class _Sampler(threading.Thread):
+    """Samples this process's VmData / VmRSS every ``period`` s and keeps the peaks."""
+
+    def __init__(self, events: _Events, period: float = 0.02):
+        super().__init__(daemon=True)
+        self.events, self.period = events, period
+        self.peak: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.last_emit = 0.0
+
+    def sample(self) -> dict:
+        s = _status()
+        for k, v in s.items():
+            if v > self.peak.get(k, 0):
+                self.peak[k] = v
+        return s
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            s = self.sample()
+            now = time.time()
+            if now - self.last_emit > 0.5:
+                self.events.emit(kind="sample", status=s, peak=dict(self.peak))
+                self.last_emit = now
+            self.stop.wait(self.period)
+
+
+def _write_result(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def main(job_path: str) -> int:
+    with open(job_path) as fh:
+        job = json.load(fh)
+    from .limits import apply_in_child
+
+    reserve = bytearray(8 << 20)  # freed when memory runs out, so the report can still be written
+    events = _Events(job["events"])
+    apply_in_child(job["mechanism"], int(job["cap"]), job.get("cgroup_dir"))
+    sampler = _Sampler(events)
+    sampler.sample()
+    sampler.start()
+    events.emit(kind="stage", stage="started", status=_status())
+    stage = "import"
+    try:
+        import torch
+
+        from ..engine import Sampler
+        from ..job import run_eager
+        from .source import build_model
+
+        if job.get("threads"):
+            torch.set_num_threads(int(job["threads"]))
+        stage = "load"
+        events.emit(kind="stage", stage="loading", status=sampler.sample())
+        model = build_model(job["spec"])
+        events.emit(kind="stage", stage="loaded", status=sampler.sample(), weight_bytes=model.weight_bytes)
+        with open(job["prompt_ids"]) as fh:
+            ids = torch.tensor(json.load(fh), dtype=torch.long)
+        stage = "run"
+        done = [0, 0.0]
+
+        def progress(n: int) -> None:
+            done[0] += n
+            now = time.time()
+            if now - done[1] > 0.25:
+                events.emit(kind="progress", tokens=done[0], status=sampler.sample())
+                done[1] = now
+
+        result = run_eager(model, ids, policy_name=job["policy"], policy_args=job.get("policy_args") or {},
+                           budget=str(job["budget"]), block=int(job["block"]),
+                           max_new_tokens=int(job["max_new_tokens"]), sampler=Sampler(),
+                           progress=progress)
+        sampler.sample()
+        sampler.stop.set()
+        events.emit(kind="stage", stage="done", status=_status())
+        _write_result(job["result"], {"status": "ok", "report": result.report, "peak": sampler.peak,
+                                      "final": _status()})
+        return EXIT_OK
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
+        del reserve
+        sampler.stop.set()
+        text = f"{type(exc).__name__}: {exc}"
+        oom = isinstance(exc, MemoryError) or bool(_OOM_TEXT.search(str(exc)))
+        m = _REQ.search(str(exc))
+        try:
+            _write_result(job["result"], {
+                "status": "oom" if oom else "error", "stage": stage, "error": text[:2000],
+                "requested_bytes": int(m.group(1)) if m else None, "peak": sampler.peak, "final": _status(),
+            })
+        except BaseException:  # noqa: BLE001
+            pass
+        return EXIT_OOM if oom else EXIT_ERROR
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (and any allocation it would need under the cap)
