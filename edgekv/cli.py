@@ -159,6 +159,40 @@ from .simulate.cli import simulate_cmd  # noqa: E402 - the command lives in edge
 app.command("simulate")(simulate_cmd)
 
 
+@app.command("eval")
+def eval_(
+    task: Annotated[str, typer.Option(help="passkey, multikey, fidelity or all (comma-separated)")] = "passkey",
+    policies: Annotated[str, typer.Option(help="comma-separated policies, or 'all' (see `edgekv policies`)")] = "full,keydiff,snapkv,tova,streaming,h2o",
+    budgets: Annotated[str, typer.Option(help="comma-separated budgets N: 128,256,512,1k")] = "128,256,512,1k",
+    block: Annotated[str, typer.Option(help="block size(s) B, comma-separated; 'one' = the whole prompt as one block")] = "128",
+    one_block: Annotated[bool, typer.Option(help="also run every budget with the whole prompt as one block")] = False,
+    lengths: Annotated[str, typer.Option(help="passkey prompt lengths in tokens")] = "1k,2k,4k",
+    depths: Annotated[str, typer.Option(help="needle depths (0 = start of the haystack, 1 = end)")] = "0.1,0.5,0.9",
+    seeds: Annotated[str, typer.Option(help="seeds (haystack offset, key values)")] = "0,1",
+    keys: Annotated[int, typer.Option(help="needles in the multi-key task")] = 4,
+    haystack: Annotated[str, typer.Option(help="'repeat' (the classic passkey filler) or 'text' (natural text: harder)")] = "repeat",
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated for a passkey answer")] = 10,
+    fidelity_lengths: Annotated[str, typer.Option(help="fidelity text lengths in tokens")] = "2k",
+    fidelity_window: Annotated[int, typer.Option(help="last positions of the text that are scored")] = 512,
+    greedy_tokens: Annotated[int, typer.Option(help="greedy continuation length compared with the full cache")] = 16,
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help="policy:key=value (repeatable)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model name, GGUF file or HF directory")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (1 is fastest on a busy 2-core box)")] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
+):
+    """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
+    from .evaluation.command import build_spec, run_eval
+
+    try:
+        spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
+                          max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg)
+        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]])
+        out.print((out_dir / "results.md").read_text())
+        err.print("written: " + ", ".join(data["_files"]))
+    except USER_ERRORS as exc:
+        _fail(exc)
+
+
 def main():  # pragma: no cover
     app()
 

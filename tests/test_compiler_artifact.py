@@ -22,7 +22,7 @@ TEST_TARGET = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    model = tiny_random_model(seed=3, layers=1)
+    model = tiny_random_model(seed=3, layers=1, tie_embeddings=True)
     out = tmp_path_factory.mktemp("art") / "stream"
     res = compile_model(model, StreamingPolicy(sinks=1), 12, 4, target=TEST_TARGET, out_dir=out)
     return model, out, res.manifest
@@ -40,6 +40,10 @@ def test_manifest_contents(artifact):
     assert m["cache"][0]["k"] == [cfg.num_kv_heads, 12, cfg.head_dim]
     plan = m["memory_plan"]
     assert plan["weights_bytes"] == sum(t.numel() * 4 for t in model.weights.values())
+    # linear weights are stored pre-transposed (no transposes at run time); the tied embedding is not
+    names = {p["name"] for p in m["params"]}
+    assert any(n.endswith("q_proj__weight.T") for n in names)
+    assert any(n.endswith("embed_tokens__weight") for n in names)
     assert plan["cache_bytes"] == cfg.num_layers * (cfg.num_kv_heads * 12 * (2 * cfg.head_dim * 4 + 4) + 4)
     assert plan["total_bytes"] == plan["weights_bytes"] + plan["cache_bytes"] + plan["activation_bytes"]
     assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.so"}

@@ -202,3 +202,84 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(tmp_path):
     assert res.exit_code == 2 and "unknown --mechanism" in res.output
     res = cli.invoke(app, ["simulate", TINY, "--prompt", "hi", "--plot", str(tmp_path / "p.txt")])
     assert res.exit_code == 2 and ".png" in res.output
+
+
+# ---- compiled artifacts ------------------------------------------------------------------------------
+
+def _fake_artifact(tmp_path, target_tvm: dict, work: dict | None = None) -> Path:
+    """A manifest-only artifact (enough for the plan check, the estimates and the cross-target rule)."""
+    from edgekv.models import tiny_random_model
+
+    cfg = tiny_random_model(0).config
+    manifest = {"format": "edgekv-artifact", "format_version": 1,
+                "model": {"id": "tiny-llama-0", "config": cfg.to_dict()},
+                "policy": {"name": "keydiff", "params": {"recent_window": 0.0}}, "budget": 32, "block": 8,
+                "dtype": "float32", "target": {"profile": "x", "tvm": target_tvm},
+                "memory_plan": {"weights_bytes": 400_000, "cache_bytes": 20_000, "activation_bytes": 60_000,
+                                "total_bytes": 480_000}}
+    if work is not None:
+        manifest["work"] = work
+    d = tmp_path / "art"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_artifact_plan_from_its_manifest_is_refused_before_start(tmp_path):
+    from edgekv.simulate.command import SimRequest, simulate
+
+    art = _fake_artifact(tmp_path, {"kind": "llvm"})
+    res = simulate(SimRequest(model=str(art), prompt_ids=list(range(40)), mem_limit=400_000, max_new_tokens=2,
+                              devices=["iphone-15-pro"]))
+    run = res["runs"][0]
+    assert res["target_kind"] == "artifact" and run["status"] == REFUSED and run["needs_bytes"] == 480_000
+    assert "static N + B" in res["work_source"]
+
+
+def test_cross_compiled_artifact_gets_estimates_without_a_run(tmp_path):
+    from edgekv.simulate.command import SimRequest, simulate
+    from edgekv.simulate.runner import NOT_RUN
+
+    work = {"prefill_block": {"flops": 1e6, "bytes": 2e6, "unestimated": ["prefill_block_attention_h4_2_d16"]},
+            "decode": {"flops": 2e5, "bytes": 1e6, "unestimated": []}}
+    art = _fake_artifact(tmp_path, {"kind": "llvm", "mtriple": "aarch64-linux-android"}, work)
+    res = simulate(SimRequest(model=str(art), prompt_ids=list(range(40)), mem_limit="1GiB", max_new_tokens=2,
+                              devices=["flagship-android-sd8gen3"]))
+    run = res["runs"][0]
+    assert run["status"] == NOT_RUN and run["estimates"]
+    assert res["work_source"].startswith("artifact graph") and "geometry FLOPs" in res["work_source"]
+    est = run["estimates"][0]
+    assert est["decode_flops"] == pytest.approx(2e5) and est["decode_bytes"] == pytest.approx(1e6)
+
+
+@pytest.mark.slow
+def test_compiled_artifact_runs_under_the_cap_with_graph_counted_work(tmp_path):
+    """Compile a tiny KeyDiff artifact, record its graph-counted work in the manifest, simulate it."""
+    pytest.importorskip("tvm")
+    from edgekv.compiler import compile_model, lower
+    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.build import policy_kernel_params
+    from edgekv.models import tiny_random_model
+    from edgekv.policies.keydiff import KeyDiffPolicy
+    from edgekv.simulate.command import SimRequest, simulate
+    from edgekv.simulate.graph_work import count_module
+
+    model, pol = tiny_random_model(0, layers=2), KeyDiffPolicy()
+    out = tmp_path / "kd"
+    compile_model(model, pol, 32, 8, target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=out)
+    lowered = lower(model, BlockCacheSpec(budget=32, policy="keydiff", policy_params=policy_kernel_params(pol, 32)), 8)
+    work = count_module(lowered.mod)
+    assert work["prefill_block"]["flops"] > work["decode"]["flops"] > 0
+    # the geometry count agrees with TVM's own count of the graph (+ the kernels it cannot estimate)
+    g = GeometryWork(model.config, static_keys=32 + 8)
+    for fn, b in (("prefill_block", 8), ("decode", 1)):
+        graph = work[fn]["flops"] + (g.attention_and_eviction_flops(b, 40) if work[fn]["unestimated"] else 0)
+        assert graph == pytest.approx(g._step(32, b, True, 4).flops, rel=0.02)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["work"] = work
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    res = simulate(SimRequest(model=str(out), prompt_ids=list(range(100)), mem_limit="2GiB", max_new_tokens=4,
+                              devices=["midrange-android"]))
+    run = res["runs"][0]
+    assert run["status"] == FITS and run["measured_peak"] <= 2 * GiB
+    assert run["engine"].startswith("compiled artifact") and res["work_source"].startswith("artifact graph")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import tvm
 from tvm import relax
 
 LAYOUT_OPS = {"relax.reshape", "relax.broadcast_to", "relax.expand_dims", "relax.permute_dims", "relax.repeat"}
@@ -52,15 +53,9 @@ class AttentionSite:
 
 
 def op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm_op_type()):
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
         return expr.op.name
     return None
-
-
-def tvm_op_type():
-    import tvm
-
-    return tvm.ir.Op
 
 
 def shape_of(expr) -> tuple[int, ...] | None:
@@ -255,31 +250,6 @@ def evaluate(graph: Graph, expr, leaves: dict, memo=None):
 
 
 # ---- matching ------------------------------------------------------------------------------
-
-def _walk_back(graph: Graph, var, through: set[str]):
-    """Follow single-input data-movement / scalar ops back from ``var``; returns (root, ops)."""
-    ops = []
-    cur = var
-    while isinstance(cur, relax.Var) and cur in graph.producer:
-        val = graph.producer[cur]
-        name = op_name(val)
-        if name in through and name in LAYOUT_OPS:
-            ops.append(name)
-            cur = val.args[0]
-            continue
-        if name in through and name in SCALE_OPS:
-            lhs, rhs = val.args
-            if _scalar_of(rhs) is not None:
-                ops.append(name)
-                cur = lhs
-                continue
-            if name == "relax.multiply" and _scalar_of(lhs) is not None:
-                ops.append(name)
-                cur = rhs
-                continue
-        break
-    return cur, ops
-
 
 def _chain_scale(graph: Graph, root, out_var) -> float:
     """The product of scalar factors between root and out_var (evaluated on ones)."""
@@ -477,13 +447,12 @@ def _match_softmax_site(graph: Graph, sm_var, index: int) -> AttentionSite:
     H = shape_of(k_root)[1]
     v_root, _ = _pick_root(graph, mm2.args[1], LAYOUT_OPS, T, D, Hq,
                            lambda x, G: np.repeat(x, G, axis=1), f"softmax {sm_var.name} values", only_heads=H)
-    q_ops = k_ops = v_ops = []
     out_shape = shape_of(mm2_var)
     if out_shape is None or int(np.prod(out_shape)) != Hq * T * D or out_shape[-2:] != (T, D):
         raise AttentionMatchError(f"softmax {sm_var.name}: attention output shape {out_shape} is not [.., Hq, T, d]")
     return AttentionSite(index=index, q=q_root, k=k_root, v=v_root, num_q_heads=Hq, num_kv_heads=H, seq_len=T,
                          head_dim=D, sm_scale=sq * sk * post_scale, output=mm2_var, output_layout="bhtd",
-                         form="matmul-softmax-matmul", ops_seen=ops + q_ops + k_ops + v_ops)
+                         form="matmul-softmax-matmul", ops_seen=ops)
 
 
 def _match_attention_op(graph: Graph, var, index: int) -> AttentionSite:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -125,7 +126,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             vmap[positions] = bb.emit(relax.op.reshape(new_positions, (1, T)), "positions_2d")
             pos32 = bb.emit(relax.op.astype(new_positions, "int32"), "pos_blk")
             nv = n_valid if n_valid is not None else bb.emit(
-                relax.const(tvm.runtime.tensor(__import__("numpy").array([fixed_n_valid], dtype="int32"))), "n_valid")
+                relax.const(np.array([fixed_n_valid], dtype="int32")), "n_valid")
             new_caches = []
             for var, value in _bindings(func):
                 site = site_by_out.get(var)
@@ -188,10 +189,11 @@ class RewriteBlockCache:
             mod = rewrite_function(mod, src, dst, self.spec, fixed,
                                    on_sites=lambda s, dst=dst: self.sites.__setitem__(dst, s))
         for src, _, _ in self.functions:
-            mod = _without(mod, src)
+            mod = without_function(mod, src)
         return mod
 
 
-def _without(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+def without_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+    """``mod`` without the function called ``name``."""
     funcs = {gv: f for gv, f in mod.functions.items() if gv.name_hint != name}
     return tvm.IRModule(funcs, attrs=mod.attrs)

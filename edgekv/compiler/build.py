@@ -25,6 +25,7 @@ ARTIFACT_FORMAT = "edgekv-artifact"
 ARTIFACT_VERSION = 1
 MANIFEST = "manifest.json"
 PARAMS_FILE = "params.safetensors"
+TOKENIZER_DIR = "tokenizer"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE_DIR = REPO_ROOT / "compile"
 
@@ -128,7 +129,7 @@ def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:
     """Static plan in bytes: weights and caches exactly; activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
     of what TVM's static block-memory planner allocates, which reuses storage)."""
-    from .attention_sites import _arg_vars, shape_of
+    from .attention_sites import _arg_vars, op_name, shape_of
 
     weights = sum(int(a.nbytes) for _, a in lowered.params)
     cache = 0
@@ -145,6 +146,8 @@ def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:
             order.append(b.var)
             shp = shape_of(b.var)
             aliasing = type(b.value).__name__ in ("TupleGetItem", "Var", "DataflowVar")  # views, not new memory
+            # a transposed weight feeds a matmul that FuseTransposeMatmul fuses: never materialised
+            aliasing = aliasing or (op_name(b.value) == "relax.permute_dims" and b.value.args[0] in params)
             if shp is not None and not aliasing:
                 dt = str(b.var.ty.dtype)
                 size[b.var] = int(np.prod(shp, dtype=np.int64)) * np.dtype(dt).itemsize
@@ -174,10 +177,9 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
     several policies can be compiled from one export."""
     import tvm
-    from tvm import relax  # noqa: F401
 
     from .block_cache import BlockCacheSpec
-    from .pipeline import Lowered, import_model, lower_module
+    from .pipeline import Lowered, import_model, lower_module, param_layout
 
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
@@ -189,9 +191,9 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     mod, params, timings = imported if imported is not None else import_model(model, block)
     timings = dict(timings)
     t0 = time.perf_counter()
-    mod, sites = lower_module(mod, spec)
+    mod, sites, transposed = lower_module(mod, spec)
     timings["passes_s"] = time.perf_counter() - t0
-    lowered = Lowered(mod=mod, params=params, sites=sites, timings=timings)
+    lowered = Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
     plan = memory_plan(lowered, budget)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
@@ -199,13 +201,20 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
                            f"{mem_limit}; lower --budget or --block")
     say("compiling with TVM")
     t0 = time.perf_counter()
-    ex = tvm.compile(lowered.mod, target=tvm.target.Target(tgt))
+    target_obj = tvm.target.Target(tgt)
+    if tgt.get("kind") == "llvm":
+        from .cpu_schedule import cpu_pipeline
+
+        ex = tvm.compile(lowered.mod, target=target_obj, relax_pipeline=cpu_pipeline(target_obj))
+    else:
+        ex = tvm.compile(lowered.mod, target=target_obj)
     lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
     cfg = model.config
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
-        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict()},
+        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict(),
+                  "chat": bool(getattr(model, "chat", False))},
         "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
         "budget": budget,
         "block": block,
@@ -231,11 +240,11 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params)
     if out_dir is not None:
-        write_artifact(result, lowered.params, tgt)
+        write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
     return result
 
 
-def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict) -> None:
+def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict, tokenizer=None) -> None:
     from safetensors.numpy import save_file
 
     out = result.out_dir
@@ -250,4 +259,7 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
         "library": {"name": lib_name, "sha256": sha256_file(out / lib_name)},
         "params": {"name": PARAMS_FILE, "sha256": sha256_file(out / PARAMS_FILE)},
     }
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        result.manifest["files"]["tokenizer"] = {"name": TOKENIZER_DIR}
     (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, default=str))

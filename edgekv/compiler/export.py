@@ -18,14 +18,15 @@ Exported forms the pass accepts (see ``attention_sites.py``):
     built from constants (``torch.triu``/``torch.full``) — the same matmul–softmax–matmul form.
   * K/V either with kv_heads (GQA expanded by ``repeat_interleave``/``expand``+``reshape``
     inside the graph, which the pass looks through) or already with the query head count.
-Not accepted: HF transformers' ``LlamaForCausalLM`` export. Its mask subgraph (cumsum,
-bitwise ops, index_tensor over the cache position) is not a causal-mask constant; TVM 0.27
-cannot even code-generate it, and the pass refuses it naming the operators it found.
+Not accepted: HF transformers' ``LlamaForCausalLM`` export. Its mask is built from the
+position/cache inputs (cumsum, bitwise ops, index_tensor), not a causal-mask constant. With
+transformers 5.2 + TVM 0.27 here, ``from_exported_program`` already fails on it ("Concat expects
+all input tensors to have same ndim"); a graph whose mask depends on the inputs is refused by
+the pass naming the mask's operators (``attention_sites``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -130,17 +131,6 @@ def import_to_relax(program: torch.export.ExportedProgram):
     for var, value in zip(main.params[num_input:], params["main"]):
         named.append((var.name, value.numpy()))
     return mod, named
-
-
-def weights_hash(weights: dict[str, torch.Tensor]) -> str:
-    """A content hash of the weights (names, shapes and bytes), order-independent."""
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        t = weights[name].detach().to(torch.float32).contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
 
 
 def default_sm_scale(head_dim: int) -> float:

@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .attention_sites import Graph, op_name, shape_of
-from .block_cache import _without, substitute
+from .block_cache import without_function, substitute
 
 
 def _match(graph: Graph, take_var):
@@ -63,7 +63,7 @@ def hoist_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     targets = {v: m for v in graph.order if (m := _match(graph, v)) is not None}
     if not targets:
         return mod
-    bb = relax.BlockBuilder(_without(mod, name))
+    bb = relax.BlockBuilder(without_function(mod, name))
     attrs = {k: func.attrs[k] for k in func.attrs.keys() if k != "global_symbol"} if func.attrs else None
     with bb.function(name, list(func.params), attrs=attrs):
         vmap: dict = {}

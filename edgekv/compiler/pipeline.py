@@ -6,7 +6,10 @@
                               kernels over explicit caches; ``prefill_block`` and ``decode``
   2. ``last_token.py``        HoistLastTokenGather: LM head on the last valid row only
   3. (TVM) DeadCodeElimination: drops the dead softmax/mask subgraphs and the full LM head
-  4. ``build.py``             tvm.compile (Relax default pipeline + LLVM) and the artifact
+  3b. ``pretranspose.py``     PretransposeWeights: linear weights stored as Wᵀ (no per-call transposes)
+  4. ``build.py``             tvm.compile: TVM's Relax CPU pipeline with ``cpu_schedule.py``
+                              (ScheduleCPUMatmul: parallel + vectorized GEMMs) after FuseTIR,
+                              LLVM codegen, and the artifact
 
 ``lower(model, ...)`` runs 0–3 and returns the IRModule plus what the artifact records.
 """
@@ -24,6 +27,7 @@ from .attention_sites import AttentionSite
 from .block_cache import BlockCacheSpec, RewriteBlockCache
 from .export import export_plain_forward, import_to_relax
 from .last_token import HoistLastTokenGather
+from .pretranspose import SUFFIX, PretransposeWeights
 
 FUNCTIONS = ("prefill_block", "decode")
 
@@ -38,7 +42,8 @@ class Lowered:
 
 def passes(spec: BlockCacheSpec) -> list:
     rewrite = RewriteBlockCache(spec, [("prefill_src", "prefill_block", None), ("decode_src", "decode", 1)])
-    return [rewrite, HoistLastTokenGather(list(FUNCTIONS)), relax.transform.DeadCodeElimination(list(FUNCTIONS))]
+    return [rewrite, HoistLastTokenGather(list(FUNCTIONS)), relax.transform.DeadCodeElimination(list(FUNCTIONS)),
+            PretransposeWeights(list(FUNCTIONS))]
 
 
 def import_model(model: Any, block: int) -> tuple[tvm.IRModule, list[tuple[str, Any]], dict[str, float]]:
@@ -52,16 +57,25 @@ def import_model(model: Any, block: int) -> tuple[tvm.IRModule, list[tuple[str, 
     return mod, params, {"export_import_s": t1 - t0}
 
 
-def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite]]:
+def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite], set[str]]:
+    """Run the passes; returns the module, the attention sites and the names of the weights
+    the module now takes transposed (see ``param_layout``)."""
     seq = passes(spec)
     for p in seq:
         mod = p(mod)
-    return mod, seq[0].sites["prefill_block"]
+    return mod, seq[0].sites["prefill_block"], seq[-1].transposed
+
+
+def param_layout(params: list[tuple[str, Any]], transposed: set[str]) -> list[tuple[str, Any]]:
+    """The weight arrays as the lowered functions take them (transposed ones renamed ``name.T``)."""
+    import numpy as np
+
+    return [(n + SUFFIX, np.ascontiguousarray(a.T)) if n in transposed else (n, a) for n, a in params]
 
 
 def lower(model: Any, spec: BlockCacheSpec, block: int) -> Lowered:
     mod, params, timings = import_model(model, block)
     t0 = time.perf_counter()
-    mod, sites = lower_module(mod, spec)
+    mod, sites, transposed = lower_module(mod, spec)
     timings["passes_s"] = time.perf_counter() - t0
-    return Lowered(mod=mod, params=params, sites=sites, timings=timings)
+    return Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)

@@ -163,7 +163,7 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
         write_json_atomic(json_path, report.finish({**data, **partial}))
 
     runner = Runner(model, spec, progress_factory=(lambda total: _Bar(console, total)) if progress else None,
-                    on_prompt_done=save_partial)
+                    on_prompt_done=save_partial)  # called after every run
     data.update(runner.run(prompts))
     report.finish(data)
     write_json_atomic(json_path, data)

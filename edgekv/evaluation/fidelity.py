@@ -1,10 +1,13 @@
 """Fidelity to the full cache: teacher-forced next-token distributions under eviction vs
 the full cache, and greedy continuations.
 
-A fidelity prompt is ``length`` tokens of natural text. The engine prefills it block-wise
-under the policy and returns every position's logits (``prefill(all_logits=True)``); the
-positions from ``eval_start`` on (the last ``window`` tokens, where every budget of the
-sweep has already evicted) are compared with the full cache's:
+A fidelity prompt is ``length`` tokens of natural text, split into a context (the first
+``length - window`` tokens) and a scored window. The engine prefills the context under the
+policy (block-wise with B, or as one block), which evicts it down to N; then the window is
+teacher-forced on top of that cache in chunks of min(B, 128) tokens (``engine.step(all_logits=True)``,
+no pseudo rows, evicting after each chunk) and its next-token distributions are compared
+with the full cache's. (Scoring the window inside a one-block prefill would be meaningless:
+a single block attends to the whole prompt before anything is evicted.)
 
 - ``top1_agreement``: fraction of positions whose argmax token is the same;
 - ``mean_kl``: mean over positions of KL(p_full ‖ p_policy) in nats;
@@ -31,18 +34,32 @@ class FidelityTrace:
     greedy: list[int]
 
 
-def run_trace(engine: BlockEngine, ids: torch.Tensor, eval_start: int, greedy_tokens: int, progress=None) -> FidelityTrace:
-    logits = engine.prefill(ids, progress=progress, all_logits=True)
-    last = logits[-1].clone()
-    scored = logits[eval_start:].clone()
-    del logits
+def run_trace(engine: BlockEngine, ids: torch.Tensor, eval_start: int, greedy_tokens: int, progress=None,
+              chunk: int = 128) -> FidelityTrace:
+    """Prefill the context ``ids[:eval_start]`` (block-wise, or as one block: the engine's B),
+    then teacher-force the rest of the text in chunks of ``chunk`` tokens (as decode would
+    see it, after the context was evicted), then decode greedily."""
+    logits = engine.prefill(ids[:eval_start], progress=progress)
+    scored = [logits[None]]
+    rest = ids[eval_start:]
+    chunk = min(chunk, engine.block)  # the cache has room for N + B entries
+    for start in range(0, rest.numel(), chunk):
+        piece = rest[start : start + chunk]
+        out = engine.step(piece, all_logits=True)
+        scored.append(out)
+        if progress is not None:
+            progress(piece.numel())
+    everything = torch.cat(scored)
+    last = everything[-1].clone()
+    scored_logits = everything[:-1].clone()  # position t predicts token t + 1 of the text
+    del everything, scored
     greedy: list[int] = []
     for i in range(greedy_tokens):
         token = int(torch.argmax(last))
         greedy.append(token)
         if i < greedy_tokens - 1:
             last = engine.decode(token)
-    return FidelityTrace(logits=scored, greedy=greedy)
+    return FidelityTrace(logits=scored_logits, greedy=greedy)
 
 
 def compare(reference: FidelityTrace, other: FidelityTrace) -> dict:

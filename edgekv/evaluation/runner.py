@@ -39,7 +39,7 @@ class EvalSpec:
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     keys: int = 4  # needles in the multi-key variant
-    haystack: str = "text"
+    haystack: str = "repeat"
     max_new_tokens: int = 10
     fidelity_lengths: list[int] = field(default_factory=lambda: [2048])
     fidelity_window: int = 512
@@ -106,7 +106,8 @@ def needle_retention(engine: BlockEngine, prompt: Prompt, tokenizer) -> float | 
 def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: dict, budget: int, block: int,
             spec: EvalSpec, progress: Callable[[int], None] | None = None) -> Outcome:
     policy = make_policy(policy_name, policy_args)
-    b = prompt.tokens if block == ONE_BLOCK else block
+    context = prompt.eval_start if prompt.task == "fidelity" else prompt.tokens  # what prefill sees
+    b = context if block == ONE_BLOCK else block
     engine = BlockEngine(model, policy, budget, b)
     t0 = time.perf_counter()
     if prompt.task == "fidelity":
@@ -194,12 +195,12 @@ class Runner:
                         done[(policy, budget, block)] = (None, str(exc))
                         if advance:
                             advance(prompt.tokens)
+                    if self.on_prompt_done:  # partial results after every run (long sweeps)
+                        self.on_prompt_done({"prompts": [p.meta() for p in prompts], "references": references,
+                                             "results": results + self._rows(prompt, ref, done, partial=True),
+                                             "complete": False, "runtime_seconds": time.perf_counter() - t_start})
                 results.extend(self._rows(prompt, ref, done))
                 self.log(f"{prompt.id}: {len(runs)} runs")
-                if self.on_prompt_done:
-                    self.on_prompt_done({"prompts": [p.meta() for p in prompts], "references": references,
-                                         "results": results, "complete": False,
-                                         "runtime_seconds": time.perf_counter() - t_start})
         finally:
             if bar:
                 bar.close()
@@ -216,7 +217,7 @@ class Runner:
             row["greedy_text"] = self.model.tokenizer.decode(ref.trace.greedy)
         return row
 
-    def _rows(self, prompt: Prompt, ref: Outcome, done: dict) -> list[dict]:
+    def _rows(self, prompt: Prompt, ref: Outcome, done: dict, partial: bool = False) -> list[dict]:
         spec, rows = self.spec, []
         n_out = output_tokens(spec, prompt)
         full_run = done.get(("full", prompt.tokens + n_out, spec.blocks[0]))
@@ -225,6 +226,9 @@ class Runner:
             for budget in spec.budgets:
                 for block in spec.blocks:
                     no_evict = budget >= prompt.tokens + n_out
+                    if partial and (full_run is None if policy == "full" else
+                                    not no_evict and (policy, budget, block) not in done):
+                        continue
                     if policy == "full":
                         out, error = full_run
                     elif no_evict:
@@ -235,7 +239,8 @@ class Runner:
                         "task": prompt.task, "prompt_id": prompt.id, "seed": prompt.seed,
                         "length_target": prompt.length_target, "prompt_tokens": prompt.tokens, "depth": prompt.depth,
                         "policy": policy, "policy_params": params, "budget": budget,
-                        "block": prompt.tokens if block == ONE_BLOCK else block,
+                        "block": (prompt.eval_start if prompt.task == "fidelity" else prompt.tokens)
+                        if block == ONE_BLOCK else block,
                         "mode": "one_block" if block == ONE_BLOCK else "block",
                         "no_eviction": bool(no_evict or policy == "full"),
                         "reused_reference": bool(no_evict and policy != "full"),

@@ -6,18 +6,31 @@ Everything is offline and deterministic: the haystack and the fidelity text come
 CPython, so nothing is downloaded), and every random choice comes from a ``random.Random``
 seeded with integers derived from (seed, length, depth).
 
-Passkey prompt format (chosen by checking that the *full-cache* SmolLM2-135M-Instruct
-retrieves the key reliably at 1K–4K tokens; see docs/results/accuracy.md):
+Passkey prompt format. It was chosen by checking that the *full-cache* SmolLM2-135M-Instruct
+retrieves the key at 1K–4K tokens (the task means nothing otherwise):
 
     <chat template: user>
     There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.
     I will quiz you about the pass key.
-    <haystack ... The pass key is 71432. Remember it. 71432 is the pass key. ... haystack>
-    What is the pass key?
+
+    The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ...
+
+    IMPORTANT: The pass key is 71432. Remember it. 71432 is the pass key.
+
+    ... The grass is green. ...
+
+    What is the pass key mentioned in the text above?
     <chat template: assistant>The pass key is
 
 The assistant turn is pre-filled with "The pass key is" so the answer starts with the
 number; the first run of digits in the output is compared with the key (exact match).
+What made the difference for the full cache: the needle as its own paragraph starting with
+"IMPORTANT:" (without it, early needles were missed even at 1K), and the classic repeated
+filler as the haystack (``haystack="repeat"``, the default). With natural text as the
+haystack (``haystack="text"``) the full cache finds the key at 1K but misses most needles
+in the first half of 2K–4K prompts, so that variant is kept as an option, not the default.
+In the multi-key variant every needle is named ("The pass key for blue is ..."), the
+question names one, and the others are distractors.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ class Prompt:
     answer: str | None = None  # the key to retrieve (passkey tasks)
     needle_positions: list[int] = field(default_factory=list)  # token index where each needle starts
     asked: int | None = None  # which needle is asked (multikey)
-    haystack: str = "text"
+    haystack: str = "repeat"
     eval_start: int | None = None  # fidelity: first position whose next-token distribution is scored
 
     @property
@@ -106,13 +119,15 @@ INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it an
 
 
 def _needle(key: str, name: str | None) -> str:
+    # Set off as its own paragraph with "IMPORTANT:", which SmolLM2-135M needs to find it in natural text.
     if name is None:
-        return f"The pass key is {key}. Remember it. {key} is the pass key."
-    return f"The pass key for {name} is {key}. Remember it. {key} is the pass key for {name}."
+        return f"\n\nIMPORTANT: The pass key is {key}. Remember it. {key} is the pass key.\n\n"
+    return f"\n\nIMPORTANT: The pass key for {name} is {key}. Remember it. {key} is the pass key for {name}.\n\n"
 
 
 def _question(name: str | None) -> str:
-    return "What is the pass key?" if name is None else f"What is the pass key for {name}?"
+    return ("What is the pass key mentioned in the text above?" if name is None
+            else f"What is the pass key for {name} mentioned in the text above?")
 
 
 def _answer_prefix(name: str | None) -> str:
@@ -133,7 +148,7 @@ def _rng(*parts: float) -> random.Random:
 
 
 def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int = 1,
-                  haystack: str = "text", digits: int = 5) -> Prompt:
+                  haystack: str = "repeat", digits: int = 5) -> Prompt:
     """A needle-in-a-haystack prompt of about ``length`` tokens (chat template included).
 
     ``keys`` = 1: one pass key at ``depth`` (0 = start of the haystack, 1 = end).
@@ -169,6 +184,12 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     while cut < len(sents) and total + lens[cut] <= room:
         total += lens[cut]
         cut += 1
+    if cut < len(sents) and room - total > 4:  # fill the rest with the start of the next sentence
+        head = tokenizer(" " + sents[cut], add_special_tokens=False)["input_ids"][: room - total - 1]
+        sents[cut] = tokenizer.decode(head).strip()
+        lens[cut] = len(head)
+        total += len(head)
+        cut += 1
     sents = sents[:cut]
     # insert needles at sentence boundaries nearest their depths (deepest first keeps indices valid)
     cum = [0]
@@ -182,10 +203,12 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     for piece in pieces:
         if piece.startswith("\x00"):
             i = int(piece[1:])
+            body = body.rstrip() + ("\n\n" if body else "")
             starts[i] = len(body)
-            body += (" " if body else "") + _needle(values[i], names[i])
+            body += _needle(values[i], names[i]).strip() + "\n\n"
         else:
-            body += (" " if body else "") + piece
+            body += ("" if not body or body.endswith("\n") else " ") + piece
+    body = body.strip()
     user = INTRO + body + "\n\n" + _question(name)
     text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
                                          tokenize=False) + _answer_prefix(name)
@@ -194,10 +217,10 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     base = text.index(INTRO)
     positions = []
     for i in range(len(depths)):
-        char = base + len(INTRO) + starts[i] + (1 if starts[i] else 0)
+        char = base + len(INTRO) + starts[i]
         positions.append(next(t for t, (s0, e0) in enumerate(enc["offset_mapping"]) if e0 > char))
     task = "passkey" if keys == 1 else "multikey"
-    pid = f"{task}-L{length}-d{depth:g}-s{seed}" + (f"-{haystack}" if haystack != "text" else "")
+    pid = f"{task}-L{length}-d{depth:g}-s{seed}" + (f"-{haystack}" if haystack != "repeat" else "")
     return Prompt(id=pid, task=task, ids=torch.tensor(ids, dtype=torch.long), seed=seed, length_target=length,
                   depth=depth, answer=values[asked], needle_positions=positions, asked=asked, haystack=haystack)
 

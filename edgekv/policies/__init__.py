@@ -6,6 +6,8 @@ import dataclasses
 import typing
 
 from .base import EvictionContext, Policy, PolicyError, Selection, topk_keep
+from .d2o import D2OPolicy
+from .dapq import DapQPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
@@ -24,6 +26,8 @@ REGISTRY: dict[str, type[Policy]] = {
     "snapkv++": SnapKVPlusPlusPolicy,
     "tova": TOVAPolicy,
     "h2o": H2OPolicy,
+    "dapq": DapQPolicy,
+    "d2o": D2OPolicy,
 }
 
 

@@ -57,6 +57,11 @@ def _rss() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def is_artifact(path: str | Path | None) -> bool:
+    """True when ``path`` is a directory holding an edgekv manifest (for ``edgekv run PATH``)."""
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
 def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     mf = path / MANIFEST
@@ -166,6 +171,18 @@ class HostRuntime:
         self.stats = RuntimeStats()
         self.stats.load_seconds = time.perf_counter() - t0
         self._sample_rss()
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer saved in the artifact (None when the model had none)."""
+        if not hasattr(self, "_tokenizer"):
+            entry = (self.manifest.get("files") or {}).get("tokenizer")
+            self._tokenizer = None
+            if entry and self.path is not None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry["name"]))
+        return self._tokenizer
 
     # ---- state --------------------------------------------------------------------------
     def reset(self) -> None:

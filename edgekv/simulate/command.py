@@ -22,11 +22,8 @@ from .report import run_table, summary_table
 from .roofline import estimate, estimate_all_units
 from .runner import Job, Outcome, run_job
 from .source import describe
-from .sweep import Series, plot, run_sweep, write_json
+from .sweep import plot, sweep_from_runs, write_json
 from .work import GeometryWork, Schedule, work_from_manifest
-
-DEFAULT_OVERHEAD = 450 * 2**20  # used by the sweep only when no run measured one (flagged in the output)
-
 
 @dataclass
 class SimRequest:
@@ -143,29 +140,14 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
         "prompt_tokens": len(ids), "max_new_tokens": req.max_new_tokens, "block": block,
         "cap_bytes": cap, "cap_source": cap_note,
         "mechanism": {"name": mech.name, "reason": mech.reason, "measures": mech.measures},
+        "kv_bytes_per_token": target.config.kv_bytes_per_token(),
         "work_source": work.source, "runs": runs,
         "devices": {p.name: {"file": str(p.path), "app_usable_bytes": p.app_usable_bytes,
                              "bandwidth_GBps": p.bandwidth.value, "sources": p.sources()} for p in profiles},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if req.sweep_json is not None or req.plot is not None:
-        measured = [o.runtime_overhead for o in outcomes if o.fits and o.runtime_overhead is not None]
-        if measured:
-            overhead, src = max(measured), f"measured in this invocation's child runs ({mech.name}, max over fitting runs)"
-        else:
-            partial = [o.runtime_overhead for o in outcomes if o.runtime_overhead is not None]
-            overhead = max(partial) if partial else DEFAULT_OVERHEAD
-            src = ("measured after model load in a run that did not fit" if partial else
-                   "NOT measured (no run fitted): default 450 MiB")
-        series = []
-        for o in outcomes:
-            s = Series(o.policy, None if o.policy == "full" else o.budget)
-            if s not in series:
-                series.append(s)
-        if target.kind == "model" and Series("full", None) not in series:
-            series.append(Series("full", None))
-        sweep = run_sweep(target, series, block, req.max_new_tokens, int(overhead), src, profiles, work,
-                          unit=req.unit, mechanism=mech.name)
+        sweep = sweep_from_runs(target, runs, block, req.max_new_tokens, profiles, work, mech.name, req.unit)
         result["sweep"] = sweep
         for d in sweep["devices"]:
             err.print(f"{d['name']} (app-usable {human_bytes(d['app_usable_bytes'])}): longest prompt " +

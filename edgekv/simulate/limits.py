@@ -13,9 +13,14 @@ Preference order for ``auto``:
    fails (torch: "can't allocate memory"), so VmData never exceeds the cap. It is stricter
    than resident memory for reservations and looser for shared-library code (~0.1 GB here).
 3. ``rlimit-as`` — ``RLIMIT_AS`` bounds the whole virtual address space (``VmPeak``), libraries
-   and untouched reservations included. With torch it sits ~1.2 GB above the working set
-   (measured: SmolLM2-135M, plan 0.56 GB, VmPeak 1.78 GB), so it is offered but never chosen
-   by ``auto``.
+   and untouched reservations included. Measured here: a tiny model's child peaks at VmPeak
+   0.97 GiB against VmData 0.45 GiB and RSS 0.40 GiB; SmolLM2-135M (plan 0.56 GB) at VmPeak
+   1.95 GB against VmData 1.07 GB and RSS 1.02 GB. It works, but it caps address space that
+   a phone never charges, so it is offered and never chosen by ``auto``.
+
+cgroup v1's ``memory.limit_in_bytes`` is deliberately not used: where it exists (as on the
+development box, whose cgroup v2 mount has only the hugetlb controller) its hierarchy
+belongs to the sandbox or the init system, not to edgekv.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ MEASURES = {
     "rlimit-data": "RLIMIT_DATA: the child's private writable virtual memory (VmData: heap, anonymous and "
                    "private writable mappings incl. mmapped weights, reserved or touched; not library code)",
     "rlimit-as": "RLIMIT_AS: the child's whole virtual address space (VmPeak: libraries and untouched "
-                 "reservations included; ~1.2 GB above the working set with torch)",
+                 "reservations included; with torch ~0.5-0.9 GB above VmData)",
 }
 PEAK_FIELD = {"cgroup2": "memory.peak", "rlimit-data": "VmData", "rlimit-as": "VmPeak"}
 

@@ -185,3 +185,26 @@ def load_profiles(names: list[str] | None, directory: Path = DEVICE_DIR) -> list
 
 def validate_all(directory: Path = DEVICE_DIR) -> list[DeviceProfile]:
     return [load_profile_file(p) for p in sorted(directory.glob("*.json"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m edgekv.simulate.profiles [FILE.json ...]``: validate profiles (default: all shipped)."""
+    import sys
+
+    paths = (argv if argv is not None else sys.argv[1:]) or [str(p) for p in sorted(DEVICE_DIR.glob("*.json"))]
+    bad = 0
+    for path in paths:
+        try:
+            p = load_profile_file(path)
+        except ProfileError as exc:
+            print(f"INVALID {exc}")
+            bad += 1
+            continue
+        est = sum(f.estimate for f in [p.app_usable, p.total_ram, p.bandwidth] + [x for u in p.units.values() for x in u.peaks.values()])
+        print(f"ok      {path}: {p.name}, app-usable {p.app_usable_bytes / 2**30:.1f} GiB, {p.bandwidth.value:g} GB/s, "
+              f"units {', '.join(p.units)} ({est} figures marked as estimates)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

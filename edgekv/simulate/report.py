@@ -52,7 +52,7 @@ def run_table(title: str, o: Outcome, estimates: list[Estimate], work_source: st
         table.add_row("error", o.error[:500])
     h = o.host
     if o.fits:
-        table.add_row("host time (eager, this machine)",
+        table.add_row(f"host time ({'eager engine' if o.engine == 'eager' else 'compiled artifact'}, this machine)",
                       f"prefill {_secs(h['prefill_seconds'])} ({h['prefill_tok_s'] or 0:,.0f} tok/s) · decode "
                       f"{h['decode_tok_s'] or 0:,.1f} tok/s · child wall {_secs(h['child_wall_s'])}")
     elif "child_wall_s" in h:

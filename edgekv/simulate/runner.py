@@ -21,6 +21,13 @@ from . import limits
 from .source import Target
 
 FITS, DOES_NOT_FIT, REFUSED, ERROR = "fits", "does not fit", "refused (plan above cap)", "error"
+NOT_RUN = "not run (cross-compiled artifact)"
+
+
+def artifact_runs_here(manifest: dict) -> bool:
+    """A host-built artifact (LLVM without a cross triple) can run in the host runtime."""
+    tgt = (manifest.get("target") or {}).get("tvm") or {}
+    return tgt.get("kind") == "llvm" and "mtriple" not in tgt
 
 
 @dataclass
@@ -96,6 +103,30 @@ def _read_events(path: Path) -> list[dict]:
     return out
 
 
+class _Tail:
+    """New complete lines of the child's events file since the last call (no re-reading)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        out = []
+        for ln in data[:end].splitlines():
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                pass
+        return out
+
+
 def _signal_name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -116,14 +147,18 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
                   prompt_tokens=len(job.prompt_ids), cap=job.cap, mechanism=job.mechanism.name,
                   mechanism_reason=job.mechanism.reason, measures=job.mechanism.measures, status=ERROR,
                   plan=plan.to_dict(), measured_peak_field=field_name,
-                  engine="eager" if t.kind == "model" else
-                  "eager stand-in for the artifact (this checkout has no host runtime for artifacts)")
+                  engine="eager" if t.kind == "model" else "compiled artifact (host runtime, TVM Relax VM)")
     if plan.total > job.cap:
         out.status = REFUSED
         out.needs_bytes = plan.total
         out.needs_basis = "static plan alone (weights + KV cache + activations), before any runtime overhead"
         return out
 
+    if t.kind == "artifact" and not artifact_runs_here(t.manifest):
+        out.status = NOT_RUN
+        out.error = (f"the artifact is built for {t.manifest['target'].get('tvm')}, not this host: the plan fits "
+                     "the cap; nothing was measured (estimates only)")
+        return out
     work = Path(tempfile.mkdtemp(prefix="edgekv-sim-"))
     cg = None
     try:
@@ -131,7 +166,8 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
         spec = {"spec": t.spec, "prompt_ids": str(work / "ids.json"), "policy": job.policy,
                 "policy_args": job.policy_args, "budget": job.budget, "block": job.block,
                 "max_new_tokens": job.max_new_tokens, "cap": job.cap, "mechanism": job.mechanism.name,
-                "threads": job.threads, "events": str(work / "events.jsonl"), "result": str(work / "result.json")}
+                "threads": job.threads, "events": str(work / "events.jsonl"), "result": str(work / "result.json"),
+                "artifact": str(t.artifact_dir) if t.kind == "artifact" else None}
         if job.mechanism.name == "cgroup2":
             cg = limits.make_cgroup(job.mechanism.cgroup_parent, job.cap)
             spec["cgroup_dir"] = str(cg)
@@ -142,23 +178,21 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         rusage = None
         status_code = None
-        seen = 0
+        tail = _Tail(work / "events.jsonl")
         try:
             while True:
                 pid, status_code, rusage = os.wait4(proc.pid, os.WNOHANG)
                 if pid == proc.pid:
                     proc.returncode = os.waitstatus_to_exitcode(status_code)
                     break
-                events = _read_events(work / "events.jsonl")
-                for ev in events[seen:]:
+                for ev in tail.new():
                     if ev.get("kind") == "progress" and on_progress:
                         on_progress(ev["tokens"])
                     if ev.get("kind") == "stage" and on_stage:
                         on_stage(ev["stage"])
-                seen = len(events)
                 if job.timeout_s and time.perf_counter() - t0 > job.timeout_s:
                     proc.kill()
-                time.sleep(0.1)
+                time.sleep(0.2)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -237,7 +271,12 @@ def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, w
     out.error = (result or {}).get("error", "") or tail.strip()[-400:]
     requested = (result or {}).get("requested_bytes") or 0
     last = (result or {}).get("final", {}).get(key) or (events[-1].get("status", {}).get(key) if events else None)
-    if base is not None:  # the model loaded: what the run adds is the plan's cache + activations
+    if base is not None and job.target.kind == "artifact":  # caches were allocated at load already
+        need = max(base + plan.activations, (last or base) + requested)
+        out.needs_basis = ("measured after loading the artifact (weights + caches) + planned activations, "
+                           "or in use when the allocation failed + the failed allocation")
+        out.runtime_overhead = base - plan.weights - plan.kv_cache
+    elif base is not None:  # the model loaded: what the run adds is the plan's cache + activations
         need = base + plan.kv_cache + plan.activations
         out.needs_basis = (f"{limits.PEAK_FIELD[mech] if mech != 'cgroup2' else key} after loading the model "
                            f"({base / 2**20:,.0f} MiB, measured in the child) + planned KV cache + activations")

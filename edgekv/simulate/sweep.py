@@ -22,9 +22,10 @@ from .source import Target
 from .work import Schedule, WorkModel
 
 GiB = 2**30
-DEFAULT_CAPS = [0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0]
+DEFAULT_CAPS = [0.5 + 0.125 * i for i in range(45)]  # 0.5 … 6 GiB
 DEFAULT_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_SEARCH = 1 << 24
+DEFAULT_OVERHEAD = 450 * 2**20  # only when no run measured one (flagged in the output)
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,20 @@ def run_sweep(target: Target, series: list[Series], block: int, max_new: int, ov
     return out
 
 
+def measured_points(runs: list[dict]) -> list[dict]:
+    """The runs of one invocation as points on the fit plot (cap, prompt, fitted or not)."""
+    return [{"label": "full cache" if r["policy"] == "full" else f"{r['policy']} N={r['budget']:,}",
+             "cap_bytes": r["cap"], "prompt_tokens": r["prompt_tokens"], "fits": bool(r["fits"]),
+             "status": r["status"]} for r in runs if r["status"] != "not run (cross-compiled artifact)"]
+
+
 def _atomic(path: Path, write) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=path.suffix, dir=path.parent or ".")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the user's usual permissions
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -131,23 +142,30 @@ def plot(data: dict, path: Path) -> None:
     finite = [v for s in data["series"] for v in s["max_prompt"] if v]
     top = max([data["trained_context"] * 8] + [v * 2 for v in finite])
     for s in data["series"]:
-        ys = [top if v is None else max(v, 1) for v in s["max_prompt"]]
+        ys = [top if v is None else (v if v > 0 else float("nan")) for v in s["max_prompt"]]
         style = "--" if s["policy"] == "full" else "-"
-        ax.plot(caps, ys, style, marker="o", ms=3, label=s["label"])
+        ax.plot(caps, ys, style, marker="o", ms=2.5, label=s["label"] + (" (nothing fits left of the line)" if s["policy"] != "full" else ""))
+    points = data.get("measured", [])
+    for i, m in enumerate(points):
+        dx = 0.07 * (i - (len(points) - 1) / 2)  # runs at the same cap and length side by side
+        ax.plot([m["cap_bytes"] / GiB + dx], [m["prompt_tokens"]], "P" if m["fits"] else "X", ms=10,
+                color="tab:green" if m["fits"] else "tab:red", zorder=5,
+                label=f"measured run: {m['label']}, {m['prompt_tokens']:,} tokens — " + ("fits" if m["fits"] else "does not fit"))
     ax.axhline(data["trained_context"], color="grey", ls=":", lw=1)
-    ax.text(caps[0], data["trained_context"] * 1.1, f"trained context {data['trained_context']:,}", fontsize=8, color="grey")
+    ax.text(caps[-1], data["trained_context"] * 0.75, f"trained context {data['trained_context']:,}", fontsize=8,
+            color="grey", ha="right", va="top")
     ax.axhline(top, color="black", lw=0.5)
-    ax.text(caps[0], top * 0.75, "any length (memory independent of prompt)", fontsize=8)
+    ax.text(caps[-1], top * 1.15, "any length (memory independent of the prompt)", fontsize=8, ha="right")
     for d in data["devices"]:
         ax.axvline(d["app_usable_bytes"] / GiB, color="tab:purple", ls=":", lw=1)
         ax.text(d["app_usable_bytes"] / GiB, 2, d["name"], rotation=90, fontsize=7, color="tab:purple", va="bottom")
     ax.set_yscale("log")
-    ax.set_ylim(1, top * 1.5)
+    ax.set_ylim(1, top * 3)
     ax.set_xlabel("memory cap (GiB)")
     ax.set_ylabel("longest prompt that fits (tokens)")
     ax.set_title(f"{data['model']}: longest prompt under a cap\n(plan + measured runtime overhead "
                  f"{data['runtime_overhead_bytes'] / 2**20:,.0f} MiB, {data['mechanism']})", fontsize=9)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=7, loc="center right")
     colors = {}
     for i, key in enumerate(("decode_tok_s", "prefill_tok_s")):
         ax = axes[1 + i]
@@ -167,3 +185,27 @@ def plot(data: dict, path: Path) -> None:
     fig.tight_layout()
     _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png"))
     plt.close(fig)
+
+
+def sweep_from_runs(target: Target, runs: list[dict], block: int, max_new: int, profiles: list[DeviceProfile],
+                    work: WorkModel, mechanism: str, unit: str | None = None) -> dict:
+    """The sweep for one invocation's runs (``Outcome.to_dict()``): their policies and budgets
+    plus the full cache, with the runtime overhead the children measured."""
+    measured = [r["runtime_overhead"] for r in runs if r["fits"] and r.get("runtime_overhead") is not None]
+    if measured:
+        overhead, src = max(measured), f"measured in this invocation's child runs ({mechanism}, max over fitting runs)"
+    else:
+        partial = [r["runtime_overhead"] for r in runs if r.get("runtime_overhead") is not None]
+        overhead = max(partial) if partial else DEFAULT_OVERHEAD
+        src = ("measured after model load in a run that did not fit" if partial else
+               "NOT measured (no run fitted): default 450 MiB")
+    series: list[Series] = []
+    for r in runs:
+        s = Series(r["policy"], None if r["policy"] == "full" else r["budget"])
+        if s not in series:
+            series.append(s)
+    if Series("full", None) not in series:
+        series.append(Series("full", None))
+    sweep = run_sweep(target, series, block, max_new, int(overhead), src, profiles, work, unit=unit, mechanism=mechanism)
+    sweep["measured"] = measured_points(runs)
+    return sweep

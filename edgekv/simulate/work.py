@@ -92,6 +92,12 @@ class GeometryWork:
     def block(self, n_cache: int, b: int, evicts: bool, value_bytes: int = 4) -> Work:
         return self._step(n_cache, b, evicts, value_bytes)
 
+    def attention_and_eviction_flops(self, b: int, keys: int) -> float:
+        """FLOPs of the block-attention and eviction kernels alone (all layers)."""
+        c = self.cfg
+        attn = 4 * b * c.num_heads * c.head_dim * keys + 5 * b * c.num_heads * keys
+        return float(c.num_layers * (attn + c.num_kv_heads * keys * (6 * c.head_dim + 16)))
+
     def decode(self, n_cache: int, evicts: bool, value_bytes: int = 4) -> Work:
         return self._step(n_cache, 1, evicts, value_bytes)
 
@@ -115,12 +121,26 @@ class ManifestWork:
 
 
 def work_from_manifest(manifest: dict, cfg: ModelConfig) -> WorkModel:
+    """Counts the artifact recorded from its graph (``graph_work.count_module``), else geometry."""
+    n_static = int(manifest["budget"]) + int(manifest["block"])
     w = manifest.get("work")
     if isinstance(w, dict) and "prefill_block" in w and "decode" in w:
         vb = {"float32": 4, "float16": 2, "int8": 1}.get(str(manifest.get("dtype", "float32")), 4)
-        return ManifestWork(Work(float(w["prefill_block"]["flops"]), float(w["prefill_block"]["bytes"])),
-                            Work(float(w["decode"]["flops"]), float(w["decode"]["bytes"])), vb)
-    n_static = int(manifest["budget"]) + int(manifest["block"])
+        pre, dec = w["prefill_block"], w["decode"]
+        source = "artifact graph (manifest.json 'work')"
+        pre_f, dec_f = float(pre["flops"]), float(dec["flops"])
+        if pre.get("unestimated") or dec.get("unestimated"):
+            # TVM cannot estimate kernels with data-dependent loops (attention, top-k): add their
+            # FLOPs from the geometry, and say so
+            g = GeometryWork(cfg, static_keys=n_static)
+            b = int(manifest["block"])
+            if pre.get("unestimated"):
+                pre_f += g.attention_and_eviction_flops(b, n_static)
+            if dec.get("unestimated"):
+                dec_f += g.attention_and_eviction_flops(1, n_static)
+            source += " + geometry FLOPs for kernels TVM cannot estimate (" + ", ".join(
+                sorted(set(pre.get("unestimated", []) + dec.get("unestimated", [])))[:4]) + ")"
+        return ManifestWork(Work(pre_f, float(pre["bytes"])), Work(dec_f, float(dec["bytes"])), vb, source)
     return GeometryWork(cfg, static_keys=n_static,
                         source="geometry of the artifact's manifest (static N + B shapes); the manifest has no 'work' counts")
 

@@ -22,6 +22,10 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
     G = Hq // H
     scale = float(sm_scale)
+    # q·k as LANES independent partial sums (vectorisable; LLVM will not reorder a float
+    # reduction by itself), summed at the end: a different but fixed summation order.
+    LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
+    CH = D // LANES
 
     @T.prim_func(private=True, s_tir=True)
     def block_attention(
@@ -40,6 +44,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                 s = T.sblock_alloc_buffer((N + B,), "float32")
                 acc = T.sblock_alloc_buffer((D,), "float32")
                 red = T.sblock_alloc_buffer((1,), "float32")
+                part = T.sblock_alloc_buffer((LANES,), "float32")
                 mx = T.sblock_alloc_buffer((1,), "float32")
                 tot = T.sblock_alloc_buffer((1,), "float32")
                 h: T.let[T.int32] = hi // B
@@ -51,16 +56,26 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                     mx[0] = T.float32(-3.0e38)
                     for j in T.serial(N):
                         if j < nf:
+                            for l in T.vectorized(LANES):
+                                part[l] = T.float32(0)
+                            for c0 in T.serial(CH):
+                                for l in T.vectorized(LANES):
+                                    part[l] = part[l] + q[0, h, i, c0 * LANES + l] * k_cache[kh, j, c0 * LANES + l]
                             red[0] = T.float32(0)
-                            for c in T.serial(D):
-                                red[0] = red[0] + q[0, h, i, c] * k_cache[kh, j, c]
+                            for l in T.serial(LANES):
+                                red[0] = red[0] + part[l]
                             s[j] = red[0] * T.float32(scale)
                             mx[0] = T.max(mx[0], s[j])
                     for j in T.serial(B):
                         if j <= i:
+                            for l in T.vectorized(LANES):
+                                part[l] = T.float32(0)
+                            for c0 in T.serial(CH):
+                                for l in T.vectorized(LANES):
+                                    part[l] = part[l] + q[0, h, i, c0 * LANES + l] * k_blk[0, kh, j, c0 * LANES + l]
                             red[0] = T.float32(0)
-                            for c in T.serial(D):
-                                red[0] = red[0] + q[0, h, i, c] * k_blk[0, kh, j, c]
+                            for l in T.serial(LANES):
+                                red[0] = red[0] + part[l]
                             s[N + j] = red[0] * T.float32(scale)
                             mx[0] = T.max(mx[0], s[N + j])
                     tot[0] = T.float32(0)
@@ -70,13 +85,13 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                         if j < nf:
                             s[j] = T.exp(s[j] - mx[0])
                             tot[0] = tot[0] + s[j]
-                            for c in T.serial(D):
+                            for c in T.vectorized(D):
                                 acc[c] = acc[c] + s[j] * v_cache[kh, j, c]
                     for j in T.serial(B):
                         if j <= i:
                             s[N + j] = T.exp(s[N + j] - mx[0])
                             tot[0] = tot[0] + s[N + j]
-                            for c in T.serial(D):
+                            for c in T.vectorized(D):
                                 acc[c] = acc[c] + s[N + j] * v_blk[0, kh, j, c]
                     for c in T.serial(D):
                         out[0, h, i, c] = acc[c] / tot[0]

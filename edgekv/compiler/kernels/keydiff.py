@@ -22,6 +22,23 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
     EPS = float(eps)
     W = int(recent)
 
+    # squared norms and dot products as LANES partial sums (vectorisable), cache rows and
+    # block rows in separate loops (no per-element select between the two sources)
+    LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
+    CH = D // LANES
+
+    @T.macro
+    def row_norm(src, red, part):
+        for l in T.vectorized(LANES):
+            part[l] = T.float32(0)
+        for c0 in T.serial(CH):
+            for l in T.vectorized(LANES):
+                part[l] = part[l] + src[c0 * LANES + l] * src[c0 * LANES + l]
+        red[0] = T.float32(0)
+        for l in T.serial(LANES):
+            red[0] = red[0] + part[l]
+        red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+
     @T.prim_func(private=True, s_tir=True)
     def keydiff_score(
         k_cache: T.Buffer((H, N, D), "float32"),
@@ -37,52 +54,73 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
         T.func_attr({"tirx.noalias": True})
         for h in T.parallel(H):
             with T.sblock("keydiff"):
+                T.reads(k_cache[h, 0:N, 0:D], pos_cache[h, 0:N], fill[0:1], k_blk[0, h, 0:B, 0:D], pos_blk[0:B],
+                        n_valid[0:1])
+                T.writes(score[h, 0:NB])
                 anchor = T.sblock_alloc_buffer((D,), "float32")
                 kv = T.sblock_alloc_buffer((D,), "float32")
+                part = T.sblock_alloc_buffer((LANES,), "float32")
                 red = T.sblock_alloc_buffer((1,), "float32")
                 newest = T.sblock_alloc_buffer((1,), "int32")
                 nf: T.let[T.int32] = fill[0]
+                nv: T.let[T.int32] = n_valid[0]
                 n: T.let[T.int32] = fill[0] + n_valid[0]
                 if n > N:
-                    for c in T.serial(D):
+                    for c in T.vectorized(D):
                         anchor[c] = T.float32(0)
-                    for i in T.serial(NB):
-                        if i < n:
-                            for c in T.serial(D):
-                                kv[c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c],
-                                                       k_blk[0, h, T.max(i - nf, 0), c])
-                            red[0] = T.float32(0)
-                            for c in T.serial(D):
-                                red[0] = red[0] + kv[c] * kv[c]
-                            red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
-                            for c in T.serial(D):
+                    for i in T.serial(N):
+                        if i < nf:
+                            for c in T.vectorized(D):
+                                kv[c] = k_cache[h, i, c]
+                            row_norm(kv, red, part)
+                            for c in T.vectorized(D):
                                 anchor[c] = anchor[c] + kv[c] / red[0]
-                    for c in T.serial(D):
+                    for i in T.serial(B):
+                        if i < nv:
+                            for c in T.vectorized(D):
+                                kv[c] = k_blk[0, h, i, c]
+                            row_norm(kv, red, part)
+                            for c in T.vectorized(D):
+                                anchor[c] = anchor[c] + kv[c] / red[0]
+                    for c in T.vectorized(D):
                         anchor[c] = anchor[c] / T.Cast("float32", n)
-                    red[0] = T.float32(0)
-                    for c in T.serial(D):
-                        red[0] = red[0] + anchor[c] * anchor[c]
-                    red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
-                    for c in T.serial(D):
+                    row_norm(anchor, red, part)
+                    for c in T.vectorized(D):
                         anchor[c] = anchor[c] / red[0]
-                    newest[0] = pos_blk[T.max(n_valid[0] - 1, 0)]
+                    newest[0] = pos_blk[T.max(nv - 1, 0)]
                     for i in T.serial(NB):
-                        if i < n:
-                            for c in T.serial(D):
-                                kv[c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c],
-                                                       k_blk[0, h, T.max(i - nf, 0), c])
-                            red[0] = T.float32(0)
-                            for c in T.serial(D):
-                                red[0] = red[0] + kv[c] * kv[c]
-                            red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                        score[h, i] = T.float32("-inf")
+                    for i in T.serial(N):
+                        if i < nf:
+                            for c in T.vectorized(D):
+                                kv[c] = k_cache[h, i, c]
+                            row_norm(kv, red, part)
+                            for l in T.vectorized(LANES):
+                                part[l] = T.float32(0)
+                            for c0 in T.serial(CH):
+                                for l in T.vectorized(LANES):
+                                    part[l] = part[l] + (kv[c0 * LANES + l] / red[0]) * anchor[c0 * LANES + l]
                             score[h, i] = T.float32(0)
-                            for c in T.serial(D):
-                                score[h, i] = score[h, i] - (kv[c] / red[0]) * anchor[c]
+                            for l in T.serial(LANES):
+                                score[h, i] = score[h, i] - part[l]
                             if W > 0:
-                                if T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)],
-                                                  pos_blk[T.max(i - nf, 0)]) > newest[0] - W:
+                                if pos_cache[h, i] > newest[0] - W:
                                     score[h, i] = T.float32("inf")
-                        else:
-                            score[h, i] = T.float32("-inf")
+                    for i in T.serial(B):
+                        if i < nv:
+                            for c in T.vectorized(D):
+                                kv[c] = k_blk[0, h, i, c]
+                            row_norm(kv, red, part)
+                            for l in T.vectorized(LANES):
+                                part[l] = T.float32(0)
+                            for c0 in T.serial(CH):
+                                for l in T.vectorized(LANES):
+                                    part[l] = part[l] + (kv[c0 * LANES + l] / red[0]) * anchor[c0 * LANES + l]
+                            score[h, nf + i] = T.float32(0)
+                            for l in T.serial(LANES):
+                                score[h, nf + i] = score[h, nf + i] - part[l]
+                            if W > 0:
+                                if pos_blk[i] > newest[0] - W:
+                                    score[h, nf + i] = T.float32("inf")
 
     return keydiff_score
