@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -91,7 +92,8 @@ def run(
 ):
     """Generate from a long prompt under a KV budget, block by block; print text and a memory table."""
     from .engine import Sampler
-    from .job import check_context, check_writable, encode_prompt, run_eager, write_json_atomic
+    from .job import (check_context, check_writable, encode_prompt, open_artifact, run_compiled, run_eager,
+                      write_json_atomic)
     from .models import load_model
     from .policies import make_policy
 
@@ -106,7 +108,14 @@ def run(
             import torch
 
             torch.set_num_threads(threads)
-        loaded = load_model(model, err)
+        compiled = model is not None and (Path(model) / "manifest.json").is_file()
+        if compiled:
+            if policy_arg or budget_given(budget, block, policy):
+                raise InputError("a compiled artifact fixes --policy, --budget and --block at compile time; "
+                                 "drop them or recompile with `edgekv compile`")
+            runtime, loaded = open_artifact(model)
+        else:
+            loaded = load_model(model, err)
         ids = encode_prompt(loaded, text, chat)
         check_context(loaded, int(ids.numel()), max_new_tokens, allow_beyond_context)
         generated: list[int] = []
@@ -125,9 +134,13 @@ def run(
         if show_bar:
             bar.start()
         try:
-            result = run_eager(loaded, ids, policy_name=policy, policy_args=parse_policy_args(policy_arg),
-                               budget=budget, block=block, max_new_tokens=max_new_tokens, sampler=sampler,
-                               on_token=stream, progress=advance if show_bar else None)
+            if compiled:
+                result = run_compiled(runtime, loaded, ids, max_new_tokens=max_new_tokens, sampler=sampler,
+                                      on_token=stream, progress=advance if show_bar else None)
+            else:
+                result = run_eager(loaded, ids, policy_name=policy, policy_args=parse_policy_args(policy_arg),
+                                   budget=budget, block=block, max_new_tokens=max_new_tokens, sampler=sampler,
+                                   on_token=stream, progress=advance if show_bar else None)
         finally:
             if show_bar:
                 bar.stop()
@@ -136,7 +149,75 @@ def run(
         if report is not None:
             write_json_atomic(report, result.report)
             err.print(f"report written to {report}")
-    except USER_ERRORS as exc:
+    except USER_ERRORS + compiler_errors() as exc:
+        _fail(exc)
+
+
+RUN_DEFAULTS = {"budget": "2k", "block": 128, "policy": "keydiff"}
+
+
+def budget_given(budget: str, block: int, policy: str) -> bool:
+    """Whether the user changed a setting that a compiled artifact fixes (typer gives no 'was set' flag)."""
+    return (budget, block, policy) != (RUN_DEFAULTS["budget"], RUN_DEFAULTS["block"], RUN_DEFAULTS["policy"])
+
+
+def compiler_errors() -> tuple[type[Exception], ...]:
+    """Errors of the compiled path that are the user's to fix (imported lazily: TVM is optional)."""
+    try:
+        from .compiler.attention_sites import AttentionMatchError
+        from .compiler.build import CompileError
+        from .compiler.kernels import UnsupportedPolicyError
+        from .runtime.host import ArtifactError
+    except ImportError:
+        return ()
+    return (AttentionMatchError, CompileError, UnsupportedPolicyError, ArtifactError)
+
+
+@app.command("compile")
+def compile_cmd(
+    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file or HF directory")] = None,
+    budget: Annotated[str, typer.Option(help="KV budget N per layer and KV head (8k, 1024, 512MiB)")] = "2k",
+    block: Annotated[int, typer.Option(help="prompt tokens per block B")] = 128,
+    policy: Annotated[str, typer.Option(help="eviction policy compiled into the model")] = "keydiff",
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help="policy parameter key=value (repeatable)")] = None,
+    target: Annotated[str, typer.Option(help="target profile in compile/ (host, ...) or a JSON file")] = "host",
+    output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("build/edgekv"),
+    mem_limit: Annotated[Optional[str], typer.Option(help="refuse if the static memory plan exceeds this (1.5GiB)")] = None,
+):
+    """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
+    import time
+
+    from .budget import parse_budget, parse_size
+    from .models import load_model
+    from .policies import make_policy
+
+    try:
+        if output.exists() and any(output.iterdir()) and not (output / "manifest.json").is_file():
+            raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
+        pol = make_policy(policy, parse_policy_args(policy_arg))
+        limit = parse_size(mem_limit) if mem_limit else None
+        loaded = load_model(model, err)
+        n = parse_budget(budget, loaded.config, block)
+        from .compiler import compile_model
+
+        t0 = time.perf_counter()
+        with err.status("compiling…") as status:
+            result = compile_model(loaded, pol, n, block, target, output, mem_limit=limit,
+                                   progress=lambda msg: status.update(msg))
+        manifest = result.manifest
+        table = Table(title=f"edgekv compile · {loaded.model_id} · {policy} · N={n} B={block}")
+        table.add_column("item")
+        table.add_column("value", justify="right")
+        table.add_row("artifact", str(output))
+        table.add_row("target", json.dumps(manifest["target"]["tvm"]))
+        table.add_row("attention sites rewritten", str(manifest["num_layers"]))
+        plan = manifest["memory_plan"]
+        table.add_row("plan: weights / KV cache / activations",
+                      f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
+                      f"{human_bytes(plan['activation_bytes'])}")
+        table.add_row("compile time", f"{time.perf_counter() - t0:.1f} s")
+        out.print(table)
+    except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
 
 

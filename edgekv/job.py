@@ -40,6 +40,7 @@ def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=2)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is an ordinary file
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -116,5 +117,65 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
         },
         "text": text,
         "torch_threads": torch.get_num_threads(),
+    }
+    return RunResult(text=text, generated_ids=ids, report=report)
+
+
+@dataclass
+class ArtifactModel:
+    """What prompt encoding and the context check need from a compiled artifact."""
+
+    model_id: str
+    config: object
+    tokenizer: object
+    chat: bool
+
+
+def open_artifact(path) -> tuple[object, ArtifactModel]:
+    """Load a compiled artifact (refusing a corrupt or mismatched one) and describe its model."""
+    from .models.config import ModelConfig
+    from .runtime import HostRuntime
+
+    rt = HostRuntime(path)
+    model = rt.manifest["model"]
+    return rt, ArtifactModel(model_id=model["id"], config=ModelConfig(**model["config"]), tokenizer=rt.tokenizer,
+                             chat=bool(model.get("chat")))
+
+
+def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_new_tokens: int, sampler: Sampler,
+                 on_token=None, progress=None) -> RunResult:
+    """The compiled counterpart of ``run_eager``: same report keys, measured by the host runtime."""
+    eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
+    t0 = time.perf_counter()
+    ids = rt.generate(prompt_ids.numpy(), max_new_tokens, sampler=lambda logits: sampler(torch.from_numpy(logits)),
+                      eos_ids=eos, on_token=on_token, progress=progress)
+    wall = time.perf_counter() - t0
+    s = rt.stats
+    plan = rt.manifest["memory_plan"]
+    text = described.tokenizer.decode(ids, skip_special_tokens=True) if described.tokenizer is not None else ""
+    report = {
+        "engine": "compiled",
+        "artifact": str(rt.path),
+        "target": rt.manifest["target"],
+        "model": described.model_id,
+        "weight_sha256": rt.manifest["model"]["weight_hash"],
+        "policy": rt.manifest["policy"]["name"],
+        "policy_params": rt.manifest["policy"]["params"],
+        "budget_tokens": rt.budget,
+        "block": rt.block,
+        "prompt_tokens": int(prompt_ids.numel()),
+        "generated_tokens": len(ids),
+        "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
+        "decode_tok_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
+        "prefill_seconds": s.prefill_seconds,
+        "decode_seconds": s.decode_seconds,
+        "wall_seconds": wall,
+        "cache_lengths": rt.cache_lengths(),
+        "memory": {
+            "plan": {"weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
+                     "activations": plan["activation_bytes"], "total": plan["total_bytes"]},
+            "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
+        },
+        "text": text,
     }
     return RunResult(text=text, generated_ids=ids, report=report)

@@ -18,13 +18,13 @@ from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
 
 H, N, B, D = 2, 24, 8, 16
 TARGET = tvm.target.Target({"kind": "llvm", "opt-level": 0, "num-cores": 2})
-POLICIES = {
-    "streaming": (StreamingPolicy(sinks=3), {"sinks": 3}),
-    "keydiff": (KeyDiffPolicy(), {"recent": 0}),
-    "keydiff_recent": (KeyDiffPolicy(recent_window=5), {"recent": 5}),
-    "lagkv": (LagKVPolicy(sinks=2, lag=5), {"sinks": 2, "lag": 5, "value_weight": 1.0, "unbiased_std": True,
-                                             "eps": 1e-6}),
-}
+# each policy's kernel gets its parameters from the policy itself (``kernel_params``)
+POLICIES = {name: (pol, pol.kernel_params(N)) for name, pol in {
+    "streaming": StreamingPolicy(sinks=3),
+    "keydiff": KeyDiffPolicy(),
+    "keydiff_recent": KeyDiffPolicy(recent_window=5),
+    "lagkv": LagKVPolicy(sinks=2, lag=5),
+}.items()}
 
 
 def _ty(shape, dtype="float32"):
@@ -111,3 +111,164 @@ def test_ties_go_to_the_lower_index(vm):
     pos = tens[2].numpy()
     assert pos[0].tolist() == list(range(N))
     assert pos[1].tolist() == [p for p in range(N + 1) if p != 5]
+
+
+def test_policy_files_hold_their_kernels_and_import_no_tvm():
+    """One file per policy holds scorer + kernel builder; ``import edgekv.policies`` stays tvm-free."""
+    import subprocess
+    import sys
+
+    from edgekv.policies import REGISTRY
+    from edgekv.policies.base import UnsupportedPolicyError, compiled_policy_names
+
+    code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert compiled_policy_names() == ["full", "keydiff", "lagkv", "streaming"]
+    for name in compiled_policy_names():
+        cls = REGISTRY[name]
+        assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer
+    assert POLICIES["keydiff_recent"][1]["recent"] == 5 and POLICIES["lagkv"][1]["lag"] == 5
+    with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
+        REGISTRY["snapkv"]().kernel_params(N)
+    with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
+        build_score("snapkv", H, N, B, D)
+
+
+# ---- block attention (tiled online softmax) against a float64 numpy oracle ----
+
+def _attention_oracle(q, kb, vb, kc, vc, nf, nv, scale):
+    _, Hq, Bq, _ = q.shape
+    G = Hq // kc.shape[0]
+    out = np.zeros(q.shape, np.float64)
+    for h in range(Hq):
+        keys = np.concatenate([kc[h // G, :nf], kb[0, h // G]], 0).astype(np.float64)
+        vals = np.concatenate([vc[h // G, :nf], vb[0, h // G]], 0).astype(np.float64)
+        s = q[0, h].astype(np.float64) @ keys.T * scale
+        s[np.arange(Bq)[:, None] < np.arange(keys.shape[0])[None, :] - nf] = -np.inf  # causal in block
+        p = np.exp(s - s.max(1, keepdims=True))
+        out[0, h] = (p / p.sum(1, keepdims=True)) @ vals
+    out[0, :, nv:] = 0
+    return out
+
+
+# (Hq, H, N, B, D, fill, n_valid): SmolLM2's shapes (full and partial cache / block, decode),
+# prime and odd sizes (tiles that do not divide N, B = 1 with G = 2, D not a multiple of 16)
+ATTN_CASES = [(9, 3, 1024, 128, 64, 1024, 128), (9, 3, 1024, 128, 64, 997, 77), (9, 3, 1024, 1, 64, 1024, 1),
+              (4, 2, 37, 13, 24, 29, 11), (6, 3, 67, 7, 16, 0, 7), (2, 1, 131, 1, 8, 61, 1), (3, 1, 5, 3, 4, 5, 2)]
+
+
+@pytest.mark.parametrize("case", ATTN_CASES, ids=[str(c) for c in ATTN_CASES])
+def test_block_attention_matches_oracle(case):
+    from edgekv.compiler.kernels import build_attention
+
+    Hq, H, Nc, Bc, Dc, nf, nv = case
+    scale = 1 / np.sqrt(Dc)
+    f = build_attention(Hq, H, Nc, Bc, Dc, scale).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "llvm", "num-cores": 2}))
+    rng = np.random.default_rng(sum(case))
+    a = [rng.standard_normal(s).astype("float32") * 2 for s in
+         [(1, Hq, Bc, Dc), (1, H, Bc, Dc), (1, H, Bc, Dc), (H, Nc, Dc), (H, Nc, Dc)]]
+    a[3][:, nf:] = np.nan  # rows past fill are never read into a result
+    a += [np.array([nf], "int32"), np.array([nv], "int32"), np.full((1, Hq, Bc, Dc), 7, "float32")]
+    t = [tvm.runtime.tensor(x) for x in a]
+    lib["main"](*t)
+    ref = _attention_oracle(*a[:5], nf, nv, scale)
+    np.testing.assert_allclose(t[-1].numpy(), ref, rtol=2e-5, atol=2e-5)
+
+
+# ---- GEMM / GEMV rules (cpu_schedule.ScheduleCPU) against TVM's unscheduled lowering ----
+
+# (lead dims, M, K, N): SmolLM2's prefill GEMMs and decode GEMVs, and odd sizes (prime M/K,
+# N without a register tile → the generic rule or no rule at all)
+GEMM_CASES = [((1,), 128, 576, 192), ((), 128, 1536, 576), ((1,), 1, 576, 1536), ((), 1, 1536, 576),
+              ((), 13, 37, 48), ((1,), 7, 29, 16), ((), 5, 11, 13), ((), 3, 17, 96)]
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[str(c) for c in GEMM_CASES])
+def test_scheduled_gemm_equals_unscheduled(case):
+    from tvm.relax.backend.cpu_generic import pipeline as P
+
+    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
+
+    lead, M, K, Nn = case
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", _ty(lead + (M, K)))
+    w = relax.Var("w", _ty((K, Nn)))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, w))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    with tgt:
+        rules = ScheduleCPU()
+        rules(tvm.transform.Sequential(P.legalize_passes(tgt))(mod))
+    if Nn % 16 == 0:
+        assert rules.scheduled and rules.scheduled[0][1] == "dense", rules.scheduled
+    rng = np.random.default_rng(M * K + Nn)
+    a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((K, Nn)).astype("float32")]
+    outs = []
+    for pipe in (cpu_pipeline(tgt), None):  # scheduled, and TVM's default (unscheduled) lowering
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
+    np.testing.assert_allclose(outs[0], a[0] @ a[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fill,n_valid", [(1024, 128), (1000, 77), (1024, 1)])
+def test_select_at_model_shape_with_special_scores(fill, n_valid):
+    """SmolLM2's cache shape; scores with ties, ±0, ±inf and NaN (never evicted, like topk_keep)."""
+    Hm, Nm, Bm, Dm = 3, 1024, 128, 64
+    f = build_select(Hm, Nm, Bm, Dm, "float32", True).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "llvm", "num-cores": 2}))
+    rng = np.random.default_rng(fill + n_valid)
+    n = fill + n_valid
+    sc = rng.choice(np.array([-1.5, -0.0, 0.0, 0.25, 2.0], "float32"), (Hm, Nm + Bm))
+    sc[:, ::7] = rng.standard_normal((Hm, len(range(0, Nm + Bm, 7)))).astype("float32")
+    sc[:, 3::11] = np.inf
+    sc[:, 5::13] = -np.inf
+    sc[:, 9::17] = np.nan
+    kc = rng.standard_normal((Hm, Nm, Dm)).astype("float32")
+    kb = rng.standard_normal((1, Hm, Bm, Dm)).astype("float32")
+    pc = np.tile(np.arange(Nm, dtype="int32"), (Hm, 1))
+    pb = np.arange(Nm, Nm + Bm, dtype="int32")
+    a = [kc, kc.copy(), pc, np.array([fill], "int32"), kb, kb.copy(), pb, np.array([n_valid], "int32"), sc]
+    t = [tvm.runtime.tensor(x) for x in a]
+    lib["main"](*t)
+    kept = topk_keep(torch.from_numpy(sc[:, :n]), Nm).numpy()
+    cand = np.concatenate([pc[:, :fill], np.tile(pb[:n_valid], (Hm, 1))], 1)
+    assert int(t[3].numpy()[0]) == min(n, Nm)
+    np.testing.assert_array_equal(t[2].numpy()[:, : kept.shape[1]], np.take_along_axis(cand, kept, 1))
+
+
+# (lead dims, M, K, N) of ``x · Wᵀ`` (FuseTransposeMatmul's NT form: the tied LM head)
+NT_CASES = [((), 1, 576, 4096), ((1,), 1, 64, 256), ((), 3, 32, 12), ((), 2, 24, 8)]
+
+
+@pytest.mark.parametrize("case", NT_CASES, ids=[str(c) for c in NT_CASES])
+def test_scheduled_nt_gemm_equals_unscheduled(case):
+    from tvm.relax.backend.cpu_generic import pipeline as P
+
+    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
+
+    lead, M, K, Nn = case
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", _ty(lead + (M, K)))
+    w = relax.Var("w", _ty((Nn, K)))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    with tgt:
+        rules = ScheduleCPU()
+        rules(tvm.transform.Sequential([relax.transform.FuseTransposeMatmul()] + P.legalize_passes(tgt))(mod))
+    assert rules.scheduled and rules.scheduled[0][1] == ("dense" if K % 16 == 0 else "nt_matmul"), rules.scheduled
+    rng = np.random.default_rng(K + Nn)
+    a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((Nn, K)).astype("float32")]
+    outs = []
+    for pipe in (cpu_pipeline(tgt), None):
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())

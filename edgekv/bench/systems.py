@@ -30,6 +30,15 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _timed_greedy_decode(step, logits, count: int) -> float:
+    """Seconds to decode ``count`` tokens greedily with ``step(token) -> logits``."""
+    def run():
+        nonlocal logits
+        for _ in range(count):
+            logits = step(int(logits.argmax()))
+    return _timed(run)[1]
+
+
 @system("edgekv-eager")
 def run_edgekv_eager(ids, args):
     from ..engine import BlockEngine
@@ -40,35 +49,22 @@ def run_edgekv_eager(ids, args):
     BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"]).prefill(ids[: args["block"]])
     engine = BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"])
     logits, prefill = _timed(lambda: engine.prefill(ids))
-    token = int(logits.argmax())
-
-    def decode():
-        nonlocal token
-        for _ in range(args["decode_tokens"]):
-            token = int(engine.decode(token).argmax())
-    _, dec = _timed(decode)
+    dec = _timed_greedy_decode(engine.decode, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec, "kv_bytes": engine.kv_bytes}
 
 
 @system("edgekv-compiled")
 def run_edgekv_compiled(ids, args):
-    from ..runtime import load_artifact
+    from ..runtime import HostRuntime
 
     if not args.get("artifact"):
         raise RuntimeError("no compiled artifact given (--artifact); build one with `edgekv compile`")
-    rt = load_artifact(args["artifact"])
+    rt = HostRuntime(args["artifact"])
+    rt.prefill(ids[: args["block"]].numpy())
     rt.reset()
-    rt.prefill(ids[: args["block"]])
-    rt.reset()
-    logits, prefill = _timed(lambda: rt.prefill(ids))
-    token = int(logits.argmax())
-
-    def decode():
-        nonlocal token
-        for _ in range(args["decode_tokens"]):
-            token = int(rt.decode(token).argmax())
-    _, dec = _timed(decode)
-    return {"prefill_seconds": prefill, "decode_seconds": dec}
+    logits, prefill = _timed(lambda: rt.prefill(ids.numpy()))
+    dec = _timed_greedy_decode(rt.decode, logits, args["decode_tokens"])
+    return {"prefill_seconds": prefill, "decode_seconds": dec, "block_seconds": rt.stats.block_seconds}
 
 
 def _hf_generate(model, ids, decode_tokens, press=None):

@@ -105,24 +105,9 @@ def resolve_target(target: str | dict = "host") -> tuple[dict, dict]:
 
 
 def policy_kernel_params(policy: Any, budget: int) -> dict[str, Any]:
-    """The policy's parameters as its kernel builder takes them (e.g. fractions → counts)."""
-    name = policy.name
-    if name == "streaming":
-        return {"sinks": int(policy.sinks)}
-    if name == "keydiff":
-        from ..policies.keydiff import recent_count
-
-        return {"recent": recent_count(float(policy.recent_window), budget)}
-    if name == "lagkv":
-        return {"sinks": int(policy.sinks), "lag": int(policy.resolve_lag(budget)),
-                "value_weight": float(policy.value_weight), "unbiased_std": bool(policy.unbiased_std),
-                "eps": float(policy.EPS)}
-    if name == "full":
-        return {}
-    from .kernels import UnsupportedPolicyError, compiled_policy_names
-
-    raise UnsupportedPolicyError(
-        f"policy '{name}' has no compiled kernel yet; compiled policies: {', '.join(compiled_policy_names())}")
+    """The policy's parameters as its kernel builder takes them: ``policy.kernel_params(budget)``
+    (defined in the policy's file; raises ``UnsupportedPolicyError`` without a compiled kernel)."""
+    return policy.kernel_params(budget)
 
 
 def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:

@@ -1,15 +1,26 @@
-"""A first CPU schedule for the legalized GEMMs (runs inside the Relax pipeline, after FuseTIR).
+"""CPU schedules for the legalized kernels, organised like TVM's ``s_tir.dlight``: one *rule*
+per kernel kind, tried in order by one pass (``ScheduleCPU``, run inside the Relax pipeline
+after FuseTIR, selected for ``llvm`` targets by ``build.py``). A rule looks at one PrimFunc and
+returns a scheduled replacement or ``None``; the first rule that answers wins, and anything no
+rule takes (or that fails to schedule: the attempt runs on a copy) stays as it was.
 
 TVM's default CPU lowering runs every legalized ``matmul`` as a scalar, single-threaded
-i-j-k loop nest (~1 GFLOP/s here); on SmolLM2 the GEMMs were 97 % of a compiled block. This
-pass schedules each PrimFunc whose only block is a 2-D/3-D matmul-like reduction
-``C[.., i, j] += A[.., i, k] * W[.., k, j]`` (spatial..., reduction last):
+i-j-k loop nest (~1 GFLOP/s here). The rules, in order:
 
-    parallel(fused outer spatial, j-outer) → k → i-inner (unrolled) → j-inner (vectorized)
+* ``DenseRule``: ``C[(1,) M, N] = A[(1,) M, K] · W[K, N]`` (the pretransposed linear layers,
+  prefill GEMMs and decode GEMVs) → the register-blocked kernel of ``kernels/dense.py``
+  (parallel over weight panels, MR × NR accumulators in zmm registers, each weight panel
+  streamed once per call; M = 1, the decode GEMV: split-K, each task streaming whole rows of
+  W — one sequential stream — and the partial rows summed); and ``… · W[N, K]ᵀ`` (the tied LM head after FuseTransposeMatmul)
+  → 16-lane partial-sum dot products, 4 columns per step, the table streamed once;
+* ``MatmulRule``: any other 2-D/3-D matmul-like reduction ``C[.., i, j] += A[.., i, k] *
+  W[.., k, j]`` (odd sizes) → parallel(fused outer, j-outer) → k → i-inner (unrolled) →
+  j-inner (vectorized);
+* ``NTMatmulRule``: other ``NT_matmul`` functions (K not a multiple of 16) → scalar dot
+  products, parallel over the output.
 
-with the reduction's init split off. Anything that does not fit is left untouched (the
-schedule is attempted on a copy and dropped on any error), so it never changes results —
-only speed. Weight pre-packing, register blocking proper and attention schedules are later work.
+The hand-written TIR kernels (block attention, eviction score/select) carry their schedule in
+their own code (parallel outer loops, vector lanes) and are not touched here.
 """
 
 from __future__ import annotations
@@ -97,30 +108,150 @@ def _has_root(sch) -> bool:
         return False
 
 
-@tvm.ir.transform.module_pass(opt_level=0, name="edgekv.ScheduleCPUMatmul")
-class ScheduleCPUMatmul:
-    def __init__(self):
-        self.scheduled: list[str] = []
+def match_dense(func: tirx.PrimFunc) -> tuple[tuple, tuple, tuple, bool] | None:
+    """(A, W, C shapes, transposed) if ``func`` is exactly ``C[(0,) i, j] += A[(0,) i, k] * W[k, j]``
+    (transposed = False) or ``… * W[j, k]`` (True: the NT form), fp32."""
+    from tvm import s_tir
+
+    if len(func.params) != 3:
+        return None
+    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
+    if not _has_root(sch):
+        return None
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    if len(blocks) != 1:
+        return None
+    stmt = sch.get(blocks[0])
+    iv = [v.var for v in stmt.iter_vars]
+    kinds = [v.iter_type for v in stmt.iter_vars]
+    if kinds[-1] != tirx.IterVar.CommReduce or any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
+        return None
+    body = stmt.body
+    if not (isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add)):
+        return None
+    C = body.buffer
+    lhs, rhs = body.value.a, body.value.b
+    if not (_loaded(lhs) is not None and _loaded(lhs).same_as(C) and isinstance(rhs, tirx.Mul)):
+        return None
+    la, lw = rhs.a, rhs.b
+    A, W = _loaded(la), _loaded(lw)
+    if A is None or W is None:
+        return None
+    # the function's parameters must be (A, W, C) in this order (the kernel's signature)
+    if [b.name for b in (A, W, C)] != [p.name for p in func.params]:
+        return None
+    if any(str(b.dtype) != "float32" for b in (A, W, C)):
+        return None
+    shapes = [tuple(_int(d) for d in b.shape) for b in (A, W, C)]
+    if any(d is None for sh in shapes for d in sh):
+        return None
+    a, w, c = shapes
+    if len(w) != 2 or len(a) != len(c) or len(a) not in (2, 3) or (len(a) == 3 and (a[0] != 1 or c[0] != 1)):
+        return None
+    *_, vi, vj, vk = iv
+    same = lambda idx, vars_: len(idx) == len(vars_) and all(x.same_as(v) for x, v in zip(idx, vars_))  # noqa: E731
+    lead = iv[:-3]  # the extent-1 leading iter var of a 3-D matmul
+    if len(lead) != len(a) - 2 or not (same(body.indices, lead + [vi, vj]) and same(la.indices, lead + [vi, vk])):
+        return None
+    if same(lw.indices, [vk, vj]):
+        return a, w, c, False
+    if same(lw.indices, [vj, vk]):
+        return a, w, c, True
+    return None
+
+
+def _loaded(e):
+    """The buffer a load expression reads (TVM 0.27 calls the node ``TensorLoad``), else None."""
+    if type(e).__name__ not in ("TensorLoad", "BufferLoad"):
+        return None
+    src = getattr(e, "source", None)
+    return src if src is not None else getattr(e, "buffer", None)
+
+
+class Rule:
+    """One kernel kind: ``apply(func, name)`` → scheduled PrimFunc or None (not this kind)."""
+
+    name = "rule"
+
+    def apply(self, func: tirx.PrimFunc, name: str) -> tirx.PrimFunc | None:
+        raise NotImplementedError
+
+
+class DenseRule(Rule):
+    name = "dense"
+
+    def apply(self, func, name):
+        from .kernels.dense import VEC, build_dense_kernel, build_dense_nt_kernel, build_gemv_kernel, dense_tiles
+
+        m = match_dense(func)
+        if m is None:
+            return None
+        a, w, c, nt = m
+        if nt:
+            return build_dense_nt_kernel(a, w, c) if a[-1] % VEC == 0 and w[0] % 4 == 0 else None
+        if a[-2] == 1 and w[1] % VEC == 0:
+            return build_gemv_kernel(a, w, c)  # decode: split-K, W streamed row-contiguously
+        if dense_tiles(a[-2], a[-1], w[1]) is None:
+            return None
+        return build_dense_kernel(a, w, c)
+
+
+class MatmulRule(Rule):
+    name = "matmul"
+
+    def apply(self, func, name):
+        return schedule_matmul(func) if "matmul" in name and not name.startswith("NT_matmul") else None
+
+
+class NTMatmulRule(Rule):
+    name = "nt_matmul"
+
+    def apply(self, func, name):
+        return schedule_nt_matmul(func) if name.startswith("NT_matmul") else None
+
+
+DEFAULT_RULES = (DenseRule(), MatmulRule(), NTMatmulRule())
+
+
+@tvm.ir.transform.module_pass(opt_level=0, name="edgekv.ScheduleCPU")
+class ScheduleCPU:
+    """Apply the first matching rule to every not-yet-scheduled PrimFunc; ``scheduled`` records
+    (function, rule) pairs."""
+
+    def __init__(self, rules=DEFAULT_RULES):
+        self.rules = tuple(rules)
+        self.scheduled: list[tuple[str, str]] = []
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         updates = {}
         for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or "matmul" not in gv.name_hint:
+            if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled", False)):
                 continue
-            try:
-                new = schedule_nt_matmul(func) if gv.name_hint.startswith("NT_matmul") else schedule_matmul(func)
-            except Exception:  # noqa: BLE001 - an unschedulable function stays as it was
-                new = None
-            if new is not None:
-                updates[gv] = new.with_attr("tirx.is_scheduled", True)
-                self.scheduled.append(gv.name_hint)
+            for rule in self.rules:
+                try:
+                    new = rule.apply(func, gv.name_hint)
+                except Exception:  # noqa: BLE001 - an unschedulable function stays as it was
+                    new = None
+                if new is not None:
+                    attrs = {k: v for k, v in func.attrs.items()} if func.attrs else {}
+                    attrs.pop("global_symbol", None)
+                    new = new.with_attr("tirx.is_scheduled", True)
+                    for k, v in attrs.items():
+                        if k not in ("tirx.noalias",):
+                            new = new.with_attr(k, v)
+                    updates[gv] = new
+                    self.scheduled.append((gv.name_hint, rule.name))
+                    break
         for gv, func in updates.items():
             mod[gv] = func
         return mod
 
 
+ScheduleCPUMatmul = ScheduleCPU  # the first version's name
+
+
 def cpu_pipeline(target):
-    """The Relax CPU pipeline of TVM 0.27 with ``ScheduleCPUMatmul`` after FuseTIR."""
+    """The Relax CPU pipeline of TVM 0.27 with ``ScheduleCPU`` (the rules above) after FuseTIR."""
     from tvm.relax.backend.cpu_generic import pipeline as P
 
     @tvm.transform.module_pass(opt_level=0, name="edgekv.CPUPipeline")
@@ -128,7 +259,7 @@ def cpu_pipeline(target):
         with target:
             seq = tvm.transform.Sequential(
                 P.library_dispatch_passes(target) + [relax.transform.FuseTransposeMatmul()]
-                + P.legalize_passes(target) + [ScheduleCPUMatmul()]
+                + P.legalize_passes(target) + [ScheduleCPU()]
                 + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)
 

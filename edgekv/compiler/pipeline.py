@@ -8,8 +8,9 @@
   3. (TVM) DeadCodeElimination: drops the dead softmax/mask subgraphs and the full LM head
   3b. ``pretranspose.py``     PretransposeWeights: linear weights stored as Wᵀ (no per-call transposes)
   4. ``build.py``             tvm.compile: TVM's Relax CPU pipeline with ``cpu_schedule.py``
-                              (ScheduleCPUMatmul: parallel + vectorized GEMMs) after FuseTIR,
-                              LLVM codegen, and the artifact
+                              (ScheduleCPU: one rule per kernel kind — register-blocked dense
+                              GEMM/GEMV, generic matmul, NT matmul) after FuseTIR, LLVM codegen,
+                              and the artifact
 
 ``lower(model, ...)`` runs 0–3 and returns the IRModule plus what the artifact records.
 """

@@ -88,7 +88,7 @@ def _fixed_tokenizer(converted, meta: dict):
     return tok
 
 
-def _quiet_transformers():
+def quiet_transformers():
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -100,7 +100,7 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
 
-    _quiet_transformers()
+    quiet_transformers()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
@@ -127,7 +127,7 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _converted_dir(path: Path) -> Path:
+def converted_dir(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CONVERSION_FORMAT}".encode())
     return cache_root() / "converted" / f"{path.stem}-{key.hexdigest()[:12]}"
@@ -137,7 +137,7 @@ def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | No
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         hf_config = AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, json.JSONDecodeError) as exc:
@@ -169,7 +169,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, console: Console |
     src: ModelSource = resolve(name_or_path, console)
     if src.kind == "hf":
         return load_hf_dir(src.path, src.model_id, src.chat)
-    cached = _converted_dir(src.path)
+    cached = converted_dir(src.path)
     if not (cached / "edgekv.json").is_file():
         try:
             convert_gguf(src.path, cached, console)

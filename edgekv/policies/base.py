@@ -24,7 +24,7 @@ Ties are broken toward the earlier candidate index (i.e. the older entry): see
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -81,6 +81,10 @@ class PolicyError(ValueError):
     """A policy cannot run with the given budget / arguments; the message says how to fix it."""
 
 
+class UnsupportedPolicyError(PolicyError):
+    """The policy exists but has no compiled (TIR) kernel yet; it runs only in the eager engine."""
+
+
 @dataclass
 class Policy:
     """Base class. Subclasses are dataclasses whose fields are the paper's defaults."""
@@ -92,6 +96,11 @@ class Policy:
     observes_every_step: ClassVar[bool] = False
     # Per-entry float state kept beside K/V and compacted with them, e.g. H2O's column sums.
     entry_state: ClassVar[tuple[str, ...]] = ()
+    # The compiled face of the policy: a TIR score-kernel builder defined in the policy's own
+    # file, ``build(num_kv_heads, budget, block, head_dim, dtype, **kernel_params(budget))``
+    # returning a PrimFunc (or None: append only, no scores). None here = no compiled kernel.
+    # Builders import tvm lazily (tvm is the optional ``compile`` extra).
+    evict_kernel: ClassVar[Callable[..., Any] | None] = None
 
     def check_budget(self, budget: int, block: int) -> None:
         """Raise PolicyError if this policy cannot run with budget N and block B."""
@@ -116,6 +125,18 @@ class Policy:
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def kernel_params(self, budget: int) -> dict[str, Any]:
+        """The parameters as ``evict_kernel`` takes them at budget N (e.g. fractions → counts)."""
+        raise UnsupportedPolicyError(f"policy '{self.name}' has no compiled kernel yet; "
+                                     f"compiled policies: {', '.join(compiled_policy_names())}")
+
+
+def compiled_policy_names() -> list[str]:
+    """Names of the registered policies that have a compiled kernel (``evict_kernel`` set)."""
+    from . import REGISTRY
+
+    return sorted(n for n, cls in REGISTRY.items() if cls.evict_kernel is not None)
 
 
 def topk_keep(score: torch.Tensor, k: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _hf_dir_for(spec: str) -> Path:
     src = resolve(spec)
     if src.kind == "hf":
         return src.path
-    cached = loader._converted_dir(src.path)  # noqa: SLF001 - the loader's own cache location
+    cached = loader.converted_dir(src.path)
     if not (cached / "edgekv.json").is_file():
         # First use: convert once in a separate process so the parent never holds the weights.
         code = f"from edgekv.models import load_model; load_model({spec!r})"
@@ -126,10 +126,10 @@ def describe(spec: str | None) -> Target:
     from transformers import AutoConfig, AutoTokenizer
 
     from ..models.config import config_from_hf
-    from ..models.loader import _quiet_transformers  # noqa: SLF001
+    from ..models.loader import quiet_transformers
 
     hf_dir = _hf_dir_for(spec)
-    _quiet_transformers()
+    quiet_transformers()
     cfg = config_from_hf(AutoConfig.from_pretrained(str(hf_dir)))
     tok = None
     if (hf_dir / "tokenizer.json").is_file() or (hf_dir / "tokenizer_config.json").is_file():

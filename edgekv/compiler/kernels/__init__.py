@@ -1,10 +1,12 @@
-"""TIR kernels placed into the graph by the block-cache pass.
+"""Shared TIR kernels placed into the graph by the block-cache pass, and the lookup of each
+policy's own score kernel.
 
-``build_<policy>_evict_kernel(num_kv_heads, budget, block, head_dim, dtype, **policy_params)``
-returns the policy's *score* PrimFunc (see ``common`` for the shared signature) or ``None``
-(``full``: append only). Selection and compaction are shared (``select``); attention over
-cache ⊕ block is ``attention``. These builders are meant to move into the policy files
-(``edgekv/policies/<policy>.py``) next to each reference scorer.
+A policy's *score kernel* lives in its policy file (``edgekv/policies/<policy>.py``) next to
+its reference scorer: ``<Policy>.evict_kernel`` is ``build_<policy>_evict_kernel(num_kv_heads,
+budget, block, head_dim, dtype, **policy.kernel_params(budget))`` and returns the score
+PrimFunc (see ``common`` for the shared signature) or ``None`` (``full``: append only).
+Kernels shared by all policies stay here: top-N selection + compaction (``select``), block
+attention over cache ⊕ block (``attention``) and the conventions (``common``).
 """
 
 from __future__ import annotations
@@ -12,27 +14,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ...policies import REGISTRY
+from ...policies.base import UnsupportedPolicyError, compiled_policy_names
 from .attention import build_block_attention_kernel
-from .full import build_full_evict_kernel
-from .keydiff import build_keydiff_evict_kernel
-from .lagkv import build_lagkv_evict_kernel
 from .select import build_select_compact_kernel
-from .streaming import build_streaming_evict_kernel
 
-EVICT_KERNELS = {
-    "full": build_full_evict_kernel,
-    "streaming": build_streaming_evict_kernel,
-    "keydiff": build_keydiff_evict_kernel,
-    "lagkv": build_lagkv_evict_kernel,
-}
-
-
-class UnsupportedPolicyError(ValueError):
-    pass
-
-
-def compiled_policy_names() -> list[str]:
-    return sorted(EVICT_KERNELS)
+__all__ = ["UnsupportedPolicyError", "build_attention", "build_score", "build_select", "compiled_policy_names"]
 
 
 # Kernels are immutable PrimFuncs and TVMScript parsing costs ~0.1–0.3 s each: build each
@@ -43,16 +30,18 @@ def build_attention(num_q_heads, num_kv_heads, budget, block, head_dim, sm_scale
 
 
 def build_score(policy: str, num_kv_heads, budget, block, head_dim, dtype="float32", params: dict[str, Any] | None = None):
+    """The score PrimFunc of the registered policy ``policy`` (None for ``full``)."""
     return _build_score(policy, num_kv_heads, budget, block, head_dim, dtype, tuple(sorted((params or {}).items())))
 
 
 @functools.lru_cache(maxsize=256)
 def _build_score(policy, num_kv_heads, budget, block, head_dim, dtype, params):
-    params = dict(params)
-    if policy not in EVICT_KERNELS:
+    cls = REGISTRY.get(policy)
+    builder = cls.evict_kernel if cls is not None else None
+    if builder is None:
         raise UnsupportedPolicyError(
             f"policy '{policy}' has no compiled kernel yet; compiled policies: {', '.join(compiled_policy_names())}")
-    return EVICT_KERNELS[policy](num_kv_heads, budget, block, head_dim, dtype, **(params or {}))
+    return builder(num_kv_heads, budget, block, head_dim, dtype, **dict(params))
 
 
 @functools.lru_cache(maxsize=256)

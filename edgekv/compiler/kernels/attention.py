@@ -1,10 +1,26 @@
-"""Block attention over cache ⊕ block, as one TIR kernel.
+"""Block attention over cache ⊕ block, as one tiled online-softmax TIR kernel.
 
 Query row i of the block (i < n_valid) attends to every valid cache row (they are all older
 than the block) and to block rows j ≤ i (causal inside the block). Rows i ≥ n_valid are padding:
-their output is zero. Numerically a two-pass softmax per (query head, row): scores into a
-local buffer, then max, exp-sum and the weighted sum of V. GQA: query head h reads KV head
-h // (Hq / H).
+their output is zero. GQA: query head h reads KV head h // (Hq / H).
+
+Schedule (written into the kernel; the CPU analogue of a flash-attention tile loop):
+
+* the G = Hq / H query heads that share a KV head are one row space of G·B rows; it is cut
+  into tiles of QT rows, and the loop over (KV head, row tile) is the parallel outer loop;
+* per tile the keys are visited in tiles of KT keys (cache tiles up to ``fill``, then block
+  tiles up to the tile's last causal row). A key tile is transposed once into a local
+  [d, KT] buffer, so S = Q·Kᵀ runs vectorised over keys with RB query rows register-blocked;
+  the softmax is online (running max m, sum l, rescaled accumulator O), and P·V runs
+  vectorised over d with RB rows sharing each V row load;
+* memory per task: QT·d (queries, pre-scaled) + d·KT + QT·KT + QT·d floats — never a full
+  score matrix (the old kernel kept N + B scores per row).
+
+Summation order differs from a plain softmax (tile-wise max and rescaling); results agree to
+~1e-6 relative (``tests/test_compiler_kernels.py`` holds it against a numpy oracle). Key rows
+past ``fill`` inside the last cache tile are read but masked (−inf score, weight exactly 0);
+their *values* are multiplied by that 0, so V rows past ``fill`` must be finite (the runtime
+zero-initialises the cache and compaction leaves finite stale rows).
 """
 
 from __future__ import annotations
@@ -12,6 +28,46 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .common import check_dtype
+
+NEG_BIG = -3.0e38  # finite "minus infinity" for the running max (exp(NEG_BIG - m) = 0, no NaN)
+
+
+def vexp(x):
+    """exp(x) for fp32 as plain arithmetic, so LLVM vectorises it (``T.exp`` becomes one libm
+    call per lane): x = n·ln2 + r with |r| ≤ ln2/2 (two-constant reduction), a degree-7
+    polynomial for e^r, 2^n built in the exponent bits. Max rel. error ~2e-7; x ≤ −88.38
+    (including −inf) gives exactly 0."""
+    from tvm import tirx
+
+    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    xc = tirx.max(tirx.min(x, f32(88.3762626647949)), f32(-88.3762626647949))
+    n = tirx.floor(xc * f32(1.44269504088896341) + f32(0.5))
+    r = xc - n * f32(0.693359375) + n * f32(2.12194440e-4)
+    p = f32(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f32(c)
+    p = p * r * r + r + f32(1.0)
+    bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))
+    return p * tirx.reinterpret("float32", bits)
+
+
+def _largest_divisor(n: int, candidates) -> int:
+    for c in candidates:
+        if c <= n and n % c == 0:
+            return c
+    return 1
+
+
+def attention_tiles(num_q_heads: int, num_kv_heads: int, block: int, head_dim: int) -> dict[str, int]:
+    """Tile sizes of the kernel for these shapes (QT rows per task, KT keys per tile, RB rows
+    per register block, VL vector lanes)."""
+    G = num_q_heads // num_kv_heads
+    rows = G * block
+    QT = _largest_divisor(block, (64, 32, 16, 8, 4, 2)) if block > 1 else rows
+    if QT == 1:
+        QT = rows
+    RB = _largest_divisor(QT, (4, 3, 2))
+    return {"QT": QT, "KT": 64, "RB": RB, "VL": 16 if head_dim % 16 == 0 else (8 if head_dim % 8 == 0 else 1)}
 
 
 def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
@@ -22,10 +78,15 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
     G = Hq // H
     scale = float(sm_scale)
-    # q·k as LANES independent partial sums (vectorisable; LLVM will not reorder a float
-    # reduction by itself), summed at the end: a different but fixed summation order.
-    LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
-    CH = D // LANES
+    t = attention_tiles(Hq, H, B, D)
+    QT, KT, RB = t["QT"], t["KT"], t["RB"]
+    KL = 16  # lanes of the softmax partials (KT is a multiple)
+    ROWS = G * B
+    NQT = ROWS // QT  # QT divides B (or equals ROWS), so it divides ROWS
+    NRB = QT // RB
+    # a tile inside one query head covers block rows [i0, i0 + QT): block keys beyond its last
+    # row are fully masked and skipped; a tile spanning heads (decode: B = 1) needs all B keys
+    IN_HEAD = B % QT == 0
 
     @T.prim_func(private=True, s_tir=True)
     def block_attention(
@@ -39,64 +100,136 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
         out: T.Buffer((1, Hq, B, D), "float32"),
     ):
         T.func_attr({"tirx.noalias": True})
-        for hi in T.parallel(Hq * B):
+        for task in T.parallel(H * NQT):
             with T.sblock("attn"):
-                s = T.sblock_alloc_buffer((N + B,), "float32")
-                acc = T.sblock_alloc_buffer((D,), "float32")
-                red = T.sblock_alloc_buffer((1,), "float32")
-                part = T.sblock_alloc_buffer((LANES,), "float32")
-                mx = T.sblock_alloc_buffer((1,), "float32")
-                tot = T.sblock_alloc_buffer((1,), "float32")
-                h: T.let[T.int32] = hi // B
-                i: T.let[T.int32] = hi % B
-                kh: T.let[T.int32] = h // G
+                # explicit regions: automatic inference would reference the block's own let vars
+                T.reads(q[0, 0:Hq, 0:B, 0:D], k_blk[0, 0:H, 0:B, 0:D], v_blk[0, 0:H, 0:B, 0:D],
+                        k_cache[0:H, 0:N, 0:D], v_cache[0:H, 0:N, 0:D], fill[0:1], n_valid[0:1])
+                T.writes(out[0, 0:Hq, 0:B, 0:D])
+                qs = T.sblock_alloc_buffer((QT, D), "float32")
+                kt = T.sblock_alloc_buffer((D, KT), "float32")
+                s = T.sblock_alloc_buffer((QT, KT), "float32")
+                o = T.sblock_alloc_buffer((QT, D), "float32")
+                m = T.sblock_alloc_buffer((QT,), "float32")
+                lsum = T.sblock_alloc_buffer((QT,), "float32")
+                alpha = T.sblock_alloc_buffer((QT,), "float32")
+                part = T.sblock_alloc_buffer((KL,), "float32")
+                accs = T.sblock_alloc_buffer((RB, KT), "float32", scope="local")
+                acco = T.sblock_alloc_buffer((RB, D), "float32", scope="local")
+                kh: T.let[T.int32] = task // NQT
+                r0: T.let[T.int32] = (task % NQT) * QT
                 nf: T.let[T.int32] = fill[0]
                 nv: T.let[T.int32] = n_valid[0]
-                if i < nv:
-                    mx[0] = T.float32(-3.0e38)
-                    for j in T.serial(N):
-                        if j < nf:
-                            for l in T.vectorized(LANES):
-                                part[l] = T.float32(0)
-                            for c0 in T.serial(CH):
-                                for l in T.vectorized(LANES):
-                                    part[l] = part[l] + q[0, h, i, c0 * LANES + l] * k_cache[kh, j, c0 * LANES + l]
-                            red[0] = T.float32(0)
-                            for l in T.serial(LANES):
-                                red[0] = red[0] + part[l]
-                            s[j] = red[0] * T.float32(scale)
-                            mx[0] = T.max(mx[0], s[j])
-                    for j in T.serial(B):
-                        if j <= i:
-                            for l in T.vectorized(LANES):
-                                part[l] = T.float32(0)
-                            for c0 in T.serial(CH):
-                                for l in T.vectorized(LANES):
-                                    part[l] = part[l] + q[0, h, i, c0 * LANES + l] * k_blk[0, kh, j, c0 * LANES + l]
-                            red[0] = T.float32(0)
-                            for l in T.serial(LANES):
-                                red[0] = red[0] + part[l]
-                            s[N + j] = red[0] * T.float32(scale)
-                            mx[0] = T.max(mx[0], s[N + j])
-                    tot[0] = T.float32(0)
-                    for c in T.serial(D):
-                        acc[c] = T.float32(0)
-                    for j in T.serial(N):
-                        if j < nf:
-                            s[j] = T.exp(s[j] - mx[0])
-                            tot[0] = tot[0] + s[j]
+                # last block key any row of this tile can see
+                jmax: T.let[T.int32] = T.if_then_else(IN_HEAD, (r0 % B) + QT - 1, B - 1)
+                for r, c in T.grid(QT, D):
+                    qs[r, c] = q[0, kh * G + (r0 + r) // B, (r0 + r) % B, c] * T.float32(scale)
+                    o[r, c] = T.float32(0)
+                for r in T.serial(QT):
+                    m[r] = T.float32(NEG_BIG)
+                    lsum[r] = T.float32(0)
+                # ---- cache keys [0, fill), no causal mask ----
+                for kt_i in T.serial((nf + KT - 1) // KT):
+                    for j, c in T.grid(KT, D):
+                        kt[c, j] = k_cache[kh, T.min(kt_i * KT + j, N - 1), c]
+                    for rb in T.serial(NRB):
+                        # RB x KT accumulators in registers (a small local buffer LLVM promotes)
+                        for r in T.unroll(RB):
+                            for j in T.vectorized(KT):
+                                accs[r, j] = T.float32(0)
+                        for c in T.serial(D):
+                            for r in T.unroll(RB):
+                                for j in T.vectorized(KT):
+                                    accs[r, j] = accs[r, j] + qs[rb * RB + r, c] * kt[c, j]
+                        for r in T.unroll(RB):
+                            for j in T.vectorized(KT):
+                                s[rb * RB + r, j] = accs[r, j]
+                    for r in T.serial(QT):
+                        # masked row max / exp / sum as KL-lane partials (vectorised)
+                        for l in T.vectorized(KL):
+                            part[l] = T.float32(NEG_BIG)
+                        for j0 in T.serial(KT // KL):
+                            for l in T.vectorized(KL):
+                                s[r, j0 * KL + l] = T.if_then_else(kt_i * KT + j0 * KL + l < nf, s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                part[l] = T.max(part[l], s[r, j0 * KL + l])
+                        alpha[r] = m[r]
+                        for l in T.serial(KL):
+                            m[r] = T.max(m[r], part[l])
+                        alpha[r] = vexp(alpha[r] - m[r])
+                        for l in T.vectorized(KL):
+                            part[l] = T.float32(0)
+                        for j0 in T.serial(KT // KL):
+                            for l in T.vectorized(KL):
+                                s[r, j0 * KL + l] = vexp(s[r, j0 * KL + l] - m[r])
+                                part[l] = part[l] + s[r, j0 * KL + l]
+                        lsum[r] = lsum[r] * alpha[r]
+                        for l in T.serial(KL):
+                            lsum[r] = lsum[r] + part[l]
+                        for c in T.vectorized(D):
+                            o[r, c] = o[r, c] * alpha[r]
+                    for rb in T.serial(NRB):
+                        for r in T.unroll(RB):
                             for c in T.vectorized(D):
-                                acc[c] = acc[c] + s[j] * v_cache[kh, j, c]
-                    for j in T.serial(B):
-                        if j <= i:
-                            s[N + j] = T.exp(s[N + j] - mx[0])
-                            tot[0] = tot[0] + s[N + j]
+                                acco[r, c] = T.float32(0)
+                        for j in T.serial(KT):
+                            for r in T.unroll(RB):
+                                for c in T.vectorized(D):
+                                    acco[r, c] = acco[r, c] + s[rb * RB + r, j] * v_cache[kh, T.min(kt_i * KT + j, N - 1), c]
+                        for r in T.unroll(RB):
                             for c in T.vectorized(D):
-                                acc[c] = acc[c] + s[N + j] * v_blk[0, kh, j, c]
-                    for c in T.serial(D):
-                        out[0, h, i, c] = acc[c] / tot[0]
-                else:
-                    for c in T.serial(D):
-                        out[0, h, i, c] = T.float32(0)
+                                o[rb * RB + r, c] = o[rb * RB + r, c] + acco[r, c]
+                # ---- block keys [0, jmax], causal: key j visible to row i iff j <= i ----
+                for kt_i in T.serial((jmax + KT) // KT):
+                    for j, c in T.grid(KT, D):
+                        kt[c, j] = k_blk[0, kh, T.min(kt_i * KT + j, B - 1), c]
+                    for rb in T.serial(NRB):
+                        # RB x KT accumulators in registers (a small local buffer LLVM promotes)
+                        for r in T.unroll(RB):
+                            for j in T.vectorized(KT):
+                                accs[r, j] = T.float32(0)
+                        for c in T.serial(D):
+                            for r in T.unroll(RB):
+                                for j in T.vectorized(KT):
+                                    accs[r, j] = accs[r, j] + qs[rb * RB + r, c] * kt[c, j]
+                        for r in T.unroll(RB):
+                            for j in T.vectorized(KT):
+                                s[rb * RB + r, j] = accs[r, j]
+                    for r in T.serial(QT):
+                        # masked row max / exp / sum as KL-lane partials (vectorised)
+                        for l in T.vectorized(KL):
+                            part[l] = T.float32(NEG_BIG)
+                        for j0 in T.serial(KT // KL):
+                            for l in T.vectorized(KL):
+                                s[r, j0 * KL + l] = T.if_then_else(kt_i * KT + j0 * KL + l <= (r0 + r) % B, s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                part[l] = T.max(part[l], s[r, j0 * KL + l])
+                        alpha[r] = m[r]
+                        for l in T.serial(KL):
+                            m[r] = T.max(m[r], part[l])
+                        alpha[r] = vexp(alpha[r] - m[r])
+                        for l in T.vectorized(KL):
+                            part[l] = T.float32(0)
+                        for j0 in T.serial(KT // KL):
+                            for l in T.vectorized(KL):
+                                s[r, j0 * KL + l] = vexp(s[r, j0 * KL + l] - m[r])
+                                part[l] = part[l] + s[r, j0 * KL + l]
+                        lsum[r] = lsum[r] * alpha[r]
+                        for l in T.serial(KL):
+                            lsum[r] = lsum[r] + part[l]
+                        for c in T.vectorized(D):
+                            o[r, c] = o[r, c] * alpha[r]
+                    for rb in T.serial(NRB):
+                        for r in T.unroll(RB):
+                            for c in T.vectorized(D):
+                                acco[r, c] = T.float32(0)
+                        for j in T.serial(KT):
+                            for r in T.unroll(RB):
+                                for c in T.vectorized(D):
+                                    acco[r, c] = acco[r, c] + s[rb * RB + r, j] * v_blk[0, kh, T.min(kt_i * KT + j, B - 1), c]
+                        for r in T.unroll(RB):
+                            for c in T.vectorized(D):
+                                o[rb * RB + r, c] = o[rb * RB + r, c] + acco[r, c]
+                for r, c in T.grid(QT, D):
+                    out[0, kh * G + (r0 + r) // B, (r0 + r) % B, c] = T.if_then_else(
+                        (r0 + r) % B < nv, o[r, c] / lsum[r], T.float32(0))
 
     return block_attention

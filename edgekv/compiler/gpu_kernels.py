@@ -1,0 +1,699 @@
+"""GPU versions of edgekv's TIR kernels: thread-bound, shared-memory tiled, static shapes.
+
+Each builder returns a PrimFunc with *exactly* the signature of its CPU counterpart in
+``kernels/`` (see ``kernels/common.py`` for the buffers), so ``gpu_schedule.ReplaceKernels``
+can swap one for the other in the lowered module without touching the graph. All functions
+are marked ``tirx.is_scheduled`` (dlight leaves them alone) and every buffer access happens
+inside a ``blockIdx``/``threadIdx`` launch, so nothing runs on the host.
+
+Thread counts stay ≤ 128 per block and shared memory ≤ ~20 KiB for head_dim ≤ 128, which
+fits CUDA, Metal (32 KiB threadgroup memory) and Adreno/Mali OpenCL work-groups.
+
+Numerics: the kernels follow the CPU kernels' definitions (ties, NaN, padding) but sum in a
+different order (online softmax in attention, tree reductions), so logits agree to rounding
+and kept sets can differ only on exact near-ties of the score.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .kernels.common import check_dtype
+
+NEG_BIG = -3.0e38  # "minus infinity" that stays finite through exp(x - m)
+
+
+def _lanes(d: int) -> int:
+    for w in (32, 16, 8, 4, 2, 1):
+        if d % w == 0 and w <= d:
+            return w
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# block attention over cache ⊕ block
+# --------------------------------------------------------------------------------------------
+
+def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
+                               head_dim: int, sm_scale: float, dtype: str = "float32",
+                               rows_per_block: int = 4):
+    """One thread block = ``RQ`` query rows that share a KV head (threadIdx.y) × ``TX`` lanes
+    (threadIdx.x). Keys are streamed in tiles of ``TK`` rows: the K and V tiles are loaded
+    into shared memory once (coalesced) and reused by all RQ rows; each row keeps an online
+    softmax (running max, sum, and its slice of the output in registers). Cache tiles run
+    only up to ``fill``, block tiles only up to ``n_valid`` (causal mask inside the block);
+    rows ≥ n_valid are written as zeros."""
+    check_dtype(dtype)
+    Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    G = Hq // H
+    ROWS = G * B  # query rows per KV head
+    RQ = max(1, min(rows_per_block, ROWS))
+    RT = (ROWS + RQ - 1) // RQ  # row tiles per KV head
+    TX = _lanes(D)
+    TK = max(8, min(32, 2048 // D))
+    CPT = (D + TX - 1) // TX  # channels per lane
+    NT = RQ * TX
+    LOADS = (TK * D + NT - 1) // NT
+    SPT = (TK + TX - 1) // TX  # scores per lane per tile
+    scale = float(sm_scale)
+
+    @T.prim_func(private=True, s_tir=True)
+    def block_attention_gpu(
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        fill: T.Buffer((1,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        out: T.Buffer((1, Hq, B, D), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(H * RT, thread="blockIdx.x"):
+            for ty in T.thread_binding(RQ, thread="threadIdx.y"):
+                for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                    with T.sblock("attn"):
+                        T.reads()
+                        T.writes()
+                        q_sh = T.sblock_alloc_buffer((RQ, D), "float32", scope="shared")
+                        k_sh = T.sblock_alloc_buffer((TK, D + 1), "float32", scope="shared")  # +1: no bank conflicts
+                        v_sh = T.sblock_alloc_buffer((TK, D), "float32", scope="shared")
+                        s_sh = T.sblock_alloc_buffer((RQ, TK), "float32", scope="shared")
+                        acc = T.sblock_alloc_buffer((CPT,), "float32", scope="local")
+                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, tile max, rescale
+                        dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        kh: T.let[T.int32] = bx // RT
+                        rr: T.let[T.int32] = (bx % RT) * RQ + ty  # query row within the KV head
+                        g: T.let[T.int32] = T.min(rr, ROWS - 1) // B
+                        i: T.let[T.int32] = T.min(rr, ROWS - 1) % B
+                        h: T.let[T.int32] = kh * G + g
+                        tid: T.let[T.int32] = ty * TX + tx
+                        nf: T.let[T.int32] = fill[0]
+                        nv: T.let[T.int32] = n_valid[0]
+                        ct: T.let[T.int32] = (nf + TK - 1) // TK
+                        bt: T.let[T.int32] = (nv + TK - 1) // TK
+                        for u in T.serial(CPT):
+                            if u * TX + tx < D:
+                                q_sh[ty, u * TX + tx] = q[0, h, i, u * TX + tx]
+                                acc[u] = T.float32(0)
+                        st[0] = T.float32(NEG_BIG)
+                        st[1] = T.float32(0)
+                        for it in T.serial(ct + bt):
+                            T.tvm_storage_sync("shared")
+                            # stage the K/V tile (cache rows, then block rows) in shared memory
+                            for u in T.serial(LOADS):
+                                if u * NT + tid < TK * D:
+                                    jj: T.let[T.int32] = (u * NT + tid) // D
+                                    cc: T.let[T.int32] = (u * NT + tid) % D
+                                    if it < ct:
+                                        k_sh[jj, cc] = T.if_then_else(it * TK + jj < nf,
+                                                                      k_cache[kh, T.min(it * TK + jj, N - 1), cc],
+                                                                      T.float32(0))
+                                        v_sh[jj, cc] = T.if_then_else(it * TK + jj < nf,
+                                                                      v_cache[kh, T.min(it * TK + jj, N - 1), cc],
+                                                                      T.float32(0))
+                                    else:
+                                        k_sh[jj, cc] = T.if_then_else((it - ct) * TK + jj < nv,
+                                                                      k_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
+                                                                      T.float32(0))
+                                        v_sh[jj, cc] = T.if_then_else((it - ct) * TK + jj < nv,
+                                                                      v_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
+                                                                      T.float32(0))
+                            T.tvm_storage_sync("shared")
+                            # scores of this row against the tile
+                            for u in T.serial(SPT):
+                                if u * TX + tx < TK:
+                                    dot[0] = T.float32(0)
+                                    for c in T.serial(D):
+                                        dot[0] = dot[0] + q_sh[ty, c] * k_sh[u * TX + tx, c]
+                                    s_sh[ty, u * TX + tx] = T.if_then_else(
+                                        T.if_then_else(it < ct, it * TK + u * TX + tx < nf,
+                                                       (it - ct) * TK + u * TX + tx <= i),
+                                        dot[0] * T.float32(scale), T.float32(NEG_BIG))
+                            T.tvm_storage_sync("shared")
+                            # online softmax update (every lane of the row does the same scalar work)
+                            st[2] = st[0]
+                            for j in T.serial(TK):
+                                st[2] = T.max(st[2], s_sh[ty, j])
+                            st[3] = T.exp(st[0] - st[2])
+                            st[1] = st[1] * st[3]
+                            for u in T.serial(CPT):
+                                acc[u] = acc[u] * st[3]
+                            for j in T.serial(TK):
+                                dot[0] = T.if_then_else(s_sh[ty, j] > T.float32(NEG_BIG), T.exp(s_sh[ty, j] - st[2]),
+                                                        T.float32(0))
+                                st[1] = st[1] + dot[0]
+                                for u in T.serial(CPT):
+                                    if u * TX + tx < D:
+                                        acc[u] = acc[u] + dot[0] * v_sh[j, u * TX + tx]
+                            st[0] = st[2]
+                        if rr < ROWS:
+                            for u in T.serial(CPT):
+                                if u * TX + tx < D:
+                                    out[0, h, i, u * TX + tx] = T.if_then_else(
+                                        i < nv, acc[u] / T.max(st[1], T.float32(1e-30)), T.float32(0))
+
+    return block_attention_gpu
+
+
+# --------------------------------------------------------------------------------------------
+# score kernels (signature: kernels/common.py)
+# --------------------------------------------------------------------------------------------
+
+def build_gpu_streaming_score(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                              dtype: str = "float32", sinks: int = 4):
+    """Elementwise: one thread per (head, candidate)."""
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    S = int(sinks)
+    TPB = 128
+    NBLK = (H * NB + TPB - 1) // TPB
+
+    @T.prim_func(private=True, s_tir=True)
+    def streaming_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("score"):
+                    T.reads()
+                    T.writes()
+                    e: T.let[T.int32] = bx * TPB + tx
+                    h: T.let[T.int32] = e // NB
+                    i: T.let[T.int32] = e % NB
+                    nf: T.let[T.int32] = fill[0]
+                    if e < H * NB:
+                        if i < nf:
+                            score[h, i] = T.if_then_else(pos_cache[h, T.min(i, N - 1)] < S, T.float32("inf"),
+                                                         T.Cast("float32", pos_cache[h, T.min(i, N - 1)]))
+                        elif i < nf + n_valid[0]:
+                            score[h, i] = T.if_then_else(pos_blk[T.max(i - nf, 0)] < S, T.float32("inf"),
+                                                         T.Cast("float32", pos_blk[T.max(i - nf, 0)]))
+                        else:
+                            score[h, i] = T.float32("-inf")
+
+    return streaming_score_gpu
+
+
+def build_gpu_keydiff_score(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                            dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
+    """One thread block per KV head, NT threads. Pass 1: per tile of NT candidates each thread
+    computes one row's norm (into shared memory), then thread (group, channel) pairs
+    accumulate the normalised keys column-wise (coalesced); the per-group partial anchors are
+    summed in shared memory and normalised. Pass 2: one thread per candidate, −k̂ · μ̂."""
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    EPS = float(eps)
+    W = int(recent)
+    NT = 128 if D <= 128 else D
+    GR = max(1, NT // D)  # row groups in the column pass
+    TILES = (NB + NT - 1) // NT
+
+    @T.prim_func(private=True, s_tir=True)
+    def keydiff_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("keydiff"):
+                    T.reads()
+                    T.writes()
+                    inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
+                    anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    grp: T.let[T.int32] = tx // D
+                    ch: T.let[T.int32] = tx % D
+                    if n > N:
+                        red[1] = T.float32(0)  # this thread's partial anchor for channel ch
+                        for it in T.serial((n + NT - 1) // NT):
+                            # norm of candidate it*NT + tx
+                            red[0] = T.float32(0)
+                            if it * NT + tx < n:
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                            inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                            T.tvm_storage_sync("shared")
+                            if grp < GR:
+                                for r in T.serial((NT + GR - 1) // GR):
+                                    if r * GR + grp < NT:
+                                        if it * NT + r * GR + grp < n:
+                                            red[1] = red[1] + T.if_then_else(
+                                                it * NT + r * GR + grp < nf,
+                                                k_cache[h, T.min(it * NT + r * GR + grp, N - 1), ch],
+                                                k_blk[0, h, T.min(T.max(it * NT + r * GR + grp - nf, 0), B - 1), ch]
+                                            ) / inv_sh[r * GR + grp]
+                            T.tvm_storage_sync("shared")
+                        if grp < GR:
+                            part_sh[grp, ch] = red[1]
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            red[1] = T.float32(0)
+                            for gg in T.serial(GR):
+                                red[1] = red[1] + part_sh[gg, tx]
+                            anchor_sh[tx] = red[1] / T.Cast("float32", n)
+                        T.tvm_storage_sync("shared")
+                        red[0] = T.float32(0)
+                        for c in T.serial(D):
+                            red[0] = red[0] + anchor_sh[c] * anchor_sh[c]
+                        red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            anchor_sh[tx] = anchor_sh[tx] / red[0]
+                        T.tvm_storage_sync("shared")
+                        for it in T.serial(TILES):
+                            if it * NT + tx < n:
+                                red[0] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                red[1] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[1] = red[1] - (T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) / red[0]) * anchor_sh[c]
+                                if W > 0:
+                                    if T.if_then_else(it * NT + tx < nf, pos_cache[h, T.min(it * NT + tx, N - 1)],
+                                                      pos_blk[T.min(T.max(it * NT + tx - nf, 0), B - 1)]) > pos_blk[
+                                                          T.max(nv - 1, 0)] - W:
+                                        red[1] = T.float32("inf")
+                                score[h, it * NT + tx] = red[1]
+                            elif it * NT + tx < NB:
+                                score[h, it * NT + tx] = T.float32("-inf")
+
+    return keydiff_score_gpu
+
+
+def build_gpu_lagkv_score(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                          dtype: str = "float32", sinks: int = 16, lag: int = 128,
+                          value_weight: float = 1.0, unbiased_std: bool = True, eps: float = 1e-6):
+    """Two launches. (1) elementwise over (head, candidate): sinks +inf, tail 2 + i/n, beyond n
+    −inf, scored partitions 0. (2) one thread block per (head, partition p): threads over
+    channels find partition p+1's per-channel min/max (shared), threads over tokens take the
+    std of each min-max-normalised token, softmax over the L tokens (shared), K then V
+    accumulated into raw (shared), and each token's rank inside the partition is its score."""
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    S, L = int(sinks), int(lag)
+    WV = float(value_weight)
+    EPS = float(eps)
+    DDOF = float(D - 1) if (unbiased_std and D > 1) else float(D)
+    TPB = 128
+    NBLK = (H * NB + TPB - 1) // TPB
+    PMAX = max(1, (NB - min(S, NB)) // L - 1)  # most scored partitions any step can have
+    NT = 128
+    TPT = (L + NT - 1) // NT  # tokens per thread
+    CPT = (D + NT - 1) // NT  # channels per thread
+
+    @T.prim_func(private=True, s_tir=True)
+    def lagkv_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("lagkv_base"):
+                    T.reads()
+                    T.writes()
+                    e: T.let[T.int32] = bx * TPB + tx
+                    h: T.let[T.int32] = e // NB
+                    i: T.let[T.int32] = e % NB
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    start: T.let[T.int32] = T.min(S, n)
+                    P: T.let[T.int32] = (n - start) // L
+                    scored_end: T.let[T.int32] = T.if_then_else(P >= 2, start + (P - 1) * L, start)
+                    if e < H * NB:
+                        if n > N:
+                            if i < start:
+                                score[h, i] = T.float32("inf")
+                            elif i < scored_end:
+                                score[h, i] = T.float32(0)
+                            elif i < n:
+                                score[h, i] = T.float32(2) + T.Cast("float32", i) / T.Cast("float32", n)
+                            else:
+                                score[h, i] = T.float32("-inf")
+        for bx in T.thread_binding(H * PMAX, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("lagkv_part"):
+                    T.reads()
+                    T.writes()
+                    lo_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    hi_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    part_sh = T.sblock_alloc_buffer((L,), "float32", scope="shared")
+                    raw_sh = T.sblock_alloc_buffer((L,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                    better = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    h: T.let[T.int32] = bx // PMAX
+                    p: T.let[T.int32] = bx % PMAX
+                    nf: T.let[T.int32] = fill[0]
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    start: T.let[T.int32] = T.min(S, n)
+                    P: T.let[T.int32] = (n - start) // L
+                    if n > N:
+                        if p < P - 1:
+                            for u in T.serial(TPT):
+                                if u * NT + tx < L:
+                                    raw_sh[u * NT + tx] = T.float32(0)
+                            for z in T.serial(2):
+                                # per-channel range of the reference partition p + 1
+                                for u in T.serial(CPT):
+                                    if u * NT + tx < D:
+                                        acc[0] = T.float32("inf")
+                                        acc[1] = T.float32("-inf")
+                                        for t in T.serial(L):
+                                            acc[2] = T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + (p + 1) * L + t < nf,
+                                                               k_cache[h, T.min(start + (p + 1) * L + t, N - 1), u * NT + tx],
+                                                               k_blk[0, h, T.min(T.max(start + (p + 1) * L + t - nf, 0), B - 1), u * NT + tx]),
+                                                T.if_then_else(start + (p + 1) * L + t < nf,
+                                                               v_cache[h, T.min(start + (p + 1) * L + t, N - 1), u * NT + tx],
+                                                               v_blk[0, h, T.min(T.max(start + (p + 1) * L + t - nf, 0), B - 1), u * NT + tx]))
+                                            acc[0] = T.min(acc[0], acc[2])
+                                            acc[1] = T.max(acc[1], acc[2])
+                                        lo_sh[u * NT + tx] = acc[0]
+                                        hi_sh[u * NT + tx] = acc[1]
+                                T.tvm_storage_sync("shared")
+                                # std over channels of each normalised token of partition p
+                                for u in T.serial(TPT):
+                                    if u * NT + tx < L:
+                                        acc[0] = T.float32(0)
+                                        for c in T.serial(D):
+                                            acc[0] = acc[0] + (T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               k_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               k_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]),
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               v_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               v_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]))
+                                                - lo_sh[c]) / T.max(hi_sh[c] - lo_sh[c], T.float32(EPS))
+                                        acc[0] = acc[0] / T.float32(D)
+                                        acc[1] = T.float32(0)
+                                        for c in T.serial(D):
+                                            acc[2] = (T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               k_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               k_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]),
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               v_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               v_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]))
+                                                - lo_sh[c]) / T.max(hi_sh[c] - lo_sh[c], T.float32(EPS))
+                                            acc[1] = acc[1] + (acc[2] - acc[0]) * (acc[2] - acc[0])
+                                        part_sh[u * NT + tx] = T.sqrt(acc[1] / T.float32(DDOF))
+                                T.tvm_storage_sync("shared")
+                                # softmax over the L tokens (each thread reduces the same values)
+                                acc[3] = T.float32("-inf")
+                                for t in T.serial(L):
+                                    acc[3] = T.max(acc[3], part_sh[t])
+                                acc[0] = T.float32(0)
+                                for t in T.serial(L):
+                                    acc[0] = acc[0] + T.exp(part_sh[t] - acc[3])
+                                for u in T.serial(TPT):
+                                    if u * NT + tx < L:
+                                        raw_sh[u * NT + tx] = raw_sh[u * NT + tx] + T.if_then_else(
+                                            z == 0, T.float32(1), T.float32(WV)) * (
+                                                T.exp(part_sh[u * NT + tx] - acc[3]) / acc[0])
+                                T.tvm_storage_sync("shared")
+                            # rank inside the partition: (L - 1 - #better) / L
+                            for u in T.serial(TPT):
+                                if u * NT + tx < L:
+                                    better[0] = 0
+                                    acc[0] = raw_sh[u * NT + tx]
+                                    for w in T.serial(L):
+                                        acc[1] = raw_sh[w]
+                                        if acc[1] > acc[0]:
+                                            better[0] = better[0] + 1
+                                        elif acc[1] == acc[0]:
+                                            if w < u * NT + tx:
+                                                better[0] = better[0] + 1
+                                    score[h, start + p * L + u * NT + tx] = T.Cast("float32", L - 1 - better[0]) / T.float32(L)
+
+    return lagkv_score_gpu
+
+
+# --------------------------------------------------------------------------------------------
+# top-N select + in-place compaction (and append-only for ``full``)
+# --------------------------------------------------------------------------------------------
+
+def build_gpu_select_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                            dtype: str = "float32", with_score: bool = True):
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    return _select_gpu(H, N, B, D) if with_score else _append_gpu(H, N, B, D)
+
+
+def _select_gpu(H, N, B, D):
+    """One thread block per KV head, NT threads.
+
+    Selection: ``n − N`` rounds; each round every thread scans its strided candidates for the
+    lowest score not yet evicted (``<=`` while scanning upwards, so among equal scores the
+    highest index), a shared-memory tree reduction with the same rule picks the round's
+    victim, and its bit is set in a shared bitset. NaN never compares ≤, so it is never evicted.
+
+    Compaction: candidates are walked in chunks of ``CH`` rows. Each chunk's K/V rows are
+    staged in shared memory (coalesced), every thread derives the destination of each kept
+    row from the bitset (a running count, identical in all threads), then the rows are
+    written out. A destination is never above its source, chunks go upwards and a chunk is
+    fully read before it is written, so the compaction is in place and race-free."""
+    NB = N + B
+    NT = 128
+    WORDS = (NB + 31) // 32
+    CH = 32
+    LD = (CH * D + NT - 1) // NT
+    SCAN = (NB + NT - 1) // NT
+
+    @T.prim_func(private=True, s_tir=True)
+    def select_compact_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("select"):
+                    T.reads()
+                    T.writes()
+                    gone = T.sblock_alloc_buffer((WORDS,), "uint32", scope="shared")
+                    rv = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    ri = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                    k_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
+                    v_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
+                    p_sh = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
+                    dst = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
+                    bv = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    bi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    ov = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    oi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    word = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    if n <= N:
+                        for u in T.serial((B * D + NT - 1) // NT):
+                            if u * NT + tx < nv * D:
+                                k_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                                    k_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                                v_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                                    v_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                        for u in T.serial((B + NT - 1) // NT):
+                            if u * NT + tx < nv:
+                                pos_cache[h, T.min(nf + u * NT + tx, N - 1)] = pos_blk[T.min(u * NT + tx, B - 1)]
+                    else:
+                        for u in T.serial((WORDS + NT - 1) // NT):
+                            if u * NT + tx < WORDS:
+                                gone[u * NT + tx] = T.uint32(0)
+                        T.tvm_storage_sync("shared")
+                        for _e in T.serial(n - N):
+                            bv[0] = T.float32("inf")
+                            bi[0] = -1
+                            for u in T.serial(SCAN):
+                                if u * NT + tx < n:
+                                    word[0] = gone[(u * NT + tx) // 32]
+                                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (u * NT + tx) % 32)),
+                                                     T.uint32(1)) == T.uint32(0):
+                                        if score[h, u * NT + tx] <= bv[0]:
+                                            bv[0] = score[h, u * NT + tx]
+                                            bi[0] = u * NT + tx
+                            rv[tx] = bv[0]
+                            ri[tx] = bi[0]
+                            T.tvm_storage_sync("shared")
+                            for lvl in T.unroll(7):  # NT = 128 = 2^7
+                                if tx < T.shift_right(64, lvl):
+                                    ov[0] = rv[tx + T.shift_right(64, lvl)]
+                                    oi[0] = ri[tx + T.shift_right(64, lvl)]
+                                T.tvm_storage_sync("shared")
+                                if tx < T.shift_right(64, lvl):
+                                    if oi[0] >= 0:
+                                        if (bi[0] < 0) or (ov[0] < bv[0]) or (ov[0] == bv[0] and oi[0] > bi[0]):
+                                            bv[0] = ov[0]
+                                            bi[0] = oi[0]
+                                            rv[tx] = ov[0]
+                                            ri[tx] = oi[0]
+                                T.tvm_storage_sync("shared")
+                            if tx == 0:
+                                bi[0] = ri[0]
+                                if bi[0] >= 0:
+                                    gone[bi[0] // 32] = T.bitwise_or(
+                                        gone[bi[0] // 32], T.shift_left(T.uint32(1), T.Cast("uint32", bi[0] % 32)))
+                            T.tvm_storage_sync("shared")
+                        cnt[0] = 0
+                        for it in T.serial((n + CH - 1) // CH):
+                            # stage the chunk's rows (cache rows or block rows)
+                            for u in T.serial(LD):
+                                if u * NT + tx < CH * D:
+                                    if it * CH + (u * NT + tx) // D < n:
+                                        k_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
+                                            it * CH + (u * NT + tx) // D < nf,
+                                            k_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
+                                            k_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
+                                                  (u * NT + tx) % D])
+                                        v_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
+                                            it * CH + (u * NT + tx) // D < nf,
+                                            v_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
+                                            v_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
+                                                  (u * NT + tx) % D])
+                            if tx < CH:
+                                if it * CH + tx < n:
+                                    p_sh[tx] = T.if_then_else(it * CH + tx < nf,
+                                                              pos_cache[h, T.min(it * CH + tx, N - 1)],
+                                                              pos_blk[T.min(T.max(it * CH + tx - nf, 0), B - 1)])
+                            # destinations (-1 = dropped), the same running count in every thread
+                            for r in T.serial(CH):
+                                if it * CH + r < n:
+                                    word[0] = gone[(it * CH + r) // 32]
+                                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (it * CH + r) % 32)),
+                                                     T.uint32(1)) == T.uint32(0):
+                                        if cnt[0] < N:
+                                            if tx == 0:
+                                                dst[r] = cnt[0]
+                                            cnt[0] = cnt[0] + 1
+                                        elif tx == 0:
+                                            dst[r] = -1
+                                    elif tx == 0:
+                                        dst[r] = -1
+                                elif tx == 0:
+                                    dst[r] = -1
+                            T.tvm_storage_sync("shared")
+                            for u in T.serial(LD):
+                                if u * NT + tx < CH * D:
+                                    oi[0] = dst[(u * NT + tx) // D]
+                                    if oi[0] >= 0:
+                                        k_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
+                                            k_sh[(u * NT + tx) // D, (u * NT + tx) % D]
+                                        v_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
+                                            v_sh[(u * NT + tx) // D, (u * NT + tx) % D]
+                            if tx < CH:
+                                oi[0] = dst[tx]
+                                if oi[0] >= 0:
+                                    pos_cache[h, T.min(oi[0], N - 1)] = p_sh[tx]
+                            T.tvm_storage_sync("shared")
+        for _b in T.thread_binding(1, thread="blockIdx.x"):
+            for _t in T.thread_binding(1, thread="threadIdx.x"):
+                with T.sblock("fill"):
+                    T.reads()
+                    T.writes()
+                    fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    return select_compact_gpu
+
+
+def _append_gpu(H, N, B, D):
+    NT = 128
+
+    @T.prim_func(private=True, s_tir=True)
+    def append_only_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    for u in T.serial((B * D + NT - 1) // NT):
+                        if u * NT + tx < nv * D:
+                            if nf + (u * NT + tx) // D < N:
+                                k_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                                    k_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                                v_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                                    v_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                    for u in T.serial((B + NT - 1) // NT):
+                        if u * NT + tx < nv:
+                            if nf + u * NT + tx < N:
+                                pos_cache[h, T.min(nf + u * NT + tx, N - 1)] = pos_blk[T.min(u * NT + tx, B - 1)]
+        for _b in T.thread_binding(1, thread="blockIdx.x"):
+            for _t in T.thread_binding(1, thread="threadIdx.x"):
+                with T.sblock("fill"):
+                    T.reads()
+                    T.writes()
+                    fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    return append_only_gpu
+
+
+GPU_SCORE_KERNELS = {
+    "streaming": build_gpu_streaming_score,
+    "keydiff": build_gpu_keydiff_score,
+    "lagkv": build_gpu_lagkv_score,
+}

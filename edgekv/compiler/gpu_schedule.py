@@ -1,0 +1,258 @@
+"""GPU lowering of the block-step module: hand kernels for edgekv's TIR, dlight for the rest.
+
+After ``pipeline.lower_module`` the module holds edgekv's own TIR kernels (block attention,
+the policy's score, select + compaction), written for the CPU (``T.parallel`` over heads).
+TVM's dlight rules do not touch such hand-written functions, and a PrimFunc without thread
+bindings is compiled for the *host* — on a GPU target it would then read device memory from
+the CPU. So for GPU targets:
+
+1. ``ReplaceKernels`` swaps each edgekv kernel for its GPU version (``gpu_kernels.py``: same
+   signature, thread-bound, shared-memory tiles), recognised by the function names that
+   ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<policy>_h{H}_d{D}``,
+   ``<fn>_select_h{H}_d{D}_{score|append}``) and checked against their buffer shapes;
+2. ``gpu_pipeline(target)`` is TVM's Relax GPU pipeline for the target kind (CUDA's or the
+   generic one) with LegalizeOps → fusion → ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction,
+   GeneralReduction, Fallback)`` for the graph's own operators (GEMMs, norms, RoPE, ...);
+3. ``CheckAllOnDevice`` runs right after the schedules and refuses any PrimFunc that has no
+   thread binding (it would run on the host by accident), naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+
+from . import gpu_kernels as gk
+from .build import CompileError
+
+GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
+
+_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)$")
+_SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)_d(\d+)$")
+_SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)$")
+
+
+class GPUKernelError(CompileError):
+    """An edgekv kernel has no GPU version (or does not look like the one expected)."""
+
+
+def is_gpu_target(target: Any) -> bool:
+    kind = target.kind.name if isinstance(target, tvm.target.Target) else dict(target).get("kind")
+    return kind in GPU_KINDS
+
+
+def _shape(func: tirx.PrimFunc, index: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in func.params[index].ty.shape)
+
+
+def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: dict, sm_scales: dict) -> tirx.PrimFunc | None:
+    """The GPU version of the edgekv kernel ``name`` (``None`` if ``name`` is not one)."""
+    m = _ATTN.search(name)
+    if m:
+        _, Hq, B, D = _shape(func, 0)
+        H, N, _ = _shape(func, 3)
+        if (Hq, H, D) != tuple(int(g) for g in m.groups()):
+            raise GPUKernelError(f"{name}: buffer shapes {(Hq, H, D)} do not match the name")
+        scale = sm_scales.get((Hq, H, D))
+        if scale is None:
+            raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
+        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale)
+    m = _SCORE.search(name)
+    if m:
+        pol = m.group(1)
+        H, N, D = _shape(func, 0)
+        B = _shape(func, 4)[2]
+        if pol != policy:
+            raise GPUKernelError(f"{name}: score kernel of '{pol}' but the build is for '{policy}'")
+        if pol not in gk.GPU_SCORE_KERNELS:
+            raise GPUKernelError(f"policy '{pol}' has no GPU score kernel yet (GPU kernels: "
+                                 f"{', '.join(sorted(gk.GPU_SCORE_KERNELS))}); compile it for an llvm target")
+        return gk.GPU_SCORE_KERNELS[pol](H, N, B, D, "float32", **policy_params)
+    m = _SELECT.search(name)
+    if m:
+        H, N, D = _shape(func, 0)
+        B = _shape(func, 4)[2]
+        return gk.build_gpu_select_kernel(H, N, B, D, "float32", with_score=m.group(3) == "score")
+    return None
+
+
+def _kind(name: str) -> str:
+    for what, rx in (("attention", _ATTN), ("score", _SCORE), ("select", _SELECT)):
+        if rx.search(name):
+            return what
+    return "other"
+
+
+@tvm.ir.transform.module_pass(opt_level=0, name="edgekv.ReplaceKernels")
+class ReplaceKernels:
+    """Swap edgekv's CPU kernels for their GPU versions. ``replaced`` records
+    ``{function name: GPU kernel name}``."""
+
+    def __init__(self, policy: str, policy_params: dict | None = None, sm_scales: dict | None = None):
+        self.policy = policy
+        self.policy_params = dict(policy_params or {})
+        self.sm_scales = dict(sm_scales or {})
+        self.replaced: dict[str, str] = {}
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        updates = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            new = gpu_kernel_for(gv.name_hint, func, self.policy, self.policy_params, self.sm_scales)
+            if new is None:
+                continue
+            updates[gv] = new
+            self.replaced[gv.name_hint] = _kind(gv.name_hint)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+
+def unbound_functions(mod: tvm.IRModule) -> list[str]:
+    """PrimFuncs that would run (partly) on the host: no thread binding, or a parallel loop."""
+    bad = []
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        text = func.script()
+        if "T.thread_binding" not in text and "T.launch_thread" not in text or "T.parallel" in text:
+            bad.append(gv.name_hint)
+    return sorted(bad)
+
+
+@tvm.ir.transform.module_pass(opt_level=0, name="edgekv.CheckAllOnDevice")
+class CheckAllOnDevice:
+    """Refuse a module in which a PrimFunc is not thread-bound. ``device_functions`` lists the
+    PrimFuncs that passed (all of them) for the manifest and the tests."""
+
+    def __init__(self):
+        self.device_functions: list[str] = []
+        self.symbolic: dict[str, list[str]] = {}
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        bad = unbound_functions(mod)
+        if bad:
+            raise GPUKernelError("these functions have no GPU schedule and would run on the host: " + ", ".join(bad))
+        self.device_functions = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc))
+        self.symbolic = symbolic_shapes(mod)
+        return mod
+
+
+def symbolic_shapes(mod: tvm.IRModule) -> dict[str, list[str]]:
+    """``{PrimFunc: [parameter: shape]}`` for every parameter whose shape is not all constants."""
+    out: dict[str, list[str]] = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        for p in func.params:
+            shape = getattr(p.ty, "shape", None)
+            if shape is None:
+                if str(getattr(p.ty, "dtype", "handle")) != "handle":
+                    out.setdefault(gv.name_hint, []).append(f"{p.name}: scalar {p.ty}")
+                continue
+            if not all(isinstance(x, tvm.tirx.IntImm) for x in shape):
+                out.setdefault(gv.name_hint, []).append(f"{p.name}: {list(shape)}")
+    return out
+
+
+def _refuse(*_args, **_kwargs):
+    raise RuntimeError("simdgroup tensorization disabled by edgekv")
+
+
+def _plain_matmul_rule():
+    """``dl.gpu.Matmul`` without its Metal simdgroup path: in TVM 0.27.0.post1 that path's
+    ``sch.tensorize`` segfaults (``tvm::ffi::ToJSONGraph`` under ``s_tir::Tensorize``), which
+    kills the process. Metal GEMMs get dlight's generic tiled matmul schedule instead."""
+    from tvm.s_tir import dlight as dl
+    from tvm.s_tir.dlight.gpu import matmul as M
+
+    class PlainMatmul(dl.gpu.Matmul):
+        def apply(self, func, target, tunable):  # noqa: D401
+            if target.kind.name != "metal":
+                return super().apply(func, target, tunable)
+            orig = M.MetalMatmul.apply
+            M.MetalMatmul.apply = _refuse
+            try:
+                return super().apply(func, target, tunable)
+            finally:
+                M.MetalMatmul.apply = orig
+
+    return PlainMatmul()
+
+
+def default_schedule():
+    """dlight's default GPU rules for everything that is not an edgekv kernel."""
+    from tvm.s_tir import dlight as dl
+
+    return dl.ApplyDefaultSchedule(_plain_matmul_rule(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                   dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+
+
+def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = None):
+    """TVM 0.27's Relax pipeline for ``target``'s kind with dlight default schedules and the
+    on-device check. The edgekv kernels must already be replaced (``ReplaceKernels``)."""
+    kind = target.kind.name
+    if kind == "cuda":
+        from tvm.relax.backend.cuda import pipeline as P
+    else:
+        from tvm.relax.backend.gpu_generic import pipeline as P
+    check = check or CheckAllOnDevice()
+
+    @tvm.transform.module_pass(opt_level=0, name="edgekv.GPUPipeline")
+    def _pipeline(mod, _ctx):
+        with target:
+            seq = tvm.transform.Sequential(
+                P.library_dispatch_passes(target)
+                + [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+                   default_schedule(), check]
+                + P.dataflow_lower_passes(target) + P.finalize_passes(target))
+            return seq(mod)
+
+    return _pipeline
+
+
+def demote_float64(mod: tvm.IRModule) -> tvm.IRModule:
+    """Rewrite float64 arithmetic in the Relax functions to float32 (``astype(.., float64)``
+    becomes float32, float64 constants become float32; every op after them follows by type
+    inference). Metal has no fp64 and Adreno/Mali OpenCL drivers do not offer ``cl_khr_fp64``;
+    the exported graph computes the RoPE angles ``position × inv_freq`` in float64, which HF
+    itself computes in float32 — so this changes the angles by float32 rounding only."""
+    import numpy as np
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    astype_op = tvm.ir.Op.get("relax.astype")
+
+    def _f32_const(arg):
+        ty = getattr(arg, "ty", None)
+        if type(arg).__name__ in ("Constant", "GenericConst") and str(getattr(ty, "dtype", "")) == "float64":
+            val = arg.value if hasattr(arg, "value") else arg.data
+            return relax.const(np.asarray(val.numpy(), dtype=np.float32), "float32")
+        return arg
+
+    @mutator
+    class _Demote(PyExprMutator):
+        def visit_call_(self, op):
+            args = [_f32_const(a) for a in op.args]
+            if any(x is not y for x, y in zip(args, op.args)):
+                op = relax.Call(op.op, args, op.attrs, list(op.ty_args) if op.ty_args else None)
+            new = super().visit_call_(op)
+            if isinstance(new, relax.Call) and new.op.same_as(astype_op) and str(new.attrs.dtype) == "float64":
+                return relax.op.astype(new.args[0], "float32")
+            return new
+
+    updates = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            m = _Demote(mod)
+            updates[gv] = m.visit_expr(func)
+    for gv, func in updates.items():
+        mod[gv] = func
+    left = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, relax.Function) and "float64" in f.script()]
+    if left:
+        raise GPUKernelError(f"float64 values remain in {', '.join(left)} after demotion; the target has no fp64")
+    return mod

@@ -1,0 +1,188 @@
+"""Register-blocked dense kernel ``C[M, N] = A[M, K] · W[K, N]`` (fp32) for the host CPU.
+
+The model's linear layers reach TVM as ``matmul(x, Wᵀ)`` with the weight stored pre-transposed
+as [K, N] (``pretranspose.py``). This kernel replaces TVM's legalized loop nest for them (the
+``DenseRule`` of ``cpu_schedule.py``):
+
+* parallel over column panels of NR columns (``jo``); per panel, the row blocks ``io`` run in
+  sequence, so the K × NR weight panel (≤ 150 KB for SmolLM2) stays in L2 while all M rows use
+  it — the weight streams from memory once per call (decode: M = 1, a GEMV that reads W once);
+* an MR × NR accumulator tile in registers (a small local buffer LLVM keeps in zmm registers:
+  MR·NR/16 of them), per k one broadcast of A[i, k] per row and NR/16 vector loads of W[k, :];
+* results are written once per tile.
+
+Summation over k is sequential, as in TVM's unscheduled matmul, so results are identical to it
+up to FMA contraction.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+VEC = 16  # fp32 lanes of one AVX-512 register
+
+
+def dense_tiles(M: int, K: int, N: int) -> tuple[int, int] | None:
+    """(MR, NR) for this shape, or None when no tile fits (then the generic rule applies)."""
+    nr = next((c for c in ((256, 128, 64) if M == 1 else (64, 32, 16)) if N % c == 0 and N // c >= 2), None)
+    if nr is None:
+        nr = next((c for c in (64, 32, 16) if N % c == 0), None)
+    if nr is None:
+        return None
+    budget_regs = 24  # accumulators, leaving registers for the W vectors and the broadcast
+    mr = next((c for c in (8, 6, 4, 3, 2, 1) if M % c == 0 and c * nr // VEC <= budget_regs), 1)
+    return mr, nr
+
+
+def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):
+    """PrimFunc with exactly these buffer shapes (A and C may carry leading 1-dims)."""
+    *lead, M, K = a_shape
+    K2, N = w_shape
+    if K2 != K or tuple(c_shape) != (*lead, M, N) or any(d != 1 for d in lead) or len(lead) > 1:
+        raise ValueError(f"not a dense shape: {a_shape} x {w_shape} -> {c_shape}")
+    tiles = dense_tiles(M, K, N)
+    if tiles is None:
+        raise ValueError(f"no register tile fits N = {N}")
+    MR, NR = tiles
+    NJ, NI = N // NR, M // MR
+
+    if lead:
+        @T.prim_func(private=True, s_tir=True)
+        def dense3(A: T.Buffer((1, M, K), "float32"), W: T.Buffer((K, N), "float32"),
+                   C: T.Buffer((1, M, N), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            for jo in T.parallel(NJ):
+                with T.sblock("dense"):
+                    T.reads(A[0, 0:M, 0:K], W[0:K, jo * NR:jo * NR + NR])
+                    T.writes(C[0, 0:M, jo * NR:jo * NR + NR])
+                    acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                    for io in T.serial(NI):
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NR):
+                                acc[r, j] = T.float32(0)
+                        for k in T.serial(K):
+                            for r in T.unroll(MR):
+                                for j in T.vectorized(NR):
+                                    acc[r, j] = acc[r, j] + A[0, io * MR + r, k] * W[k, jo * NR + j]
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NR):
+                                C[0, io * MR + r, jo * NR + j] = acc[r, j]
+
+        return dense3
+
+    @T.prim_func(private=True, s_tir=True)
+    def dense2(A: T.Buffer((M, K), "float32"), W: T.Buffer((K, N), "float32"), C: T.Buffer((M, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for jo in T.parallel(NJ):
+            with T.sblock("dense"):
+                T.reads(A[0:M, 0:K], W[0:K, jo * NR:jo * NR + NR])
+                T.writes(C[0:M, jo * NR:jo * NR + NR])
+                acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                for io in T.serial(NI):
+                    for r in T.unroll(MR):
+                        for j in T.vectorized(NR):
+                            acc[r, j] = T.float32(0)
+                    for k in T.serial(K):
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NR):
+                                acc[r, j] = acc[r, j] + A[io * MR + r, k] * W[k, jo * NR + j]
+                    for r in T.unroll(MR):
+                        for j in T.vectorized(NR):
+                            C[io * MR + r, jo * NR + j] = acc[r, j]
+
+    return dense2
+
+
+def build_dense_nt_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):
+    """``C[(1,) M, N] = A[(1,) M, K] · W[N, K]ᵀ`` — the tied LM head (the embedding table read
+    row-wise after FuseTransposeMatmul; M = 1 since only the last token's logits are needed).
+    Memory-bound: the table streams once. Parallel over blocks of JB = 4 output columns; each
+    dot product runs as 16-lane partial sums over K (vectorised; summed at the end — a fixed,
+    different summation order from the sequential loop, ~1e-6 relative)."""
+    *lead, M, K = a_shape
+    N, K2 = w_shape
+    if K2 != K or tuple(c_shape) != (*lead, M, N) or any(d != 1 for d in lead) or len(lead) > 1:
+        raise ValueError(f"not an NT dense shape: {a_shape} x {w_shape}ᵀ -> {c_shape}")
+    if K % VEC or N % 4:
+        raise ValueError("K must be a multiple of 16 and N of 4")
+    JB, KC = 4, K // VEC
+    NJ = N // JB
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def dense_nt(a: T.handle, w: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        W = T.match_buffer(w, (N, K), "float32")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((M * K,), "float32", data=A0.data)
+        C = T.decl_buffer((M * N,), "float32", data=C0.data)
+        for jo in T.parallel(NJ):
+            with T.sblock("dense_nt"):
+                T.reads(A[0:M * K], W[jo * JB:jo * JB + JB, 0:K])
+                T.writes(C[0:M * N])
+                part = T.sblock_alloc_buffer((JB, VEC), "float32", scope="local")
+                for i in T.serial(M):
+                    for r in T.unroll(JB):
+                        for l in T.vectorized(VEC):
+                            part[r, l] = T.float32(0)
+                    for k0 in T.serial(KC):
+                        for r in T.unroll(JB):
+                            for l in T.vectorized(VEC):
+                                part[r, l] = part[r, l] + A[i * K + k0 * VEC + l] * W[jo * JB + r, k0 * VEC + l]
+                    for r in T.unroll(JB):
+                        C[i * N + jo * JB + r] = T.float32(0)
+                        for l in T.serial(VEC):
+                            C[i * N + jo * JB + r] = C[i * N + jo * JB + r] + part[r, l]
+
+    return dense_nt
+
+
+def gemv_parts(K: int) -> int:
+    return next((p for p in (4, 2) if K % p == 0 and K // p >= 16), 1)
+
+
+def build_gemv_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):
+    """``C[(1,) 1, N] = x[(1,) 1, K] · W[K, N]`` (decode, memory-bound): split-K, so every task
+    streams P contiguous row ranges of W (whole rows: one sequential stream, which the hardware
+    prefetcher follows at full bandwidth, unlike column panels); partial rows [P, N] are summed
+    at the end (a different but fixed summation order: ~1e-7 relative)."""
+    *lead, M, K = a_shape
+    K2, N = w_shape
+    if M != 1 or K2 != K or tuple(c_shape) != (*lead, M, N) or any(d != 1 for d in lead) or N % VEC:
+        raise ValueError(f"not a GEMV shape: {a_shape} x {w_shape} -> {c_shape}")
+    P = gemv_parts(K)
+    KP, NC = K // P, N // VEC
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(a: T.handle, w: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        W = T.match_buffer(w, (K, N), "float32")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((K,), "float32", data=A0.data)
+        C = T.decl_buffer((N,), "float32", data=C0.data)
+        part = T.alloc_buffer((P, N), "float32")
+        for p in T.parallel(P):
+            with T.sblock("gemv_part"):
+                T.reads(A[p * KP:p * KP + KP], W[p * KP:p * KP + KP, 0:N])
+                T.writes(part[p, 0:N])
+                for j0 in T.serial(NC):
+                    for l in T.vectorized(VEC):
+                        part[p, j0 * VEC + l] = T.float32(0)
+                for k in T.serial(KP):
+                    for j0 in T.serial(NC):
+                        for l in T.vectorized(VEC):
+                            part[p, j0 * VEC + l] = part[p, j0 * VEC + l] + A[p * KP + k] * W[p * KP + k, j0 * VEC + l]
+        for j0 in T.serial(NC):
+            with T.sblock("gemv_sum"):
+                T.reads(part[0:P, j0 * VEC:j0 * VEC + VEC])
+                T.writes(C[j0 * VEC:j0 * VEC + VEC])
+                for l in T.vectorized(VEC):
+                    C[j0 * VEC + l] = part[0, j0 * VEC + l]
+                for p in T.serial(P - 1):
+                    for l in T.vectorized(VEC):
+                        C[j0 * VEC + l] = C[j0 * VEC + l] + part[p + 1, j0 * VEC + l]
+
+    return gemv

@@ -1,0 +1,300 @@
+"""Builds for device targets: CUDA, OpenCL (Adreno/Mali), Metal, Hexagon, Android CPU.
+
+``build_for_target(model, policy, budget, block, target="cuda", out_dir=...)`` writes the same
+artifact directory as ``build.compile_model`` (``model.tar``, ``params.safetensors``,
+``manifest.json``) plus the generated device code beside it (``device/``: the CUDA / OpenCL /
+Metal source, or the object files for LLVM cross targets), and a ``device`` section in the
+manifest: which function runs where, the kernel sizes, and — where a toolchain that is not
+here is needed to finish the build (Android NDK, Xcode, Hexagon SDK) — what to run with it
+(``python -m edgekv.compiler.targets finish <dir>``). Nothing here needs the device.
+
+GPU targets: ``gpu_schedule.ReplaceKernels`` puts the thread-bound edgekv kernels in place,
+``gpu_schedule.gpu_pipeline`` runs dlight for the rest and refuses any function left on the host.
+LLVM cross targets (Android CPU, Hexagon) use the host CPU pipeline (``cpu_schedule``).
+
+Profiles: ``compile/<name>.json`` with ``target`` (TVM target dict), optional ``host``
+(target dict for the VM's host code), ``demote_float64``, ``device_source`` and ``toolchain``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .build import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, BuildResult, CompileError, memory_plan,
+                    policy_kernel_params, resolve_target, sha256_file, versions, write_artifact)
+
+class ToolchainNeededWarning(UserWarning):
+    """The artifact is written, but a toolchain that is not here must link it for the device."""
+
+
+DEVICE_TARGETS = ("cuda", "opencl", "metal", "hexagon", "android-cpu")
+DEVICE_DIR = "device"
+NO_FP64_KINDS = ("metal", "opencl", "vulkan", "webgpu")  # default of a profile's demote_float64
+_SOURCE_SUFFIX = {"cuda": "cu", "opencl": "cl", "metal": "metal"}
+
+
+def is_device_profile(profile: dict) -> bool:
+    """A profile that builds for another machine (needs this module rather than the host path)."""
+    tgt = profile.get("target", {})
+    return tgt.get("kind") != "llvm" or "mtriple" in tgt or "host" in profile
+
+
+def device_target(target: str | dict) -> tuple[dict, dict, dict | None]:
+    """(profile, target dict, host target dict or None) for a profile name, path or dict."""
+    if isinstance(target, dict) and "target" in target:
+        profile = dict(target)
+    else:
+        profile, _ = resolve_target(target)
+    tgt = dict(profile["target"])
+    host = dict(profile["host"]) if profile.get("host") else None
+    return profile, tgt, host
+
+
+def _tvm_target(tgt: dict, host: dict | None):
+    import tvm
+
+    return tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
+
+
+def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None):
+    """Export + edgekv passes (the target-independent part); returns (Lowered, spec)."""
+    from .block_cache import BlockCacheSpec
+    from .pipeline import Lowered, import_model, lower_module, param_layout
+
+    if budget <= 0 or block <= 0:
+        raise CompileError("budget and block must be positive token counts")
+    policy.check_budget(budget, block)
+    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget))
+    mod, params, timings = imported if imported is not None else import_model(model, block)
+    timings = dict(timings)
+    t0 = time.perf_counter()
+    mod, sites, transposed = lower_module(mod, spec)
+    timings["passes_s"] = time.perf_counter() - t0
+    return Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings), spec
+
+
+def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None) -> tuple[Any, dict]:
+    """``tvm.compile`` the lowered module for the profile; returns (executable, device info)."""
+    import tvm
+
+    from .gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline, is_gpu_target
+
+    mod = lowered.mod
+    target = _tvm_target(tgt, host)
+    info: dict[str, Any] = {"kind": tgt["kind"]}
+    if profile.get("demote_float64", tgt.get("kind") in NO_FP64_KINDS):
+        mod = demote_float64(mod)
+        info["float64_demoted"] = True
+    if is_gpu_target(tgt):
+        scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
+        rk = ReplaceKernels(spec.policy, spec.policy_params, scales)
+        mod = rk(mod)
+        check = CheckAllOnDevice()
+        ex = tvm.compile(mod, target=target, relax_pipeline=gpu_pipeline(target, check))
+        info["edgekv_kernels"] = rk.replaced
+        info["device_functions"] = check.device_functions
+        info["symbolic_shapes"] = check.symbolic
+    else:
+        from .cpu_schedule import cpu_pipeline
+
+        ex = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
+    return ex, info
+
+
+def device_code(ex, tgt: dict) -> dict[str, bytes]:
+    """The generated device code of an executable: ``{file name: bytes}`` — the GPU source for
+    GPU targets, the object files (what ``export_library`` puts in the .tar) for LLVM ones."""
+    host = ex.mod.imports[0] if ex.mod.imports else ex.mod
+    out: dict[str, bytes] = {}
+    for i, m in enumerate(host.imports):
+        if m.kind in _SOURCE_SUFFIX:
+            out[f"kernels{'' if i == 0 else i}.{_SOURCE_SUFFIX[m.kind]}"] = m.inspect_source().encode()
+    if tgt.get("kind") == "llvm":
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "lib.tar"
+            ex.export_library(str(path))
+            with tarfile.open(path) as tf:
+                for member in tf.getmembers():
+                    if member.isfile() and member.name.endswith(".o"):
+                        out[member.name] = tf.extractfile(member).read()
+    return out
+
+
+def host_functions_on_host(ex) -> list[str]:
+    """Kernels the host code runs itself (CPU loops in a GPU build): parallel lambdas and host
+    functions with float arithmetic. Empty for a correct GPU build."""
+    host = ex.mod.imports[0] if ex.mod.imports else ex.mod
+    ll = host.inspect_source("ll")
+    bad = []
+    if "__tvm_parallel_lambda" in ll:
+        bad.append("__tvm_parallel_lambda")
+    for m in re.finditer(r"define [^@]*@([\w.]+_compute_)\(.*?\n}\n", ll, re.S):
+        body = m.group(0)
+        if re.search(r"\b(fadd|fmul|fdiv|fcmp)\b", body):
+            bad.append(m.group(1))
+    return bad
+
+
+def elf_machine(obj: bytes) -> int | None:
+    if obj[:4] != b"\x7fELF":
+        return None
+    little = obj[5] == 1
+    return int.from_bytes(obj[18:20], "little" if little else "big")
+
+
+def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "cuda",
+                     out_dir: str | Path | None = None, *, imported=None, progress=None,
+                     mem_limit: int | None = None) -> BuildResult:
+    """Compile for a device target and (with ``out_dir``) write the complete artifact.
+
+    The manifest's ``device`` section says where each function runs, the generated code sizes
+    and ``toolchain.status``: ``complete`` when the artifact loads as is on the device side
+    (CUDA: TVM compiles the embedded CUDA C at load), ``needs-toolchain`` when a tool that is
+    not part of this build must link it (named in ``toolchain.tool`` / ``toolchain.finish``)."""
+    say = progress or (lambda msg: None)
+    profile, tgt, host = device_target(target)
+    say("exporting and lowering")
+    lowered, spec = lower_for_target(model, policy, budget, block, imported)
+    plan = memory_plan(lowered, budget)
+    if mem_limit is not None and plan["total_bytes"] > mem_limit:
+        raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
+                           "lower --budget or --block")
+    say(f"compiling with TVM for {profile.get('name', tgt['kind'])}")
+    t0 = time.perf_counter()
+    ex, info = compile_lowered(lowered, spec, profile, tgt, host)
+    lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
+    code = device_code(ex, tgt)
+    info["code"] = {name: len(data) for name, data in code.items()}
+    if tgt.get("kind") == "llvm":
+        info["elf_machine"] = sorted({elf_machine(d) for d in code.values()} - {None})
+        info["device_functions"] = "all (the whole module is compiled for the device CPU/DSP)"
+    else:
+        stray = host_functions_on_host(ex)
+        if stray:
+            raise CompileError(f"functions compiled for the host in a {tgt['kind']} build: {', '.join(stray)}")
+    tool = dict(profile.get("toolchain", {}))
+    needs = "env" in tool
+    tool["status"] = "needs-toolchain" if needs else "complete"
+    info["toolchain"] = tool
+    cfg = model.config
+    manifest: dict[str, Any] = {
+        "format": ARTIFACT_FORMAT,
+        "format_version": ARTIFACT_VERSION,
+        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict(),
+                  "chat": bool(getattr(model, "chat", False))},
+        "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
+        "budget": budget,
+        "block": block,
+        "dtype": "float32",
+        "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
+        "num_layers": len(lowered.sites),
+        "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
+                             "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
+        "cache": [{"k": [s.num_kv_heads, budget, s.head_dim], "v": [s.num_kv_heads, budget, s.head_dim],
+                   "pos": [s.num_kv_heads, budget], "fill": [1]} for s in lowered.sites],
+        "functions": {
+            "prefill_block": {"inputs": ["tokens[B] int64", "positions[B] int64", "n_valid[1] int32",
+                                         "caches (k, v, pos, fill) × layers", "weights"],
+                              "outputs": ["logits[V] of token n_valid-1", "caches"]},
+            "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],
+                       "outputs": ["logits[V]", "caches"]},
+        },
+        "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
+        "memory_plan": plan,
+        "device": info,
+        "versions": versions(),
+        "timings": lowered.timings,
+    }
+    result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
+                         params=lowered.params)
+    result.device_code = code
+    if out_dir is not None:
+        out = Path(out_dir)
+        (out / DEVICE_DIR).mkdir(parents=True, exist_ok=True)
+        for name, data in code.items():
+            (out / DEVICE_DIR / name).write_bytes(data)
+        manifest["device"]["files"] = sorted(f"{DEVICE_DIR}/{n}" for n in code)
+        write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
+        msg = toolchain_message(manifest, out)
+        say(msg)
+        if needs:  # the CLI's progress line is transient: say it where it stays
+            warnings.warn(msg, ToolchainNeededWarning, stacklevel=2)
+    return result
+
+
+def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
+    dev = manifest["device"]
+    tool = dev.get("toolchain", {})
+    name = manifest["target"]["profile"]
+    if tool.get("status") == "needs-toolchain":
+        return (f"{name}: wrote {out_dir} (model.tar, params, manifest, device code). NOT YET LOADABLE ON THE DEVICE: "
+                f"{tool.get('needed_for')} needs {tool.get('tool')}; finish with: {tool.get('finish')}")
+    return f"{name}: wrote {out_dir}; {tool.get('needed_for', 'complete')}"
+
+
+def finish(out_dir: str | Path) -> Path:
+    """Link ``model.tar`` into ``model.so`` with the toolchain named by the profile's ``env``
+    variable (the NDK / Xcode / Hexagon SDK compiler command), and record it in the manifest."""
+    out = Path(out_dir)
+    manifest = json.loads((out / MANIFEST).read_text())
+    tool = manifest.get("device", {}).get("toolchain", {})
+    env = tool.get("env")
+    if not env:
+        raise CompileError(f"{out}: this artifact needs no toolchain step ({tool.get('needed_for', 'complete')})")
+    cc = os.environ.get(env)
+    if not cc:
+        raise CompileError(f"set {env} to the compiler command ({tool.get('tool')}); e.g. {tool.get('finish')}")
+    lib = out / manifest["files"]["library"]["name"]
+    so = out / "model.so"
+    with tempfile.TemporaryDirectory() as d:
+        with tarfile.open(lib) as tf:
+            tf.extractall(d)
+        objs = sorted(str(p) for p in Path(d).glob("*.o"))
+        cmd = shlex.split(cc) + ["-shared", "-fPIC", "-o", str(so)] + objs
+        subprocess.run(cmd, check=True)
+    manifest["files"]["library"] = {"name": so.name, "sha256": sha256_file(so)}
+    manifest["device"]["toolchain"]["status"] = "finished"
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+    return so
+
+
+def check_cuda_source(source: str, arch: str = "sm_80", nvcc: str = "nvcc") -> dict:
+    """Compile generated CUDA C with nvcc (no GPU needed) to prove it is valid for ``arch``;
+    returns {cubin_bytes, seconds}. Raises CompileError with nvcc's message on failure."""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.cu"
+        src.write_text(source)
+        t0 = time.perf_counter()
+        r = subprocess.run([nvcc, "-w", f"-arch={arch}", "-cubin", "-o", str(Path(d) / "k.cubin"), str(src)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CompileError(f"nvcc rejected the generated CUDA source:\n{r.stderr[-3000:]}")
+        return {"cubin_bytes": (Path(d) / "k.cubin").stat().st_size, "seconds": time.perf_counter() - t0}
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "finish":
+        try:
+            print(f"wrote {finish(argv[1])}")
+        except CompileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    print("usage: python -m edgekv.compiler.targets finish <artifact dir>", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,208 @@
+"""Device targets (CUDA, OpenCL, Metal, Hexagon, Android CPU) build complete artifacts here,
+with every kernel generated for the device, the eviction kernels present by name, and static
+shapes. Nothing runs on a device (see device_tests/ for that)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+tvm = pytest.importorskip("tvm")
+
+from edgekv.compiler.build import PROFILE_DIR  # noqa: E402
+from edgekv.compiler.gpu_schedule import GPUKernelError, ReplaceKernels, demote_float64, unbound_functions  # noqa: E402
+from edgekv.compiler.pipeline import import_model  # noqa: E402
+from edgekv.compiler.targets import build_for_target, device_target, elf_machine, host_functions_on_host  # noqa: E402
+from edgekv.models import tiny_random_model  # noqa: E402
+from edgekv.policies.full import FullPolicy  # noqa: E402
+from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
+from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
+from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
+
+B = 8
+N = 16
+GPU = ("cuda", "opencl", "metal")
+SOURCE = {"cuda": "kernels.cu", "opencl": "kernels.cl", "metal": "kernels.metal"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random_model(0)
+
+
+@pytest.fixture(scope="module")
+def imported(model):
+    return import_model(model, B)
+
+
+def _fast(name: str) -> dict:
+    """The profile with LLVM at opt-level 0 (these tests check placement, not speed: the
+    Hexagon/AArch64 backends take ~30-50 s per module otherwise)."""
+    profile = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    for key in ("target", "host"):
+        if key in profile and profile[key].get("kind") == "llvm":
+            profile[key] = {**profile[key], "opt-level": 0}
+    return profile
+
+
+_BUILDS: dict = {}
+
+
+def _build(model, imported, tmp_path_factory, target, policy=None, budget=N):
+    policy = policy or KeyDiffPolicy()
+    key = (target, repr(policy), budget)
+    if key not in _BUILDS:
+        out = tmp_path_factory.mktemp(f"{target}_{policy.name}")
+        _BUILDS[key] = (build_for_target(model, policy, budget, B, _fast(target), out, imported=imported), out)
+    return _BUILDS[key]
+
+
+@pytest.mark.parametrize("target", ["cuda", "opencl", "metal", "hexagon", "android-cpu"])
+def test_profiles_resolve(target):
+    profile, tgt, host = device_target(target)
+    assert profile["name"] == target
+    t = tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
+    assert t.kind.name == tgt["kind"]
+    assert "toolchain" in profile
+
+
+@pytest.mark.parametrize("target", GPU)
+def test_gpu_artifact_all_on_device(model, imported, tmp_path_factory, target):
+    res, out = _build(model, imported, tmp_path_factory, target)
+    m = json.loads((out / "manifest.json").read_text())
+    assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.tar", "device"}
+    assert m["files"]["library"]["name"] == "model.tar"
+    dev = m["device"]
+    # every PrimFunc of the built module is a device kernel ...
+    funcs = dev["device_functions"]
+    assert len(funcs) > 20
+    src = (out / "device" / SOURCE[target]).read_text()
+    for f in funcs:
+        assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
+    # ... and the host code runs none itself (no CPU loops, no parallel lambdas)
+    assert host_functions_on_host(res.executable) == []
+    # the edgekv kernels were replaced by the thread-bound versions, for both functions
+    kinds = dev["edgekv_kernels"]
+    assert sorted(set(kinds.values())) == ["attention", "score", "select"]
+    for fn in ("prefill_block", "decode"):
+        assert re.search(rf"\b{fn}_score_keydiff_h2_d16_kernel\w*\(", src)
+        assert re.search(rf"\b{fn}_select_h2_d16_score_kernel\w*\(", src)
+        assert re.search(rf"\b{fn}_attention_h4_2_d16_kernel\w*\(", src)
+    # static shapes: no symbolic dims in any kernel
+    assert dev["symbolic_shapes"] == {}
+    assert dev["code"][SOURCE[target]] == len(src.encode())
+    if target != "cuda":
+        assert dev["float64_demoted"] and "double" not in src
+    tool = dev["toolchain"]
+    assert tool["status"] == ("complete" if target == "cuda" else "needs-toolchain")
+
+
+@pytest.mark.parametrize("target,machine", [("hexagon", 164), ("android-cpu", 183)])
+def test_llvm_cross_artifact(model, imported, tmp_path_factory, target, machine):
+    res, out = _build(model, imported, tmp_path_factory, target)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["device"]["elf_machine"] == [machine]  # 164 = QUALCOMM DSP6, 183 = AArch64
+    assert m["device"]["toolchain"]["status"] == "needs-toolchain"
+    with tarfile.open(out / "model.tar") as tf:
+        objs = {mm.name: tf.extractfile(mm).read() for mm in tf.getmembers() if mm.name.endswith(".o")}
+    assert objs and all(elf_machine(o) == machine for o in objs.values())
+    blob = b"".join(objs.values())
+    for fn in ("prefill_block", "decode"):
+        for k in (b"_score_keydiff_h2_d16", b"_select_h2_d16_score", b"_attention_h4_2_d16"):
+            assert fn.encode() + k in blob
+
+
+@pytest.mark.parametrize("policy", [StreamingPolicy(sinks=2), LagKVPolicy(sinks=2, lag=4), FullPolicy()],
+                         ids=["streaming", "lagkv", "full"])
+def test_other_policies_on_gpu(model, imported, tmp_path_factory, policy):
+    budget = 64 if policy.name == "full" else N
+    res, out = _build(model, imported, tmp_path_factory, "opencl", policy, budget)
+    dev = res.manifest["device"]
+    src = (out / "device" / "kernels.cl").read_text()
+    for f in dev["device_functions"]:
+        assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f
+    if policy.name == "full":
+        assert "prefill_block_select_h2_d16_append_kernel" in src and "score" not in "".join(dev["edgekv_kernels"])
+    else:
+        assert f"prefill_block_score_{policy.name}_h2_d16_kernel" in src
+    assert dev["symbolic_shapes"] == {}
+
+
+def test_unbound_kernels_are_refused(model, imported):
+    """Without the replacement the CPU kernels have no thread binding: the check names them."""
+    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.pipeline import lower_module
+
+    mod, _, _ = lower_module(imported[0], BlockCacheSpec(budget=N, policy="streaming", policy_params={"sinks": 2}))
+    bad = unbound_functions(mod)
+    assert "prefill_block_attention_h4_2_d16" in bad and "decode_select_h2_d16_score" in bad
+    with pytest.raises(GPUKernelError, match="no GPU score kernel"):
+        ReplaceKernels("dapq", {}, {}).transform_module(
+            tvm.IRModule({"prefill_block_score_dapq_h2_d16": mod["prefill_block_score_streaming_h2_d16"]}), None)
+
+
+def test_float64_demotion_keeps_results(model, imported):
+    """The fp64 → fp32 rewrite used for Metal/OpenCL, run on the host against the engine:
+    same kept positions, logits within 1e-3."""
+    from edgekv.engine import BlockEngine
+    from edgekv.runtime import HostRuntime
+
+    policy = KeyDiffPolicy()
+    profile = {"name": "host-fp32-rope", "target": {"kind": "llvm", "opt-level": 0}, "demote_float64": True}
+    res = build_for_target(model, policy, N, B, profile, imported=imported)
+    assert res.manifest["device"]["float64_demoted"]
+    rt = HostRuntime.from_executable(res.executable, res.manifest, res.params)
+    eng = BlockEngine(model, policy, N, B)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
+    for s in range(0, 40, B):
+        chunk = prompt[s:s + B]
+        got = rt.step_block(chunk.numpy())
+        want = eng.step(chunk).numpy()
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-3
+        for layer in range(model.config.num_layers):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy())
+
+
+@pytest.mark.slow
+def test_cuda_source_compiles_with_nvcc(model, imported, tmp_path_factory):
+    """The generated CUDA C is valid for sm_80 (nvcc, no GPU needed)."""
+    import shutil
+
+    from edgekv.compiler.targets import check_cuda_source
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    res, out = _build(model, imported, tmp_path_factory, "cuda")
+    info = check_cuda_source((out / "device" / "kernels.cu").read_text(), "sm_80")
+    assert info["cubin_bytes"] > 10_000
+
+
+def test_finish_links_with_the_named_toolchain(model, imported, tmp_path_factory, tmp_path, monkeypatch):
+    """``targets.finish`` hands the tar's objects to the compiler named by the profile's env
+    variable (a stand-in that records its arguments) and records model.so in the manifest."""
+    import shutil
+    import sys
+
+    from edgekv.compiler.build import CompileError
+    from edgekv.compiler.targets import finish
+
+    _, out = _build(model, imported, tmp_path_factory, "android-cpu")
+    art = tmp_path / "art"
+    shutil.copytree(out, art)
+    monkeypatch.delenv("TVM_NDK_CC", raising=False)
+    with pytest.raises(CompileError, match="TVM_NDK_CC"):
+        finish(art)
+    fake = tmp_path / "fakecc.py"
+    fake.write_text("import sys, json\nargs = sys.argv[1:]\no = args[args.index('-o') + 1]\n"
+                    "open(o, 'w').write(json.dumps(args))\n")
+    monkeypatch.setenv("TVM_NDK_CC", f"{sys.executable} {fake}")
+    so = finish(art)
+    args = json.loads(so.read_text())
+    assert "-shared" in args and any(a.endswith("lib0.o") for a in args)
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["files"]["library"]["name"] == "model.so" and m["device"]["toolchain"]["status"] == "finished"

@@ -1,0 +1,51 @@
+"""Regenerate docs/RESULTS.md from the section files under docs/results/.
+
+Each section is written by the command that measured it (the command is recorded in the
+section itself):
+  accuracy.md   tools/results_accuracy.py        (edgekv eval sweeps)
+  bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
+  compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
+  simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = [
+    ("Accuracy on SmolLM2-135M", "accuracy.md"),
+    ("Speed and memory, peers side by side", "bench/bench.md"),
+    ("Compiled kernels on the host CPU", "compiled.md"),
+    ("Memory-limited simulation and device estimates", "simulate.md"),
+]
+
+
+def main() -> None:
+    results = ROOT / "docs" / "results"
+    parts = ["# edgekv results\n",
+             "Every number below is produced by a command in this repository; each section names its "
+             "command, the machine and the commit. Sections not yet measured say so.\n"]
+    for title, name in SECTIONS:
+        parts.append(f"## {title}\n")
+        path = results / name
+        if path.is_file():
+            text = path.read_text().strip()
+            # section files carry their own top heading; demote it under ours
+            lines = text.splitlines()
+            if lines and lines[0].startswith("# "):
+                lines = lines[1:]
+            body = "\n".join(("#" + l) if l.startswith("#") else l for l in lines)
+            if "bench/" in name:
+                body = body.replace("](bench.png)", "](results/bench/bench.png)")
+            else:
+                body = body.replace("](", "](results/").replace("](results/http", "](http").replace("](results/results/", "](results/")
+            parts.append(body + "\n")
+        else:
+            parts.append(f"Not measured yet (`{name}` is missing).\n")
+    (ROOT / "docs" / "RESULTS.md").write_text("\n".join(parts))
+    print("wrote docs/RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()
