@@ -216,6 +216,11 @@ def compile_cmd(
                       f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
                       f"{human_bytes(plan['activation_bytes'])}")
         table.add_row("compile time", f"{time.perf_counter() - t0:.1f} s")
+        toolchain = (manifest.get("device") or {}).get("toolchain") or {}
+        if toolchain:
+            table.add_row("device toolchain", str(toolchain.get("status", "")))
+            if toolchain.get("finish"):
+                table.add_row("finish on a machine with it", str(toolchain["finish"]))
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
@@ -321,6 +326,7 @@ def bench(
                           artifact=str(artifact) if artifact else None)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
+        results["command"] = "edgekv bench " + " ".join(sys.argv[2:])
         write_json_atomic(out_dir / "bench.json", results)
         (out_dir / "bench.md").write_text(markdown(results))
         plot(results, str(out_dir / "bench.png"))
@@ -351,5 +357,5 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+    return {"cpu": cpu, "cores": os.cpu_count(), "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "commit": commit}

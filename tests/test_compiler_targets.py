@@ -117,8 +117,9 @@ def test_llvm_cross_artifact(model, imported, tmp_path_factory, target, machine)
             assert fn.encode() + k in blob
 
 
-@pytest.mark.parametrize("policy", [StreamingPolicy(sinks=2), LagKVPolicy(sinks=2, lag=4), FullPolicy()],
-                         ids=["streaming", "lagkv", "full"])
+@pytest.mark.parametrize("policy", [LagKVPolicy(sinks=2, lag=4), FullPolicy(),
+                                    pytest.param(StreamingPolicy(sinks=2), marks=pytest.mark.slow)],
+                         ids=["lagkv", "full", "streaming"])
 def test_other_policies_on_gpu(model, imported, tmp_path_factory, policy):
     budget = 64 if policy.name == "full" else N
     res, out = _build(model, imported, tmp_path_factory, "opencl", policy, budget)

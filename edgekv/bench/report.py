@@ -38,6 +38,12 @@ def markdown(results: dict) -> str:
                 dec = f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}×" if a.get("decode_tok_s") and b.get("decode_tok_s") else "—"
                 lines.append(f"| {peer} | {length} | {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}× | {dec} | "
                              f"{a['peak_rss'] / b['peak_rss']:.2f}× |")
+    machine = results.get("machine")
+    if machine:
+        lines.append(f"\nMeasured on {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}, "
+                     f"commit {machine['commit'] or '?'}, load average {machine.get('load', '?')} before the run; "
+                     f"command: `{results.get('command', 'edgekv bench')}`. A single busy 2-core machine: "
+                     "read ratios from one run, not absolute speeds across runs.")
     for system, why in results["skipped"].items():
         lines.append(f"\n- `{system}` not measured: {why}")
     return "\n".join(lines) + "\n"

@@ -170,6 +170,12 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     profile, tgt = resolve_target(target)
+    if profile.get("host") or tgt.get("kind") != "llvm" or "mtriple" in tgt:
+        # GPU / NPU / cross-compiled CPU targets (compile/cuda.json, opencl, metal, hexagon, android-cpu)
+        from .targets import build_for_target
+
+        return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
+                                out_dir, imported=imported, progress=progress, mem_limit=mem_limit)
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget))
     say = progress or (lambda msg: None)
     say("exporting and lowering")

@@ -240,7 +240,8 @@ def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
     name = manifest["target"]["profile"]
     if tool.get("status") == "needs-toolchain":
         return (f"{name}: wrote {out_dir} (model.tar, params, manifest, device code). NOT YET LOADABLE ON THE DEVICE: "
-                f"{tool.get('needed_for')} needs {tool.get('tool')}; finish with: {tool.get('finish')}")
+                f"{tool.get('needed_for')} needs {tool.get('tool')}; finish with: "
+                f"{str(tool.get('finish')).replace('<artifact dir>', str(out_dir))}")
     return f"{name}: wrote {out_dir}; {tool.get('needed_for', 'complete')}"
 
 
