@@ -200,6 +200,17 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     else:
         ex = tvm.compile(lowered.mod, target=target_obj)
     lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
+    manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan)
+    result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
+                         params=lowered.params)
+    if out_dir is not None:
+        write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
+    return result
+
+
+def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, profile: dict, target: Any,
+                   tgt: dict, lowered: Any, plan: dict, host: dict | None = None, **extra: Any) -> dict[str, Any]:
+    """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and device builds)."""
     cfg = model.config
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
@@ -210,7 +221,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         "budget": budget,
         "block": block,
         "dtype": "float32",
-        "target": {"profile": profile.get("name", str(target)), "tvm": tgt},
+        "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
         "num_layers": len(lowered.sites),
         "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
                              "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
@@ -228,11 +239,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         "versions": versions(),
         "timings": lowered.timings,
     }
-    result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
-                         params=lowered.params)
-    if out_dir is not None:
-        write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
-    return result
+    manifest.update(extra)
+    return manifest
 
 
 def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict, tokenizer=None) -> None:

@@ -18,7 +18,6 @@ Profiles: ``compile/<name>.json`` with ``target`` (TVM target dict), optional ``
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -32,8 +31,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .build import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, BuildResult, CompileError, memory_plan,
-                    policy_kernel_params, resolve_target, sha256_file, versions, write_artifact)
+from .build import (MANIFEST, BuildResult, CompileError, build_manifest, memory_plan, policy_kernel_params,
+                    resolve_target, sha256_file, write_artifact)
 
 class ToolchainNeededWarning(UserWarning):
     """The artifact is written, but a toolchain that is not here must link it for the device."""
@@ -188,35 +187,8 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     needs = "env" in tool
     tool["status"] = "needs-toolchain" if needs else "complete"
     info["toolchain"] = tool
-    cfg = model.config
-    manifest: dict[str, Any] = {
-        "format": ARTIFACT_FORMAT,
-        "format_version": ARTIFACT_VERSION,
-        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict(),
-                  "chat": bool(getattr(model, "chat", False))},
-        "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
-        "budget": budget,
-        "block": block,
-        "dtype": "float32",
-        "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
-        "num_layers": len(lowered.sites),
-        "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
-                             "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
-        "cache": [{"k": [s.num_kv_heads, budget, s.head_dim], "v": [s.num_kv_heads, budget, s.head_dim],
-                   "pos": [s.num_kv_heads, budget], "fill": [1]} for s in lowered.sites],
-        "functions": {
-            "prefill_block": {"inputs": ["tokens[B] int64", "positions[B] int64", "n_valid[1] int32",
-                                         "caches (k, v, pos, fill) × layers", "weights"],
-                              "outputs": ["logits[V] of token n_valid-1", "caches"]},
-            "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],
-                       "outputs": ["logits[V]", "caches"]},
-        },
-        "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
-        "memory_plan": plan,
-        "device": info,
-        "versions": versions(),
-        "timings": lowered.timings,
-    }
+    manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan,
+                              host=host, device=info)
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params)
     result.device_code = code
