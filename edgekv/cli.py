@@ -304,7 +304,7 @@ def bench(
     from .bench.systems import SYSTEMS
     from .budget import parse_budget
     from .corpus import natural_token_ids
-    from .job import write_json_atomic
+    from .job import check_writable, write_json_atomic
     from .models import load_model
 
     try:
@@ -315,10 +315,7 @@ def bench(
         lengths = [parse_budget(x, block=1) for x in prompt_lengths.split(",") if x.strip()]
         mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
         out_dir.mkdir(parents=True, exist_ok=True)
-        check_writable_dir = out_dir / "bench.json"
-        from .job import check_writable
-
-        check_writable(check_writable_dir, "--out")
+        check_writable(out_dir / "bench.json", "--out")
         loaded = load_model(model, err)
         cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
