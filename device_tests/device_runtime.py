@@ -27,6 +27,9 @@ class DeviceRuntime:
                             tvm.runtime.tensor(np.zeros(c["v"], "float32"), device),
                             tvm.runtime.tensor(np.zeros(c["pos"], "int32"), device),
                             tvm.runtime.tensor(np.zeros(c["fill"], "int32"), device)]
+            if "state" in c:  # per-entry policy state [S, H, N] (manifest "entry_state")
+                self.caches.append(tvm.runtime.tensor(np.zeros(c["state"], "float32"), device))
+        self.per_layer = 4 + (1 if manifest.get("entry_state") else 0)
         self.position = 0
 
     @classmethod
@@ -64,5 +67,5 @@ class DeviceRuntime:
         return out[0].numpy()
 
     def kept_positions(self, layer: int) -> np.ndarray:
-        fill = int(self.caches[4 * layer + 3].numpy()[0])
-        return self.caches[4 * layer + 2].numpy()[:, :fill]
+        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
+        return self.caches[self.per_layer * layer + 2].numpy()[:, :fill]

@@ -145,3 +145,137 @@ def test_caches_updated_in_place(model, imported, prompt):
     assert rt.cache_lengths() == [13, 13]
     rt.reset()
     assert rt.cache_lengths() == [0, 0]
+
+
+# ---- the generic mechanism for kernel inputs + per-entry state (edgekv.policies.base) --------------
+# A test-only policy: state "age" (steps an entry has been in the cache ⊕ block, +1 per step) and
+# "qmass" (Σ of channel 0 of the group's first query head over each step's valid block rows) — it
+# needs the block's queries, keeps two state rows, observes every step and scores by age. The
+# compiled run must keep the same entries and carry the same state as the eager engine.
+
+# (kernel sizes are named BL, not B: under ``from __future__ import annotations`` TVMScript
+# resolves the buffer annotations against this module's globals, where B is the test block size)
+def _probe_observe_kernel(num_kv_heads, budget, block, head_dim, dtype="float32", num_q_heads=1, sm_scale=1.0):
+    from tvm.script import tirx as T
+
+    H, N, BL, D, Hq = num_kv_heads, budget, block, head_dim, num_q_heads
+    G, NB = Hq // H, N + BL
+
+    @T.prim_func(private=True, s_tir=True)
+    def probe_observe(k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+                      pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+                      k_blk: T.Buffer((1, H, BL, D), "float32"), v_blk: T.Buffer((1, H, BL, D), "float32"),
+                      pos_blk: T.Buffer((BL,), "int32"), n_valid: T.Buffer((1,), "int32"),
+                      q: T.Buffer((1, Hq, BL, D), "float32"), state: T.Buffer((2, H, N), "float32"),
+                      cand: T.Buffer((2, H, NB), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for h in T.serial(H):
+            with T.sblock("probe"):
+                qs = T.sblock_alloc_buffer((1,), "float32")
+                qs[0] = T.float32(0)
+                for i in T.serial(BL):
+                    if i < n_valid[0]:
+                        qs[0] = qs[0] + q[0, h * G, i, 0]
+                for c in T.serial(NB):
+                    if c < fill[0]:
+                        cand[0, h, c] = state[0, h, T.min(c, N - 1)] + T.float32(1)
+                        cand[1, h, c] = state[1, h, T.min(c, N - 1)] + qs[0]
+                    else:
+                        cand[0, h, c] = T.float32(1)
+                        cand[1, h, c] = qs[0]
+
+    return probe_observe
+
+
+def _probe_score_kernel(num_kv_heads, budget, block, head_dim, dtype="float32", num_q_heads=1, sm_scale=1.0):
+    from tvm.script import tirx as T
+
+    H, N, BL, D, Hq = num_kv_heads, budget, block, head_dim, num_q_heads
+    NB = N + BL
+
+    @T.prim_func(private=True, s_tir=True)
+    def probe_score(k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+                    pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+                    k_blk: T.Buffer((1, H, BL, D), "float32"), v_blk: T.Buffer((1, H, BL, D), "float32"),
+                    pos_blk: T.Buffer((BL,), "int32"), n_valid: T.Buffer((1,), "int32"),
+                    q: T.Buffer((1, Hq, BL, D), "float32"), cand: T.Buffer((2, H, NB), "float32"),
+                    score: T.Buffer((H, NB), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for h, c in T.grid(H, NB):
+            with T.sblock("score"):
+                vh, vc = T.axis.remap("SS", [h, c])
+                score[vh, vc] = cand[0, vh, vc]
+
+    return probe_score
+
+
+def _probe_policy_class():
+    from dataclasses import dataclass
+
+    from edgekv.policies.base import Policy, Selection, keep_all, topk_keep
+
+    @dataclass
+    class ProbePolicy(Policy):
+        name = "probe"
+        needs_queries = True
+        observes_every_step = True
+        entry_state = ("age", "qmass")
+        kernel_inputs = ("queries",)
+        evict_kernel = staticmethod(_probe_score_kernel)
+        observe_kernel = staticmethod(_probe_observe_kernel)
+
+        def kernel_params(self, budget):
+            return {}
+
+        def observe(self, ctx):
+            G = ctx.queries.shape[0] // ctx.num_kv_heads
+            ctx.state["age"] += 1
+            ctx.state["qmass"] += ctx.queries[::G, :, 0].sum(-1)[:, None]
+
+        def select(self, ctx):
+            if not ctx.must_evict:
+                return keep_all(ctx)
+            return Selection(kept=topk_keep(ctx.state["age"].clone(), ctx.budget))
+
+    return ProbePolicy
+
+
+def test_kernel_inputs_and_entry_state_mechanism(model, imported, prompt, monkeypatch):
+    from edgekv.policies import REGISTRY
+
+    cls = _probe_policy_class()
+    monkeypatch.setitem(REGISTRY, "probe", cls)
+    budget = 13
+    res = compile_model(model, cls(), budget, B, target=TEST_TARGET, imported=imported)
+    m = res.manifest
+    L, H = model.config.num_layers, model.config.num_kv_heads
+    assert m["entry_state"] == ["age", "qmass"]
+    assert all(c["state"] == [2, H, budget] for c in m["cache"])
+    # the memory plan counts the state: [S, H, N] float32 per layer on top of K, V, pos, fill
+    kv = L * (2 * H * budget * model.config.head_dim * 4 + H * budget * 4 + 4)
+    assert m["memory_plan"]["cache_bytes"] == kv + L * 2 * H * budget * 4
+    rt = HostRuntime.from_executable(res.executable, m, res.params)
+    assert len(rt.caches) == 5 * L
+    eng = BlockEngine(model, cls(), budget, B)
+
+    def same(where):
+        for layer in range(L):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy(), err_msg=where)
+            n = eng.caches[layer].length
+            got = rt.entry_state(layer)
+            for name in ("age", "qmass"):
+                np.testing.assert_allclose(got[name], eng.caches[layer].state[name][:, :n].numpy(),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"{where}, layer {layer}, {name}")
+
+    logits = None
+    for s in range(0, PROMPT, B):
+        chunk = prompt[s: s + B]
+        logits = rt.step_block(chunk.numpy())
+        assert _rel(logits, eng.step(chunk).numpy()) < 1e-3
+        same(f"block at {s}")
+    assert rt.entry_state(0)["age"].max() == (PROMPT + B - 1) // B  # old entries saw every step
+    for _ in range(3):  # decode: state updated on every step, compacted with K/V on every eviction
+        tok = int(np.argmax(logits))
+        logits = rt.decode(tok)
+        assert _rel(logits, eng.decode(tok).numpy()) < 1e-3
+        same("decode")

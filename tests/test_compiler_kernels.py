@@ -272,3 +272,38 @@ def test_scheduled_nt_gemm_equals_unscheduled(case):
         ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
         outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
+
+
+@pytest.mark.parametrize("fill,n_valid", [(N, B), (N - 3, 5), (10, 8), (0, 3)])
+@pytest.mark.parametrize("with_score", [True, False])
+def test_select_compacts_entry_state_with_kv(fill, n_valid, with_score):
+    """Per-entry state [S, H, N] is appended / compacted with the same kept indices as K/V/pos."""
+    S = 2
+    if not with_score and fill + n_valid > N:
+        pytest.skip("append-only never evicts")
+    bb = relax.BlockBuilder()
+    args_ty = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"),
+               _ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32")]
+    args_ty += ([_ty((H, N + B))] if with_score else []) + [_ty((S, H, N)), _ty((S, H, N + B))]
+    vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(args_ty)]
+    with bb.function("select", vars_):
+        gv = bb.add_func(build_select(H, N, B, D, "float32", with_score, S), "k_select")
+        with bb.dataflow():
+            st = len(args_ty) - 2
+            out = bb.emit_output(relax.call_tir_inplace(gv, vars_, [0, 1, 2, 3, st], args_ty[:4] + [args_ty[st]]))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target=TARGET), tvm.cpu())
+    rng = np.random.default_rng(fill + 7 * n_valid)
+    a = _inputs(rng, fill, n_valid)
+    n = fill + n_valid
+    score = rng.standard_normal((H, N + B)).astype("float32")
+    state = rng.standard_normal((S, H, N)).astype("float32")
+    cand = rng.standard_normal((S, H, N + B)).astype("float32")
+    tens = [tvm.runtime.tensor(x) for x in a + ([score] if with_score else []) + [state, cand]]
+    vm["select"](*tens)
+    kept = topk_keep(torch.from_numpy(score[:, :n]), N).numpy() if n > N else np.tile(np.arange(n), (H, 1))
+    got = tens[-2].numpy()[:, :, : kept.shape[1]]
+    np.testing.assert_array_equal(got, np.take_along_axis(cand[:, :, :n], np.broadcast_to(kept, (S,) + kept.shape), 2))
+    ctx = _ctx(a, fill, n_valid)
+    np.testing.assert_array_equal(tens[2].numpy()[:, : kept.shape[1]], np.take_along_axis(ctx.positions.numpy(), kept, 1))
+    assert int(tens[3].numpy()[0]) == min(n, N)

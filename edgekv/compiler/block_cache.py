@@ -5,15 +5,20 @@ imported from ``torch.export`` (see ``export.py``), with ``num_input`` = 2.
 
 Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights)`` returning
 ``(logits[V] of token n_valid − 1, *caches)`` where ``caches`` is, per attention site (layer) in
-graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32``. For decode
-(``fixed_n_valid=1``) the ``n_valid`` input is dropped.
+graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` and, for a policy with
+``entry_state`` (S names), ``state[S, H, N] float32``. For decode (``fixed_n_valid=1``) the
+``n_valid`` input is dropped.
 
 At every attention site (``attention_sites.find_attention_sites``) the pass:
   1. replaces the site's output with the block-attention TIR kernel over cache ⊕ block
      (causal inside the block, padding rows ≥ n_valid masked);
-  2. places the policy's score kernel (if any) and the generic top-N select + in-place
-     compaction kernel (``call_tir_inplace`` on the four cache tensors), so the cache is
-     updated without reallocation.
+  2. places the policy's observe kernel (policies with ``entry_state``: the per-candidate state
+     after this step, on every step), its score kernel (if any) and the generic top-N select +
+     in-place compaction kernel (``call_tir_inplace`` on the cache tensors, state included), so
+     the cache is updated without reallocation. The policy's ``kernel_inputs`` (e.g. the block's
+     post-RoPE queries) are passed to its observe and score kernels after the common eight
+     arguments — the contract is written down in ``edgekv.policies.base`` ("Compiled kernels
+     beyond K/V").
 The attention-probability subgraph (mask, softmax, matmuls) becomes dead and is removed by
 dead-code elimination (the next pass in ``pipeline.py``).
 """
@@ -28,9 +33,15 @@ import tvm
 from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
-from .kernels import build_attention, build_score, build_select
+from .kernels import build_attention, build_observe, build_score, build_select, kernel_spec, policy_tag, site_params
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
+STATE_FIELD = "state"
+
+
+def cache_fields(num_state: int) -> tuple[str, ...]:
+    """Per-layer cache tensors: k, v, pos, fill (+ state when the policy keeps per-entry state)."""
+    return CACHE_FIELDS + ((STATE_FIELD,) if num_state else ())
 
 
 @dataclass
@@ -59,14 +70,14 @@ def substitute(expr, vmap: dict):
     return expr
 
 
-def cache_types(site: AttentionSite, budget: int, dtype: str):
+def cache_types(site: AttentionSite, budget: int, dtype: str, num_state: int = 0):
     H, N, D = site.num_kv_heads, budget, site.head_dim
     return [
         relax.TensorType((H, N, D), dtype),
         relax.TensorType((H, N, D), dtype),
         relax.TensorType((H, N), "int32"),
         relax.TensorType((1,), "int32"),
-    ]
+    ] + ([relax.TensorType((num_state, H, N), "float32")] if num_state else [])
 
 
 def _find_param(func: relax.Function, name: str, what: str):
@@ -100,10 +111,13 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     new_tokens = relax.Var("tokens", relax.TensorType((T,), tokens.ty.dtype))
     new_positions = relax.Var("positions", relax.TensorType((T,), positions.ty.dtype))
     n_valid = None if fixed_n_valid is not None else relax.Var("n_valid", relax.TensorType((1,), "int32"))
+    kspec = kernel_spec(spec.policy)
+    S = kspec.num_state
+    fields = cache_fields(S)
     cache_vars = []
     for s in sites:
-        tys = cache_types(s, spec.budget, spec.dtype)
-        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", t) for f, t in zip(CACHE_FIELDS, tys)])
+        tys = cache_types(s, spec.budget, spec.dtype, S)
+        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", t) for f, t in zip(fields, tys)])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
     params += [v for cv in cache_vars for v in cv] + new_weights
@@ -119,7 +133,8 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             kernels[key] = None if prim is None else bb.add_func(prim, f"{dst}_{key}")
         return kernels[key]
 
-    attrs = {"num_input": len(params) - len(new_weights), "edgekv.num_layers": len(sites)}
+    attrs = {"num_input": len(params) - len(new_weights), "edgekv.num_layers": len(sites),
+             "edgekv.entry_state": list(kspec.state)}
     with bb.function(dst, params, attrs=attrs):
         with bb.dataflow():
             vmap[tokens] = bb.emit(relax.op.reshape(new_tokens, (1, T)), "tokens_2d")
@@ -134,7 +149,8 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                     vmap[var] = bb.emit(substitute(value, vmap), var.name)
                     continue
                 H, Hq, D, N = site.num_kv_heads, site.num_q_heads, site.head_dim, spec.budget
-                kc, vc, pc, fc = cache_vars[site.index]
+                kc, vc, pc, fc = cache_vars[site.index][:4]
+                st = cache_vars[site.index][4] if S else None
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
                 attn_gv = kernel(f"attention_h{Hq}_{H}_d{D}",
                                  lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype))
@@ -143,19 +159,36 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
-                score_gv = kernel(f"score_{spec.policy}_h{H}_d{D}",
-                                  lambda: build_score(spec.policy, H, N, T, D, spec.dtype, spec.policy_params))
-                select_gv = kernel(f"select_h{H}_d{D}_{'score' if score_gv is not None else 'append'}",
-                                   lambda: build_select(H, N, T, D, spec.dtype, score_gv is not None))
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
+                # the policy's extra inputs (Policy.kernel_inputs), in its declared order
+                inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
+                params_ = dict(spec.policy_params)
+                params_.update(site_params(spec.policy, Hq, site.sm_scale))
+                tag = policy_tag(spec.policy) + (f"_h{Hq}_{H}_d{D}" if kspec.needs_site else f"_h{H}_d{D}")
+                cand = None
+                if S:
+                    obs_gv = kernel(f"observe_{tag}",
+                                    lambda: build_observe(spec.policy, H, N, T, D, spec.dtype, params_))
+                    cand = bb.emit(relax.call_tir(obs_gv, args + inputs + [st],
+                                                  relax.TensorType((S, H, N + T), "float32")), f"cand_state_{site.index}")
+                score_gv = kernel(f"score_{tag}",
+                                  lambda: build_score(spec.policy, H, N, T, D, spec.dtype, params_))
+                sel_kind = "score" if score_gv is not None else "append"
+                select_gv = kernel(f"select_h{H}_d{D}_{sel_kind}" + (f"_s{S}" if S else ""),
+                                   lambda: build_select(H, N, T, D, spec.dtype, score_gv is not None, S))
+                sel_args = list(args)
                 if score_gv is not None:
-                    score = bb.emit(relax.call_tir(score_gv, args, relax.TensorType((H, N + T), "float32")),
-                                    f"score_{site.index}")
-                    args = args + [score]
-                upd = bb.emit(relax.call_tir_inplace(select_gv, args, [0, 1, 2, 3],
-                                                     cache_types(site, N, spec.dtype)), f"evict_{site.index}")
+                    score = bb.emit(relax.call_tir(score_gv, args + inputs + ([cand] if S else []),
+                                                   relax.TensorType((H, N + T), "float32")), f"score_{site.index}")
+                    sel_args.append(score)
+                inplace = [0, 1, 2, 3]
+                if S:
+                    inplace.append(len(sel_args))
+                    sel_args += [st, cand]
+                upd = bb.emit(relax.call_tir_inplace(select_gv, sel_args, inplace,
+                                                     cache_types(site, N, spec.dtype, S)), f"evict_{site.index}")
                 new_caches.append([bb.emit(relax.TupleGetItem(upd, i), f"{f}_new_{site.index}")
-                                   for i, f in enumerate(CACHE_FIELDS)])
+                                   for i, f in enumerate(fields)])
             ret = vmap[func.body.body] if isinstance(func.body.body, relax.Var) else substitute(func.body.body, vmap)
             rshape = shape_of(ret)
             if rshape is None or len(rshape) != 3 or rshape[:2] != (1, T):
@@ -166,6 +199,13 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv]))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _kernel_input(name: str, site: AttentionSite, q):
+    """The graph tensor behind a ``Policy.kernel_inputs`` name at one attention site."""
+    if name == "queries":
+        return q  # [1, Hq, T, D] post-RoPE, as the block-attention kernel takes it
+    raise AttentionMatchError(f"no kernel input named {name!r} at attention site {site.index}")
 
 
 def _bindings(func: relax.Function):

@@ -110,16 +110,26 @@ def policy_kernel_params(policy: Any, budget: int) -> dict[str, Any]:
     return policy.kernel_params(budget)
 
 
+def entry_state_names(lowered) -> list[str]:
+    """The policy's per-entry state names the lowered module carries (``edgekv.entry_state``)."""
+    func = lowered.mod["prefill_block"]
+    names = func.attrs.get("edgekv.entry_state") if func.attrs is not None else None
+    return [str(n) for n in names] if names else []
+
+
 def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:
-    """Static plan in bytes: weights and caches exactly; activations as the peak of live
+    """Static plan in bytes: weights and caches exactly (K, V, positions, fill and the policy's
+    per-entry state [S, H, N] float32); activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
     of what TVM's static block-memory planner allocates, which reuses storage)."""
     from .attention_sites import _arg_vars, op_name, shape_of
 
     weights = sum(int(a.nbytes) for _, a in lowered.params)
+    num_state = len(entry_state_names(lowered))
     cache = 0
     for s in lowered.sites:
         cache += 2 * s.num_kv_heads * budget * s.head_dim * dtype_bytes + s.num_kv_heads * budget * 4 + 4
+        cache += num_state * s.num_kv_heads * budget * 4
     func = lowered.mod["prefill_block"]
     params = set(func.params)
     size: dict = {}
@@ -212,6 +222,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
                    tgt: dict, lowered: Any, plan: dict, host: dict | None = None, **extra: Any) -> dict[str, Any]:
     """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and device builds)."""
     cfg = model.config
+    state = entry_state_names(lowered)
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -226,10 +237,14 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
                              "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
         "cache": [{"k": [s.num_kv_heads, budget, s.head_dim], "v": [s.num_kv_heads, budget, s.head_dim],
-                   "pos": [s.num_kv_heads, budget], "fill": [1]} for s in lowered.sites],
+                   "pos": [s.num_kv_heads, budget], "fill": [1],
+                   **({"state": [len(state), s.num_kv_heads, budget]} if state else {})} for s in lowered.sites],
+        # per-entry state of the policy (one float32 [S, H, N] tensor per layer after fill, rows = K/V rows)
+        "entry_state": state,
         "functions": {
             "prefill_block": {"inputs": ["tokens[B] int64", "positions[B] int64", "n_valid[1] int32",
-                                         "caches (k, v, pos, fill) × layers", "weights"],
+                                         "caches (k, v, pos, fill" + (", state" if state else "") + ") × layers",
+                                         "weights"],
                               "outputs": ["logits[V] of token n_valid-1", "caches"]},
             "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],
                        "outputs": ["logits[V]", "caches"]},

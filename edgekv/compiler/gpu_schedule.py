@@ -8,8 +8,10 @@ the CPU. So for GPU targets:
 
 1. ``ReplaceKernels`` swaps each edgekv kernel for its GPU version (``gpu_kernels.py``: same
    signature, thread-bound, shared-memory tiles), recognised by the function names that
-   ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<policy>_h{H}_d{D}``,
-   ``<fn>_select_h{H}_d{D}_{score|append}``) and checked against their buffer shapes;
+   ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<tag>_h{H}_d{D}``,
+   ``<fn>_score_<tag>_h{Hq}_{H}_d{D}`` and ``<fn>_observe_<tag>_h{Hq}_{H}_d{D}`` for policies with
+   kernel inputs / per-entry state, ``<fn>_select_h{H}_d{D}_{score|append}[_s{S}]``; ``<tag>`` is
+   ``kernels.policy_tag(policy)``) and checked against their buffer shapes;
 2. ``gpu_pipeline(target)`` is TVM's Relax GPU pipeline for the target kind (CUDA's or the
    generic one) with LegalizeOps → fusion → ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction,
    GeneralReduction, Fallback)`` for the graph's own operators (GEMMs, norms, RoPE, ...);
@@ -27,12 +29,14 @@ from tvm import relax, tirx
 
 from . import gpu_kernels as gk
 from .build import CompileError
+from .kernels import kernel_spec, policy_tag, site_params
 
 GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
 
 _ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)$")
-_SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)_d(\d+)$")
-_SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)$")
+_SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
+_OBSERVE = re.compile(r"_observe_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
+_SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)(?:_s(\d+))?$")
 
 
 class GPUKernelError(CompileError):
@@ -60,27 +64,36 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         if scale is None:
             raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
         return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale)
-    m = _SCORE.search(name)
-    if m:
-        pol = m.group(1)
+    for rx, table, what in ((_SCORE, gk.GPU_SCORE_KERNELS, "score"), (_OBSERVE, gk.GPU_OBSERVE_KERNELS, "observe")):
+        m = rx.search(name)
+        if not m:
+            continue
         H, N, D = _shape(func, 0)
         B = _shape(func, 4)[2]
-        if pol != policy:
-            raise GPUKernelError(f"{name}: score kernel of '{pol}' but the build is for '{policy}'")
-        if pol not in gk.GPU_SCORE_KERNELS:
-            raise GPUKernelError(f"policy '{pol}' has no GPU score kernel yet (GPU kernels: "
-                                 f"{', '.join(sorted(gk.GPU_SCORE_KERNELS))}); compile it for an llvm target")
-        return gk.GPU_SCORE_KERNELS[pol](H, N, B, D, "float32", **policy_params)
+        if m.group(1) != policy_tag(policy):
+            raise GPUKernelError(f"{name}: {what} kernel of '{m.group(1)}' but the build is for '{policy}'")
+        if policy not in table:
+            raise GPUKernelError(f"policy '{policy}' has no GPU {what} kernel yet (GPU {what} kernels: "
+                                 f"{', '.join(sorted(table)) or 'none'}); compile it for an llvm target")
+        params = dict(policy_params)
+        if kernel_spec(policy).needs_site:
+            Hq = int(m.group(2))
+            scale = sm_scales.get((Hq, H, D))
+            if m.group(3) is None or int(m.group(3)) != H or scale is None:
+                raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
+            params.update(site_params(policy, Hq, scale))
+        return table[policy](H, N, B, D, "float32", **params)
     m = _SELECT.search(name)
     if m:
         H, N, D = _shape(func, 0)
         B = _shape(func, 4)[2]
-        return gk.build_gpu_select_kernel(H, N, B, D, "float32", with_score=m.group(3) == "score")
+        return gk.build_gpu_select_kernel(H, N, B, D, "float32", with_score=m.group(3) == "score",
+                                          num_state=int(m.group(4) or 0))
     return None
 
 
 def _kind(name: str) -> str:
-    for what, rx in (("attention", _ATTN), ("score", _SCORE), ("select", _SELECT)):
+    for what, rx in (("attention", _ATTN), ("score", _SCORE), ("observe", _OBSERVE), ("select", _SELECT)):
         if rx.search(name):
             return what
     return "other"

@@ -77,6 +77,40 @@ class Selection:
     values: torch.Tensor | None = None
 
 
+# Compiled kernels beyond K/V — the one mechanism for policies that need the block's queries
+# and/or per-entry state (SnapKV, SnapKV++, TOVA, H2O; DapQ and D2O build on it).
+#
+# ``kernel_inputs`` names extra graph tensors the block-cache pass hands to the policy's kernels
+# (``edgekv/compiler/block_cache.py`` knows how to get each one at an attention site):
+KERNEL_INPUTS: dict[str, str] = {
+    "queries": "q [1, Hq, B, d] float32: the block's post-RoPE queries (query head h reads KV head "
+               "h // (Hq / H)); rows >= n_valid are padding",
+}
+# A policy with ``kernel_inputs`` gets two more keyword arguments in every kernel builder:
+# ``num_q_heads`` (Hq) and ``sm_scale`` (the attention's softmax scale, 1/sqrt(d) in HF models).
+#
+# ``entry_state`` (names, also used by the eager engine) becomes, per layer, ONE extra cache
+# tensor ``state [S, H, N] float32`` (S = len(entry_state), state s = entry_state[s], row order =
+# the K/V rows), allocated by the runtime beside K/V/pos/fill and listed in the manifest. Per
+# step and layer the compiled graph then runs, in this order:
+#
+#   observe(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, *inputs, state,
+#           out cand_state [S, H, N + B])
+#       EVERY step (blocks and decode, with or without eviction): the state of every candidate
+#       c < fill + n_valid after this step (cache rows c < fill read state[:, :, c]; block rows
+#       start from 0 — as ``LayerCache.write`` zeroes them). Rows ≥ fill of ``state`` are stale:
+#       never read them. Policies with ``observes_every_step`` do their per-step update here.
+#   score(k_cache, ..., n_valid, *inputs, cand_state, out score [H, N + B])
+#       as for every policy (only read when fill + n_valid > N); without ``entry_state`` the
+#       ``cand_state`` argument is absent, without ``kernel_inputs`` so are the inputs.
+#   select(k_cache, ..., n_valid, score, state, cand_state)       in place on k, v, pos, fill, state
+#       the generic top-N + compaction: ``cand_state`` rows are appended / compacted into
+#       ``state`` with the same kept indices as K/V/pos.
+#
+# The GPU versions (``edgekv/compiler/gpu_kernels.py``: GPU_SCORE_KERNELS / GPU_OBSERVE_KERNELS,
+# keyed by policy name) take the same arguments.
+
+
 class PolicyError(ValueError):
     """A policy cannot run with the given budget / arguments; the message says how to fix it."""
 
@@ -101,6 +135,13 @@ class Policy:
     # returning a PrimFunc (or None: append only, no scores). None here = no compiled kernel.
     # Builders import tvm lazily (tvm is the optional ``compile`` extra).
     evict_kernel: ClassVar[Callable[..., Any] | None] = None
+    # ---- compiled-kernel extension points (see "Compiled kernels beyond K/V" below) ----
+    # Extra graph tensors the compiled kernels take after the common eight, in this order; names
+    # from ``KERNEL_INPUTS``. Non-empty → the builders also get ``num_q_heads`` and ``sm_scale``.
+    kernel_inputs: ClassVar[tuple[str, ...]] = ()
+    # Builder of the per-step state-update kernel (required when ``entry_state`` is non-empty):
+    # ``build(num_kv_heads, budget, block, head_dim, dtype, **kernel_params, **site)``.
+    observe_kernel: ClassVar[Callable[..., Any] | None] = None
 
     def check_budget(self, budget: int, block: int) -> None:
         """Raise PolicyError if this policy cannot run with budget N and block B."""

@@ -5,7 +5,8 @@
     logits = rt.decode(token_id)            # one compiled call per token
     ids = rt.generate(prompt_ids, 64)
 
-The caches (per layer K, V [H, N, d], positions [H, N], fill [1]) are allocated once at load
+The caches (per layer K, V [H, N, d], positions [H, N], fill [1], and — for a policy with
+per-entry state such as H2O — state [S, H, N] float32) are allocated once at load
 and updated *in place* by the compiled functions (their eviction kernels are
 ``call_tir_inplace``); nothing is reallocated per block and there is no per-layer or per-head
 Python in the loop.
@@ -153,8 +154,11 @@ class HostRuntime:
                                     f"{p['shape']} {p['dtype']}")
             self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
         del arrays
-        # caches: allocated once, mutated in place by the compiled functions
+        # caches: allocated once, mutated in place by the compiled functions; per layer k, v, pos,
+        # fill and (policies with entry_state) one state tensor [S, H, N] (see build_manifest)
         self.caches = []
+        self.state_names = list(manifest.get("entry_state") or [])
+        self.per_layer = 4 + (1 if self.state_names else 0)
         for c in self.manifest["cache"]:
             self.caches += [
                 tvm.runtime.tensor(np.zeros(c["k"], dtype="float32"), self.device),
@@ -162,6 +166,11 @@ class HostRuntime:
                 tvm.runtime.tensor(np.zeros(c["pos"], dtype="int32"), self.device),
                 tvm.runtime.tensor(np.zeros(c["fill"], dtype="int32"), self.device),
             ]
+            if self.state_names:
+                if "state" not in c:
+                    raise ArtifactError("the manifest names per-entry state but a layer's cache lists no state shape; "
+                                        "recompile the artifact")
+                self.caches.append(tvm.runtime.tensor(np.zeros(c["state"], dtype="float32"), self.device))
         self._tail = self.caches + self.params
         self._prefill = self.vm["prefill_block"]
         self._decode = self.vm["decode"]
@@ -187,7 +196,8 @@ class HostRuntime:
     # ---- state --------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a new sequence: empty every cache (fill = 0) without reallocating."""
-        for i in range(3, len(self.caches), 4):
+        # rows >= fill (K/V/pos and state) are never read: emptying fill is enough
+        for i in range(3, len(self.caches), self.per_layer):
             self.caches[i].copyfrom(self._zero_fill)
         self.position = 0
         self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
@@ -196,12 +206,20 @@ class HostRuntime:
         self.stats.peak_rss_bytes = max(self.stats.peak_rss_bytes, _rss())
 
     def cache_lengths(self) -> list[int]:
-        return [int(self.caches[4 * l + 3].numpy()[0]) for l in range(self.num_layers)]
+        return [int(self.caches[self.per_layer * l + 3].numpy()[0]) for l in range(self.num_layers)]
 
     def kept_positions(self, layer: int) -> np.ndarray:
         """Original positions of the entries of layer ``layer``'s cache, [H, fill]."""
-        fill = int(self.caches[4 * layer + 3].numpy()[0])
-        return self.caches[4 * layer + 2].numpy()[:, :fill].copy()
+        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
+        return self.caches[self.per_layer * layer + 2].numpy()[:, :fill].copy()
+
+    def entry_state(self, layer: int) -> dict[str, np.ndarray]:
+        """The policy's per-entry state of layer ``layer``'s cache: ``{name: [H, fill]}`` (empty without)."""
+        if not self.state_names:
+            return {}
+        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
+        st = self.caches[self.per_layer * layer + 4].numpy()
+        return {name: st[s, :, :fill].copy() for s, name in enumerate(self.state_names)}
 
     def _check_room(self, extra: int) -> None:
         if self.policy == "full" and self.position + extra > self.budget:

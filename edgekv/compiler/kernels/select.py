@@ -14,6 +14,12 @@ ascending j never overwrites a row that is still to be read: the compaction runs
 Selection cost is O(33 · n) per head (the first version picked the minimum E times,
 O(E · n)). NaN scores are never evicted (torch's
 descending sort puts NaN first, i.e. keeps it).
+
+Per-entry state (policies with ``entry_state``, see ``edgekv.policies.base``): the kernel also
+takes the layer's state cache ``state [S, H, N]`` (in place) and this step's candidate state
+``cand_state [S, H, N + B]`` (from the policy's observe kernel), and writes the candidate state
+of every surviving row next to its K/V/pos — appended rows and, when nothing is evicted, the
+updated state of the old rows too.
 """
 
 from __future__ import annotations
@@ -24,31 +30,93 @@ from .common import check_dtype
 
 
 def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
-                                dtype: str = "float32", with_score: bool = True):
-    """In-place kernel ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid[, score])``.
+                                dtype: str = "float32", with_score: bool = True, num_state: int = 0):
+    """In-place kernel ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid[, score]
+    [, state, cand_state])``; in place on k_cache, v_cache, pos_cache, fill (and state).
 
     Without a score (policy ``full``) the block is appended while it fits and the newest
     overflowing rows are dropped (the host refuses a ``full`` run that would overflow)."""
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
     NB = N + B
-    return _select_compact(H, N, B, D, NB) if with_score else _append_only(H, N, B, D)
+    S = int(num_state)
+    if S < 0:
+        raise ValueError("num_state must be >= 0")
 
+    @T.macro
+    def append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, nf, nv):
+        for i in T.serial(B):
+            if i < nv:
+                if nf + i < N:
+                    for c in T.serial(D):
+                        k_cache[h, nf + i, c] = k_blk[0, h, i, c]
+                        v_cache[h, nf + i, c] = v_blk[0, h, i, c]
+                    pos_cache[h, nf + i] = pos_blk[i]
+        if S > 0:
+            for s, i in T.grid(S, N):
+                if i < nf + nv:
+                    state[s, h, i] = cand_state[s, h, i]
 
-def _select_compact(H, N, B, D, NB):
-    @T.prim_func(private=True, s_tir=True)
-    def select_compact(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
+              gone, key, lo, hi, cnt, h, nf, nv):
+        # order-preserving int32 key of each score (NaN → INT32_MAX: never evicted;
+        # −0.0 → +0.0 so they tie as floats do); padding rows get INT32_MAX too
+        for i in T.serial(NB):
+            key[i] = T.if_then_else(
+                i < nf + nv,
+                T.if_then_else(score[h, i] != score[h, i], T.int32(2147483647),
+                               T.if_then_else(T.reinterpret("int32", score[h, i] + T.float32(0)) < 0,
+                                              T.bitwise_xor(T.reinterpret("int32", score[h, i] + T.float32(0)),
+                                                            T.int32(2147483647)),
+                                              T.reinterpret("int32", score[h, i] + T.float32(0)))),
+                T.int32(2147483647))
+        # thr = the E-th smallest key (E = n − N evictions): bisection over the int32
+        # range, each step one vectorisable counting pass over the candidates
+        lo[0] = T.int64(-2147483648)
+        hi[0] = T.int64(2147483647)
+        for it in T.serial(33):
+            if lo[0] < hi[0]:
+                cnt[0] = 0
+                for i in T.serial(NB):
+                    cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[i]) <= (lo[0] + hi[0]) // 2)
+                if cnt[0] >= nf + nv - N:
+                    hi[0] = (lo[0] + hi[0]) // 2
+                else:
+                    lo[0] = (lo[0] + hi[0]) // 2 + 1
+        # evict every key < thr, then the highest-index ties at thr (topk_keep's rule)
+        cnt[0] = 0
+        for i in T.serial(NB):
+            gone[i] = T.Cast("int32", T.Cast("int64", key[i]) < lo[0])
+            cnt[0] = cnt[0] + gone[i]
+        for i0 in T.serial(NB):
+            if cnt[0] < nf + nv - N:
+                if T.Cast("int64", key[NB - 1 - i0]) == lo[0]:
+                    gone[NB - 1 - i0] = 1
+                    cnt[0] = cnt[0] + 1
+        cnt[0] = 0
+        for i in T.serial(NB):
+            if i < nf + nv:
+                if gone[i] == 0:
+                    if cnt[0] < N:
+                        if i < nf:
+                            if cnt[0] != i:
+                                for c in T.serial(D):
+                                    k_cache[h, cnt[0], c] = k_cache[h, i, c]
+                                    v_cache[h, cnt[0], c] = v_cache[h, i, c]
+                                pos_cache[h, cnt[0]] = pos_cache[h, i]
+                        else:
+                            for c in T.serial(D):
+                                k_cache[h, cnt[0], c] = k_blk[0, h, i - nf, c]
+                                v_cache[h, cnt[0], c] = v_blk[0, h, i - nf, c]
+                            pos_cache[h, cnt[0]] = pos_blk[i - nf]
+                        if S > 0:
+                            for s in T.serial(S):
+                                state[s, h, cnt[0]] = cand_state[s, h, i]
+                        cnt[0] = cnt[0] + 1
+
+    @T.macro
+    def select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state):
         for h in T.parallel(H):
             with T.sblock("select"):
                 gone = T.sblock_alloc_buffer((NB,), "int32")
@@ -59,95 +127,73 @@ def _select_compact(H, N, B, D, NB):
                 nf: T.let[T.int32] = fill[0]
                 nv: T.let[T.int32] = n_valid[0]
                 if nf + nv <= N:
-                    for i in T.serial(B):
-                        if i < nv:
-                            for c in T.serial(D):
-                                k_cache[h, nf + i, c] = k_blk[0, h, i, c]
-                                v_cache[h, nf + i, c] = v_blk[0, h, i, c]
-                            pos_cache[h, nf + i] = pos_blk[i]
+                    append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, nf, nv)
                 else:
-                    # order-preserving int32 key of each score (NaN → INT32_MAX: never evicted;
-                    # −0.0 → +0.0 so they tie as floats do); padding rows get INT32_MAX too
-                    for i in T.serial(NB):
-                        key[i] = T.if_then_else(
-                            i < nf + nv,
-                            T.if_then_else(score[h, i] != score[h, i], T.int32(2147483647),
-                                           T.if_then_else(T.reinterpret("int32", score[h, i] + T.float32(0)) < 0,
-                                                          T.bitwise_xor(T.reinterpret("int32", score[h, i] + T.float32(0)),
-                                                                        T.int32(2147483647)),
-                                                          T.reinterpret("int32", score[h, i] + T.float32(0)))),
-                            T.int32(2147483647))
-                    # thr = the E-th smallest key (E = n − N evictions): bisection over the int32
-                    # range, each step one vectorisable counting pass over the candidates
-                    lo[0] = T.int64(-2147483648)
-                    hi[0] = T.int64(2147483647)
-                    for it in T.serial(33):
-                        if lo[0] < hi[0]:
-                            cnt[0] = 0
-                            for i in T.serial(NB):
-                                cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[i]) <= (lo[0] + hi[0]) // 2)
-                            if cnt[0] >= nf + nv - N:
-                                hi[0] = (lo[0] + hi[0]) // 2
-                            else:
-                                lo[0] = (lo[0] + hi[0]) // 2 + 1
-                    # evict every key < thr, then the highest-index ties at thr (topk_keep's rule)
-                    cnt[0] = 0
-                    for i in T.serial(NB):
-                        gone[i] = T.Cast("int32", T.Cast("int64", key[i]) < lo[0])
-                        cnt[0] = cnt[0] + gone[i]
-                    for i0 in T.serial(NB):
-                        if cnt[0] < nf + nv - N:
-                            if T.Cast("int64", key[NB - 1 - i0]) == lo[0]:
-                                gone[NB - 1 - i0] = 1
-                                cnt[0] = cnt[0] + 1
-                    cnt[0] = 0
-                    for i in T.serial(NB):
-                        if i < nf + nv:
-                            if gone[i] == 0:
-                                if cnt[0] < N:
-                                    if i < nf:
-                                        if cnt[0] != i:
-                                            for c in T.serial(D):
-                                                k_cache[h, cnt[0], c] = k_cache[h, i, c]
-                                                v_cache[h, cnt[0], c] = v_cache[h, i, c]
-                                            pos_cache[h, cnt[0]] = pos_cache[h, i]
-                                    else:
-                                        for c in T.serial(D):
-                                            k_cache[h, cnt[0], c] = k_blk[0, h, i - nf, c]
-                                            v_cache[h, cnt[0], c] = v_blk[0, h, i - nf, c]
-                                        pos_cache[h, cnt[0]] = pos_blk[i - nf]
-                                    cnt[0] = cnt[0] + 1
+                    evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
+                          gone, key, lo, hi, cnt, h, nf, nv)
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
-    return select_compact
-
-
-def _append_only(H, N, B, D):
-    @T.prim_func(private=True, s_tir=True)
-    def append_only(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, state, cand_state):
         for h in T.parallel(H):
             with T.sblock("append"):
                 nf: T.let[T.int32] = fill[0]
                 nv: T.let[T.int32] = n_valid[0]
-                for i in T.serial(B):
-                    if i < nv:
-                        if nf + i < N:
-                            for c in T.serial(D):
-                                k_cache[h, nf + i, c] = k_blk[0, h, i, c]
-                                v_cache[h, nf + i, c] = v_blk[0, h, i, c]
-                            pos_cache[h, nf + i] = pos_blk[i]
+                append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, nf, nv)
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    # the four signatures (score or append-only) × (with or without state) share the bodies above
+    if with_score and S:
+        @T.prim_func(private=True, s_tir=True)
+        def select_compact_state(
+            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
+            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
+            score: T.Buffer((H, NB), "float32"),
+            state: T.Buffer((S, H, N), "float32"), cand_state: T.Buffer((S, H, NB), "float32"),
+        ):
+            T.func_attr({"tirx.noalias": True})
+            select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state)
+
+        return select_compact_state
+    if with_score:
+        @T.prim_func(private=True, s_tir=True)
+        def select_compact(
+            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
+            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
+            score: T.Buffer((H, NB), "float32"),
+        ):
+            T.func_attr({"tirx.noalias": True})
+            select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, None, None)
+
+        return select_compact
+    if S:
+        @T.prim_func(private=True, s_tir=True)
+        def append_only_state(
+            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
+            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
+            state: T.Buffer((S, H, N), "float32"), cand_state: T.Buffer((S, H, NB), "float32"),
+        ):
+            T.func_attr({"tirx.noalias": True})
+            append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, state, cand_state)
+
+        return append_only_state
+
+    @T.prim_func(private=True, s_tir=True)
+    def append_only(
+        k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, None, None)
 
     return append_only
