@@ -14,6 +14,10 @@ from edgekv.compiler.pipeline import import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
+from edgekv.policies.h2o import H2OPolicy  # noqa: E402
+from edgekv.policies.snapkv import SnapKVPolicy  # noqa: E402
+from edgekv.policies.snapkv_pp import SnapKVPlusPlusPolicy  # noqa: E402
+from edgekv.policies.tova import TOVAPolicy  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
 from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
 from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
@@ -107,6 +111,13 @@ def test_full_refuses_overflow(model, imported, prompt):
     (KeyDiffPolicy(), 13),  # budget not a multiple of the block
     (KeyDiffPolicy(recent_window=4), 16),
     (LagKVPolicy(sinks=2, lag=4), 16),
+    (SnapKVPolicy(window=4, kernel=3), 16),
+    (SnapKVPolicy(window=32, kernel=7), 13),  # window clipped to the block (decode: the newest token)
+    (SnapKVPlusPlusPolicy(window=4, kernel_short=3, kernel_long=5, long_threshold=30), 16),  # κ switches at L=30
+    (TOVAPolicy(), 13),
+    (TOVAPolicy(heads="layer"), 16),
+    (H2OPolicy(), 16),
+    (H2OPolicy(recent_ratio=0.0), 13),
 ])
 def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy, budget):
     rt = _runtime(model, imported, policy, budget)
@@ -120,6 +131,7 @@ def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy,
         for layer in range(model.config.num_layers):
             np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy(),
                                           err_msg=f"block at {s}, layer {layer}")
+            _same_state(rt, eng, layer)
         evictions += int(s + len(chunk) > budget)
     assert evictions >= 3
     assert rt.cache_lengths() == [budget] * model.config.num_layers
@@ -131,6 +143,16 @@ def test_kept_positions_and_logits_match_engine(model, imported, prompt, policy,
         assert _rel(logits, want) < 1e-3
         for layer in range(model.config.num_layers):
             np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy())
+            _same_state(rt, eng, layer)
+
+
+def _same_state(rt, eng, layer):
+    """The compiled per-entry state (H2O's accumulated attention) equals the engine's."""
+    n = eng.caches[layer].length
+    got = rt.entry_state(layer)
+    assert sorted(got) == sorted(eng.caches[layer].state)
+    for name, buf in eng.caches[layer].state.items():
+        np.testing.assert_allclose(got[name], buf[:, :n].numpy(), rtol=1e-4, atol=1e-5, err_msg=f"layer {layer} {name}")
 
 
 def test_caches_updated_in_place(model, imported, prompt):

@@ -123,15 +123,18 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm():
 
     code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert compiled_policy_names() == ["full", "keydiff", "lagkv", "streaming"]
+    assert compiled_policy_names() == ["full", "h2o", "keydiff", "lagkv", "snapkv", "snapkv++", "streaming", "tova"]
     for name in compiled_policy_names():
         cls = REGISTRY[name]
         assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer
     assert POLICIES["keydiff_recent"][1]["recent"] == 5 and POLICIES["lagkv"][1]["lag"] == 5
+    for cls in REGISTRY.values():  # observe kernels sit beside the scorer too
+        if cls.observe_kernel is not None:
+            assert cls.observe_kernel.__module__ == cls.__module__
     with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        REGISTRY["snapkv"]().kernel_params(N)
+        REGISTRY["dapq"]().kernel_params(N)
     with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        build_score("snapkv", H, N, B, D)
+        build_score("dapq", H, N, B, D)
 
 
 # ---- block attention (tiled online softmax) against a float64 numpy oracle ----
@@ -307,3 +310,84 @@ def test_select_compacts_entry_state_with_kv(fill, n_valid, with_score):
     ctx = _ctx(a, fill, n_valid)
     np.testing.assert_array_equal(tens[2].numpy()[:, : kept.shape[1]], np.take_along_axis(ctx.positions.numpy(), kept, 1))
     assert int(tens[3].numpy()[0]) == min(n, N)
+
+
+# ---- query-based policies (kernel inputs: the block's queries; H2O: per-entry state) -----------------
+from edgekv.compiler.kernels import build_observe, site_params  # noqa: E402
+from edgekv.policies.h2o import H2OPolicy  # noqa: E402
+from edgekv.policies.snapkv import SnapKVPolicy  # noqa: E402
+from edgekv.policies.snapkv_pp import SnapKVPlusPlusPolicy  # noqa: E402
+from edgekv.policies.tova import TOVAPolicy  # noqa: E402
+
+HQ, SCALE = 4, 0.25  # G = 2 query heads per KV head
+Q_POLICIES = {
+    "snapkv": SnapKVPolicy(window=4, kernel=3),
+    "snapkv_max": SnapKVPolicy(window=3, kernel=5, pooling="max"),
+    "snapkv_wide": SnapKVPolicy(window=32, kernel=7),  # window clipped to the block, κ > some spans
+    "snapkv++": SnapKVPlusPlusPolicy(window=4, kernel_short=3, kernel_long=7, long_threshold=30),
+    "tova": TOVAPolicy(),
+    "tova_layer": TOVAPolicy(heads="layer"),
+    "h2o": H2OPolicy(recent_ratio=0.25),
+    "h2o_pure": H2OPolicy(recent_ratio=0.0),
+}
+
+
+@pytest.fixture(scope="module")
+def qvm():
+    bb = relax.BlockBuilder()
+    common = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"),
+              _ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32"), _ty((1, HQ, B, D))]
+    for name, pol in Q_POLICIES.items():
+        params = dict(pol.kernel_params(N), **site_params(pol.name, HQ, SCALE))
+        state = [_ty((1, H, N + B))] if pol.entry_state else []
+        vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(common + state)]
+        with bb.function(f"score_{name}", vars_):
+            gv = bb.add_func(build_score(pol.name, H, N, B, D, "float32", params), f"k_{name}")
+            with bb.dataflow():
+                out = bb.emit_output(relax.call_tir(gv, vars_, _ty((H, N + B))))
+            bb.emit_func_output(out)
+        if pol.entry_state:
+            vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(common + [_ty((1, H, N))])]
+            with bb.function(f"observe_{name}", vars_):
+                gv = bb.add_func(build_observe(pol.name, H, N, B, D, "float32", params), f"o_{name}")
+                with bb.dataflow():
+                    out = bb.emit_output(relax.call_tir(gv, vars_, _ty((1, H, N + B))))
+                bb.emit_func_output(out)
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=TARGET), tvm.cpu())
+
+
+def _q_ctx(a, q, fill, n_valid):
+    ctx = _ctx(a, fill, n_valid)
+    ctx.queries = torch.from_numpy(q[0, :, :n_valid])
+    ctx.query_positions = torch.from_numpy(a[6][:n_valid])
+    ctx.scale = SCALE
+    return ctx
+
+
+@pytest.mark.parametrize("name", list(Q_POLICIES))
+@pytest.mark.parametrize("fill,n_valid", [(N, B), (N - 3, 5), (20, 8), (N, 1), (17, 8)])
+def test_query_policy_kernels_match_reference(qvm, name, fill, n_valid):
+    pol = Q_POLICIES[name]
+    rng = np.random.default_rng(fill * 13 + n_valid)
+    a = _inputs(rng, fill, n_valid)
+    q = (2 * rng.standard_normal((1, HQ, B, D))).astype("float32")
+    n = fill + n_valid
+    ctx = _q_ctx(a, q, fill, n_valid)
+    extra = [q]
+    if pol.entry_state:
+        old = rng.random((1, H, N)).astype("float32") * 3
+        cand = qvm[f"observe_{name}"](*[tvm.runtime.tensor(x) for x in a + [q, old]]).numpy()
+        ctx.state = {"h2o_acc": torch.cat([torch.from_numpy(old[0, :, :fill]), torch.zeros(H, n_valid)], 1)}
+        pol.observe(ctx)
+        np.testing.assert_allclose(cand[0, :, :n], ctx.state["h2o_acc"].numpy(), rtol=1e-5, atol=1e-6)
+        extra.append(cand)
+    if n <= N:
+        return  # the score is not read (nothing to evict); the observe kernel ran above
+    score = qvm[f"score_{name}"](*[tvm.runtime.tensor(x) for x in a + extra]).numpy()[:, :n]
+    ref = pol.score(ctx).numpy()
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(score), finite)
+    np.testing.assert_array_equal(score[~finite], ref[~finite])
+    np.testing.assert_allclose(score[finite], ref[finite], rtol=1e-5, atol=1e-6)
+    kept = topk_keep(torch.from_numpy(score), N).numpy()
+    np.testing.assert_array_equal(kept, pol.select(ctx).kept.numpy())

@@ -30,13 +30,27 @@ import torch
 
 from .attention_rows import group_reduce
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all
-from .snapkv import check_window_args, pool_scores, protect_window, window_select, window_size, window_votes
+from .snapkv import (build_snapkv_evict_kernel, check_window_args, pool_scores, protect_window, window_select,
+                     window_size, window_votes)
+
+
+def build_snapkvpp_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                                *, window: int, kernel_short: int, kernel_long: int, long_threshold: int,
+                                pooling: str, num_q_heads: int, sm_scale: float):
+    """TIR score kernel (common eight + queries): ``SnapKVPlusPlusPolicy.score`` — group *sum*,
+    max pooling with κ(L) chosen in the kernel from the newest block position (L = position + 1),
+    the window pinned. The SnapKV kernel with those settings."""
+    return build_snapkv_evict_kernel(num_kv_heads, budget, block, head_dim, dtype, window=window,
+                                     kernel=kernel_short, kernel_long=kernel_long, long_threshold=long_threshold,
+                                     pooling=pooling, group="sum", num_q_heads=num_q_heads, sm_scale=sm_scale)
 
 
 @dataclass
 class SnapKVPlusPlusPolicy(Policy):
     name = "snapkv++"
     needs_queries = True
+    kernel_inputs = ("queries",)
+    evict_kernel = staticmethod(build_snapkvpp_evict_kernel)
     window: int = 32
     kernel_short: int = 63
     kernel_long: int = 511
@@ -56,6 +70,12 @@ class SnapKVPlusPlusPolicy(Policy):
         if self.kernel > 0:
             return self.kernel
         return self.kernel_short if length < self.long_threshold else self.kernel_long
+
+    def kernel_params(self, budget: int) -> dict:
+        short = self.kernel if self.kernel > 0 else self.kernel_short
+        long = self.kernel if self.kernel > 0 else self.kernel_long
+        return {"window": int(self.window), "kernel_short": int(short), "kernel_long": int(long),
+                "long_threshold": int(self.long_threshold), "pooling": str(self.pooling)}
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: max-pooled group-summed window attention; the window itself +inf."""

@@ -31,10 +31,24 @@ from .attention_rows import attention_rows, group_reduce, require_queries
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all, topk_keep
 
 
+def build_tova_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                            *, heads: str = "group", num_q_heads: int, sm_scale: float):
+    """TIR score kernel (common eight + queries): ``TOVAPolicy.score`` — the last valid block row's
+    attention over cache ⊕ block, averaged over the group's query heads (``heads="layer"``: over all
+    query heads, the same score for every KV head). No pooling, nothing pinned."""
+    from ..compiler.kernels.attention_scores import build_window_score_kernel  # lazy: tvm is optional
+
+    return build_window_score_kernel(num_kv_heads, budget, block, head_dim, num_q_heads, sm_scale, window=1,
+                                     heads={"group": "group_mean", "layer": "layer_mean"}[heads], pin_window=False,
+                                     pooling="none", dtype=dtype)
+
+
 @dataclass
 class TOVAPolicy(Policy):
     name = "tova"
     needs_queries = True
+    kernel_inputs = ("queries",)
+    evict_kernel = staticmethod(build_tova_evict_kernel)
     heads: str = "group"
 
     def check_budget(self, budget: int, block: int) -> None:
@@ -42,6 +56,10 @@ class TOVAPolicy(Policy):
             raise PolicyError(f"tova: heads must be group or layer (got {self.heads!r})")
         if budget < 1:
             raise PolicyError("tova: the budget must be at least 1 token")
+
+    def kernel_params(self, budget: int) -> dict:
+        self.check_budget(budget, 1)
+        return {"heads": str(self.heads)}
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: the last block query's attention, averaged over the group (or all) query heads."""
