@@ -32,6 +32,7 @@ softmax runs over the candidates alone). Cost: w extra tokens through every laye
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -78,10 +79,177 @@ def dapq_scores(
     return probs[:, :, :n].sum(dim=1)
 
 
+def pseudo_rows_in_step(rows: int, window: int) -> int:
+    """How many of a compiled step's ``rows`` are pseudo rows: the compiled prefill step runs
+    B + window rows (the last window are the pseudo tokens), decode runs 1 ≤ window real row."""
+    return window if rows > window else 0
+
+
+def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                            window: int = 32, softmax_pseudo: bool = True, kernel: int = 1, pooling: str = "avg",
+                            keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None):
+    """TIR score kernel: the same definition as ``DapQPolicy.score``, computing only the observer
+    rows of the attention matrix.
+
+    ``block`` is the step's row count T. A prefill step carries the pseudo rows as its last
+    ``window`` rows (T = B + window, ``pseudo_rows_in_step``): they observe the candidates cache ⊕
+    real rows [0, n_valid), with their own causal keys in the softmax when ``softmax_pseudo``. A
+    decode step (T = 1) has no pseudo rows: its last min(window, n_valid) real rows observe (the
+    reference's fallback), causally. Inputs: the eight common buffers (``kernels/common.py``, with
+    B = T), then the step's post-RoPE queries ``q [1, Hq, T, d]``.
+
+    One parallel task per KV head; per (query head of the group, observer row): that row's logits
+    over the cache and block keys (an [N + T] buffer: never more than one row), max, exp, sum,
+    and its probabilities added to the candidates' scores; then the group mean, the optional
+    pooling (``kernel`` odd, ``pooling`` avg/max as ``pool_scores``) and the protected recent
+    window. Dot products as partial sums over LANES lanes (vectorised); the summation order
+    differs from torch's, so scores agree to rounding and kept sets can differ only on near ties.
+    """
+    from tvm import tirx
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+
+    check_dtype(dtype)
+    H, N, TR, D = num_kv_heads, budget, block, head_dim
+    if num_q_heads is None or num_q_heads % H:
+        raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {H} KV heads")
+    if pooling not in ("avg", "max"):
+        raise ValueError(f"dapq kernel: pooling must be avg or max (got {pooling!r})")
+    Hq = int(num_q_heads)
+    G = Hq // H
+    NB = N + TR
+    P = pseudo_rows_in_step(TR, int(window))
+    BR = TR - P  # real rows of the step
+    R = P if P else min(int(window), TR)  # observer rows (at most)
+    SP = bool(softmax_pseudo) and P > 0
+    K2 = int(kernel) // 2
+    AVG = pooling == "avg"
+    KAPPA = float(kernel)
+    REC = int(keep_recent)
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(D)
+    LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
+    CH = D // LANES
+
+    def candidate_seen(j, row, nv):
+        """Block row j is a candidate the observer row sees."""
+        return j < nv if P else tirx.all(j < nv, j <= row)
+
+    def key_seen(j, row, nv):
+        """Block row j is in the observer row's softmax (a seen candidate or an earlier pseudo row)."""
+        if not SP:
+            return candidate_seen(j, row, nv)
+        return tirx.any(candidate_seen(j, row, nv), tirx.all(j >= BR, j <= row))
+
+    @T.macro
+    def dot(qv, kv, part, red):
+        for l in T.vectorized(LANES):
+            part[l] = T.float32(0)
+        for c0 in T.serial(CH):
+            for l in T.vectorized(LANES):
+                part[l] = part[l] + qv[c0 * LANES + l] * kv[c0 * LANES + l]
+        red[0] = T.float32(0)
+        for l in T.serial(LANES):
+            red[0] = red[0] + part[l]
+        red[0] = red[0] * T.float32(scale)
+
+    @T.prim_func(private=True, s_tir=True)
+    def dapq_score(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, TR, D), "float32"),
+        v_blk: T.Buffer((1, H, TR, D), "float32"),
+        pos_blk: T.Buffer((TR,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        q: T.Buffer((1, Hq, TR, D), "float32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        for h in T.parallel(H):
+            with T.sblock("dapq"):
+                # explicit regions: automatic inference would reference the block's own let vars
+                T.reads(k_cache[h, 0:N, 0:D], pos_cache[h, 0:N], fill[0:1], k_blk[0, h, 0:TR, 0:D], pos_blk[0:TR],
+                        n_valid[0:1], q[0, h * G:h * G + G, 0:TR, 0:D])
+                T.writes(score[h, 0:NB])
+                qv = T.sblock_alloc_buffer((D,), "float32")
+                kv = T.sblock_alloc_buffer((D,), "float32")
+                s = T.sblock_alloc_buffer((NB,), "float32")  # one observer row: cache key i at i, block key j at N + j
+                raw = T.sblock_alloc_buffer((NB,), "float32")  # per candidate (cache rows, then block rows)
+                part = T.sblock_alloc_buffer((LANES,), "float32")
+                red = T.sblock_alloc_buffer((3,), "float32")  # dot, row max, row sum
+                newest = T.sblock_alloc_buffer((1,), "int32")
+                nf: T.let[T.int32] = fill[0]
+                nv: T.let[T.int32] = n_valid[0]
+                n: T.let[T.int32] = fill[0] + n_valid[0]
+                nobs: T.let[T.int32] = T.if_then_else(P > 0, R, T.min(R, n_valid[0]))
+                if n > N:
+                    for i in T.serial(NB):
+                        raw[i] = T.float32(0)
+                    for g in T.serial(G):
+                        for r in T.serial(nobs):
+                            row: T.let[T.int32] = T.if_then_else(P > 0, BR + r, nv - nobs + r)
+                            for c in T.vectorized(D):
+                                qv[c] = q[0, h * G + g, row, c]
+                            red[1] = T.float32("-inf")
+                            for i in T.serial(nf):
+                                for c in T.vectorized(D):
+                                    kv[c] = k_cache[h, i, c]
+                                dot(qv, kv, part, red)
+                                s[i] = red[0]
+                                red[1] = T.max(red[1], red[0])
+                            for j in T.serial(TR):
+                                if key_seen(j, row, nv):
+                                    for c in T.vectorized(D):
+                                        kv[c] = k_blk[0, h, j, c]
+                                    dot(qv, kv, part, red)
+                                    s[N + j] = red[0]
+                                    red[1] = T.max(red[1], red[0])
+                            red[2] = T.float32(0)
+                            for i in T.serial(nf):
+                                s[i] = T.exp(s[i] - red[1])
+                                red[2] = red[2] + s[i]
+                            for j in T.serial(TR):
+                                if key_seen(j, row, nv):
+                                    s[N + j] = T.exp(s[N + j] - red[1])
+                                    red[2] = red[2] + s[N + j]
+                            for i in T.serial(nf):
+                                raw[i] = raw[i] + s[i] / red[2]
+                            for j in T.serial(TR):
+                                if candidate_seen(j, row, nv):
+                                    raw[nf + j] = raw[nf + j] + s[N + j] / red[2]
+                    # group mean, then pooling over the candidate order (kernel 1: the identity)
+                    for i in T.serial(NB):
+                        raw[i] = raw[i] / T.float32(G)
+                    newest[0] = -2147483647
+                    for i in T.serial(nf):
+                        newest[0] = T.max(newest[0], pos_cache[h, i])
+                    for j in T.serial(nv):
+                        newest[0] = T.max(newest[0], pos_blk[j])
+                    for i in T.serial(NB):
+                        if i < n:
+                            red[0] = T.if_then_else(AVG, T.float32(0), T.float32("-inf"))
+                            for o in T.serial(2 * K2 + 1):
+                                if i + o - K2 >= 0 and i + o - K2 < n:
+                                    red[0] = T.if_then_else(AVG, red[0] + raw[i + o - K2], T.max(red[0], raw[i + o - K2]))
+                            score[h, i] = T.if_then_else(
+                                T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)], pos_blk[T.max(i - nf, 0)])
+                                > newest[0] - REC,
+                                T.float32("inf"), T.if_then_else(AVG, red[0] / T.float32(KAPPA), red[0]))
+                        else:
+                            score[h, i] = T.float32("-inf")
+
+    return dapq_score
+
+
 @dataclass
 class DapQPolicy(Policy):
     name = "dapq"
     needs_queries = True  # only used when a step has no pseudo rows (decoding)
+    evict_kernel = staticmethod(build_dapq_evict_kernel)
+    # the compiled kernels also take the step's post-RoPE queries (the pseudo rows' among them)
+    kernel_inputs = ("queries",)
     window: int = 32
     prefix: int = 4
     positions: str = "final"
@@ -100,6 +268,10 @@ class DapQPolicy(Policy):
     @property
     def max_extra_tokens(self) -> int:
         return self.window
+
+    def kernel_params(self, budget: int) -> dict[str, Any]:
+        return {"window": int(self.window), "softmax_pseudo": self.softmax_over == "prompt+pseudo",
+                "kernel": int(self.kernel), "pooling": str(self.pooling), "keep_recent": int(self.keep_recent)}
 
     def check_budget(self, budget: int, block: int) -> None:
         if self.window < 1:
