@@ -29,6 +29,7 @@ from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
 from .kernels import build_attention, build_score, build_select
+from .pseudo_rows import attention_kernel_key, score_inputs, step_extra_rows
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
 
@@ -43,6 +44,9 @@ class BlockCacheSpec:
     tokens_input: str = "tokens"
     positions_input: str = "positions"
     dtype: str = "float32"
+    # Pseudo rows at the end of every prefill step (DapQ: the window w). The prefill graph is then
+    # exported at T = B + w; their K/V never enter the cache (see ``pseudo_rows.py``).
+    extra_rows: int = 0
 
 
 def substitute(expr, vmap: dict):
@@ -96,6 +100,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             raise AttentionMatchError(f"attention site {s.index} runs over {s.seq_len} tokens, the input has {T}")
     num_input = int(func.attrs["num_input"])
     weights = list(func.params[num_input:])
+    W = step_extra_rows(spec, T, fixed_n_valid)
 
     new_tokens = relax.Var("tokens", relax.TensorType((T,), tokens.ty.dtype))
     new_positions = relax.Var("positions", relax.TensorType((T,), positions.ty.dtype))
@@ -136,20 +141,22 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 H, Hq, D, N = site.num_kv_heads, site.num_q_heads, site.head_dim, spec.budget
                 kc, vc, pc, fc = cache_vars[site.index]
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
-                attn_gv = kernel(f"attention_h{Hq}_{H}_d{D}",
-                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype))
+                attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
+                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W))
                 out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv],
                                              relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
+                inputs, site_params = score_inputs(spec.policy, site, q)
                 score_gv = kernel(f"score_{spec.policy}_h{H}_d{D}",
-                                  lambda: build_score(spec.policy, H, N, T, D, spec.dtype, spec.policy_params))
+                                  lambda: build_score(spec.policy, H, N, T, D, spec.dtype,
+                                                      {**spec.policy_params, **site_params}))
                 select_gv = kernel(f"select_h{H}_d{D}_{'score' if score_gv is not None else 'append'}",
                                    lambda: build_select(H, N, T, D, spec.dtype, score_gv is not None))
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
                 if score_gv is not None:
-                    score = bb.emit(relax.call_tir(score_gv, args, relax.TensorType((H, N + T), "float32")),
+                    score = bb.emit(relax.call_tir(score_gv, args + inputs, relax.TensorType((H, N + T), "float32")),
                                     f"score_{site.index}")
                     args = args + [score]
                 upd = bb.emit(relax.call_tir_inplace(select_gv, args, [0, 1, 2, 3],
