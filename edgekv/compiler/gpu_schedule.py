@@ -30,7 +30,7 @@ from .build import CompileError
 
 GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
 
-_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)$")
+_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)(?:_x(\d+))?$")  # _x<w>: w pseudo rows (pseudo_rows.py)
 _SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)_d(\d+)$")
 _SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)$")
 
@@ -54,12 +54,12 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
     if m:
         _, Hq, B, D = _shape(func, 0)
         H, N, _ = _shape(func, 3)
-        if (Hq, H, D) != tuple(int(g) for g in m.groups()):
+        if (Hq, H, D) != tuple(int(g) for g in m.groups()[:3]):
             raise GPUKernelError(f"{name}: buffer shapes {(Hq, H, D)} do not match the name")
         scale = sm_scales.get((Hq, H, D))
         if scale is None:
             raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
-        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale)
+        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0))
     m = _SCORE.search(name)
     if m:
         pol = m.group(1)
@@ -70,7 +70,14 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         if pol not in gk.GPU_SCORE_KERNELS:
             raise GPUKernelError(f"policy '{pol}' has no GPU score kernel yet (GPU kernels: "
                                  f"{', '.join(sorted(gk.GPU_SCORE_KERNELS))}); compile it for an llvm target")
-        return gk.GPU_SCORE_KERNELS[pol](H, N, B, D, "float32", **policy_params)
+        site = {}
+        if len(func.params) > 9:  # the step's queries follow the common eight (pseudo_rows.score_inputs)
+            _, Hq, _, _ = _shape(func, 8)
+            scale = sm_scales.get((Hq, H, D))
+            if scale is None:
+                raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
+            site = {"num_q_heads": Hq, "sm_scale": scale}
+        return gk.GPU_SCORE_KERNELS[pol](H, N, B, D, "float32", **policy_params, **site)
     m = _SELECT.search(name)
     if m:
         H, N, D = _shape(func, 0)

@@ -243,6 +243,196 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
     return dapq_score
 
 
+def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                                window: int = 32, softmax_pseudo: bool = True, kernel: int = 1, pooling: str = "avg",
+                                keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None):
+    """GPU version of ``build_dapq_evict_kernel`` (same signature and definition), the flash-style
+    two-pass form: one thread block per KV head, one thread per key column of a tile of NT
+    columns (cache rows [0, N), then the step's rows). The G·R observer rows are taken RC at a
+    time, their queries staged in shared memory. Pass 1: each thread keeps an online (max, sum)
+    per row over the columns it owns; the NT partials are merged in shared memory into each
+    row's softmax normaliser. Pass 2: each thread adds exp(s − max) / sum of every row to its
+    own candidates. No logits are stored (scratch: RC·d + 2·RC·NT floats of shared memory, the
+    thread's key and its candidates' sums in registers). Group mean, pooling and the protected
+    recent window follow, through the score buffer (read phase, barrier, write phase)."""
+    from tvm import tirx
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+
+    check_dtype(dtype)
+    H, N, TR, D = num_kv_heads, budget, block, head_dim
+    if num_q_heads is None or num_q_heads % H:
+        raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {H} KV heads")
+    Hq = int(num_q_heads)
+    G = Hq // H
+    NB = N + TR
+    P = pseudo_rows_in_step(TR, int(window))
+    BR = TR - P
+    R = P if P else min(int(window), TR)
+    RWS = G * R  # observer rows of one KV head
+    SP = bool(softmax_pseudo) and P > 0
+    K2 = int(kernel) // 2
+    AVG = pooling == "avg"
+    KAPPA = float(kernel)
+    REC = int(keep_recent)
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(D)
+    NT = 128
+    RC = 8  # observer rows per chunk
+    NCH = (RWS + RC - 1) // RC
+    CT = (NB + NT - 1) // NT  # column tiles
+    QL = (RC * D + NT - 1) // NT
+    NEG = -3.0e38
+
+    def seen(col, row, nv, nf, candidate_only):
+        """Column col (cache row col < N, else step row col − N) in the observer row's softmax."""
+        j = col - N
+        blk = (j < nv) if P else tirx.all(j < nv, j <= row)
+        if SP and not candidate_only:
+            blk = tirx.any(blk, tirx.all(j >= BR, j <= row))
+        return tirx.Select(col < N, col < nf, blk)
+
+    @T.prim_func(private=True, s_tir=True)
+    def dapq_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, TR, D), "float32"),
+        v_blk: T.Buffer((1, H, TR, D), "float32"),
+        pos_blk: T.Buffer((TR,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        q: T.Buffer((1, Hq, TR, D), "float32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("dapq"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((RC, D), "float32", scope="shared")
+                    m_part = T.sblock_alloc_buffer((RC, NT), "float32", scope="shared")
+                    l_part = T.sblock_alloc_buffer((RC, NT), "float32", scope="shared")
+                    m_row = T.sblock_alloc_buffer((RC,), "float32", scope="shared")
+                    l_row = T.sblock_alloc_buffer((RC,), "float32", scope="shared")
+                    newest_sh = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                    kreg = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                    mt = T.sblock_alloc_buffer((RC,), "float32", scope="local")
+                    lt = T.sblock_alloc_buffer((RC,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((CT,), "float32", scope="local")
+                    pooled = T.sblock_alloc_buffer((CT,), "float32", scope="local")
+                    st = T.sblock_alloc_buffer((3,), "float32", scope="local")  # dot, new max, merged sum
+                    newest = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    nobs: T.let[T.int32] = T.if_then_else(P > 0, R, T.min(R, n_valid[0]))
+                    if n > N:
+                        for u in T.serial(CT):
+                            acc[u] = T.float32(0)
+                        for ch in T.serial(NCH):
+                            T.tvm_storage_sync("shared")
+                            # stage the chunk's queries (coalesced over d)
+                            for e in T.serial(QL):
+                                if e * NT + tx < RC * D:
+                                    q_sh[(e * NT + tx) // D, (e * NT + tx) % D] = q[
+                                        0, h * G + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) // R,
+                                        T.min(T.max(T.if_then_else(P > 0, BR + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) % R,
+                                                                   nv - nobs + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) % R),
+                                                    0), TR - 1),
+                                        (e * NT + tx) % D]
+                            T.tvm_storage_sync("shared")
+                            # pass 1: per-thread online max / sum of each row over its columns
+                            for k in T.serial(RC):
+                                mt[k] = T.float32(NEG)
+                                lt[k] = T.float32(0)
+                            for u in T.serial(CT):
+                                for c in T.serial(D):
+                                    kreg[c] = T.if_then_else(
+                                        u * NT + tx < N, k_cache[h, T.min(u * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(u * NT + tx - N, 0), TR - 1), c])
+                                for k in T.serial(RC):
+                                    if ch * RC + k < RWS and (ch * RC + k) % R < nobs:
+                                        if seen(u * NT + tx, T.if_then_else(P > 0, BR + (ch * RC + k) % R,
+                                                                            nv - nobs + (ch * RC + k) % R), nv, nf, False):
+                                            st[0] = T.float32(0)
+                                            for c in T.serial(D):
+                                                st[0] = st[0] + q_sh[k, c] * kreg[c]
+                                            st[0] = st[0] * T.float32(scale)
+                                            st[1] = T.max(mt[k], st[0])
+                                            lt[k] = lt[k] * T.exp(mt[k] - st[1]) + T.exp(st[0] - st[1])
+                                            mt[k] = st[1]
+                            for k in T.serial(RC):
+                                m_part[k, tx] = mt[k]
+                                l_part[k, tx] = lt[k]
+                            T.tvm_storage_sync("shared")
+                            if tx < RC:
+                                st[1] = T.float32(NEG)
+                                for t in T.serial(NT):
+                                    st[1] = T.max(st[1], m_part[tx, t])
+                                st[2] = T.float32(0)
+                                for t in T.serial(NT):
+                                    st[2] = st[2] + l_part[tx, t] * T.exp(m_part[tx, t] - st[1])
+                                m_row[tx] = st[1]
+                                l_row[tx] = T.max(st[2], T.float32(1e-30))
+                            T.tvm_storage_sync("shared")
+                            # pass 2: each row's probabilities of this thread's candidates
+                            for u in T.serial(CT):
+                                for c in T.serial(D):
+                                    kreg[c] = T.if_then_else(
+                                        u * NT + tx < N, k_cache[h, T.min(u * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(u * NT + tx - N, 0), TR - 1), c])
+                                for k in T.serial(RC):
+                                    if ch * RC + k < RWS and (ch * RC + k) % R < nobs:
+                                        if seen(u * NT + tx, T.if_then_else(P > 0, BR + (ch * RC + k) % R,
+                                                                            nv - nobs + (ch * RC + k) % R), nv, nf, True):
+                                            st[0] = T.float32(0)
+                                            for c in T.serial(D):
+                                                st[0] = st[0] + q_sh[k, c] * kreg[c]
+                                            acc[u] = acc[u] + T.exp(st[0] * T.float32(scale) - m_row[k]) / l_row[k]
+                        # newest candidate position (protected recent window)
+                        newest[0] = -2147483647
+                        for u in T.serial(CT):
+                            if u * NT + tx < nf:
+                                newest[0] = T.max(newest[0], pos_cache[h, T.min(u * NT + tx, N - 1)])
+                            if u * NT + tx >= N and u * NT + tx - N < nv:
+                                newest[0] = T.max(newest[0], pos_blk[T.min(T.max(u * NT + tx - N, 0), TR - 1)])
+                        newest_sh[tx] = newest[0]
+                        # group mean into the score buffer (candidate order: cache rows, then block rows)
+                        for u in T.serial(CT):
+                            if u * NT + tx < nf:
+                                score[h, T.min(u * NT + tx, NB - 1)] = acc[u] / T.float32(G)
+                            if u * NT + tx >= N and u * NT + tx - N < nv:
+                                score[h, T.min(T.max(nf + u * NT + tx - N, 0), NB - 1)] = acc[u] / T.float32(G)
+                        T.tvm_storage_sync("shared")
+                        newest[0] = -2147483647
+                        for t in T.serial(NT):
+                            newest[0] = T.max(newest[0], newest_sh[t])
+                        # pooling over the candidate order (kernel 1: the identity): read all, then write
+                        for u in T.serial(CT):
+                            pooled[u] = T.if_then_else(AVG, T.float32(0), T.float32("-inf"))
+                            if u * NT + tx < n:
+                                for o in T.serial(2 * K2 + 1):
+                                    if u * NT + tx + o - K2 >= 0 and u * NT + tx + o - K2 < n:
+                                        pooled[u] = T.if_then_else(
+                                            AVG, pooled[u] + score[h, T.min(T.max(u * NT + tx + o - K2, 0), NB - 1)],
+                                            T.max(pooled[u], score[h, T.min(T.max(u * NT + tx + o - K2, 0), NB - 1)]))
+                        T.tvm_storage_sync("shared")
+                        for u in T.serial(CT):
+                            if u * NT + tx < NB:
+                                if u * NT + tx < n:
+                                    score[h, u * NT + tx] = T.if_then_else(
+                                        T.if_then_else(u * NT + tx < nf, pos_cache[h, T.min(u * NT + tx, N - 1)],
+                                                       pos_blk[T.min(T.max(u * NT + tx - nf, 0), TR - 1)])
+                                        > newest[0] - REC,
+                                        T.float32("inf"), T.if_then_else(AVG, pooled[u] / T.float32(KAPPA), pooled[u]))
+                                else:
+                                    score[h, u * NT + tx] = T.float32("-inf")
+
+    return dapq_score_gpu
+
+
 @dataclass
 class DapQPolicy(Policy):
     name = "dapq"
