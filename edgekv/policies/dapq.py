@@ -28,6 +28,11 @@ Engine contract: ``max_extra_tokens`` (= window) sizes the cache tail; the pseud
 arrive as ``ctx.extra_queries`` / ``ctx.extra_keys`` (without the keys, e.g. a hand-built ctx, the
 softmax runs over the candidates alone). Cost: w extra tokens through every layer per evicting block
 (+25 % linear-layer work at w = 32, B = 128) and a [Hq, w, N + B + w] attention tile per layer.
+
+Compiled: ``build_dapq_evict_kernel`` (CPU) and ``build_dapq_gpu_evict_kernel`` (GPU) score from the
+step's post-RoPE queries (``kernel_inputs``), one pseudo row's attention at a time; the compiled
+prefill step carries the pseudo rows as its last w rows (``edgekv/compiler/pseudo_rows.py``,
+docs/COMPILER.md "Pseudo rows"), on every prefill block.
 """
 
 from __future__ import annotations
