@@ -259,7 +259,8 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
     row's softmax normaliser. Pass 2: each thread adds exp(s − max) / sum of every row to its
     own candidates. No logits are stored (scratch: RC·d + 2·RC·NT floats of shared memory, the
     thread's key and its candidates' sums in registers). Group mean, pooling and the protected
-    recent window follow, through the score buffer (read phase, barrier, write phase)."""
+    recent window follow, the pooling neighbours exchanged through a shared-memory tile with a
+    halo (never through global memory, which a work-group barrier does not order on OpenCL/Metal)."""
     from tvm import tirx
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
@@ -288,14 +289,35 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
     CT = (NB + NT - 1) // NT  # column tiles
     QL = (RC * D + NT - 1) // NT
     NEG = -3.0e38
+    if K2 > NT:
+        raise ValueError(f"dapq GPU kernel: a pooling kernel of at most {2 * NT + 1} (got {kernel})")
 
     def seen(col, row, nv, nf, candidate_only):
-        """Column col (cache row col < N, else step row col − N) in the observer row's softmax."""
-        j = col - N
-        blk = (j < nv) if P else tirx.all(j < nv, j <= row)
+        """Column col (candidate order: cache rows [0, nf), step rows [nf, nf + nv), then the pseudo
+        rows) is in the observer row's softmax (``candidate_only``: and is a candidate)."""
+        blk = tirx.all(col >= nf, col < nf + nv) if P else tirx.all(col >= nf, col < nf + nv, col - nf <= row)
+        out = tirx.any(col < nf, blk)
         if SP and not candidate_only:
-            blk = tirx.any(blk, tirx.all(j >= BR, j <= row))
-        return tirx.Select(col < N, col < nf, blk)
+            out = tirx.any(out, tirx.all(col >= nf + nv, BR + col - nf - nv <= row))
+        return out
+
+    def observer_row(rr, nv, nobs):
+        """Step row of observer rr (of the G·R, group-major): a pseudo row, or (decode) a last real row."""
+        return tirx.if_then_else(P > 0, BR + rr % R, nv - nobs + rr % R)
+
+    @T.macro
+    def load_key(kreg, k_cache, k_blk, h, col, nf, nv):
+        for c in T.serial(D):
+            kreg[c] = T.if_then_else(
+                col < nf, k_cache[h, T.min(col, N - 1), c],
+                k_blk[0, h, T.min(T.max(T.if_then_else(col < nf + nv, col - nf, BR + col - nf - nv), 0), TR - 1), c])
+
+    @T.macro
+    def row_logit(st, q_sh, kreg, k):
+        st[0] = T.float32(0)
+        for c in T.serial(D):
+            st[0] = st[0] + q_sh[k, c] * kreg[c]
+        st[0] = st[0] * T.float32(scale)
 
     @T.prim_func(private=True, s_tir=True)
     def dapq_score_gpu(
@@ -322,6 +344,7 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                     m_row = T.sblock_alloc_buffer((RC,), "float32", scope="shared")
                     l_row = T.sblock_alloc_buffer((RC,), "float32", scope="shared")
                     newest_sh = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                    halo = T.sblock_alloc_buffer((NT + 2 * K2,), "float32", scope="shared")
                     kreg = T.sblock_alloc_buffer((D,), "float32", scope="local")
                     mt = T.sblock_alloc_buffer((RC,), "float32", scope="local")
                     lt = T.sblock_alloc_buffer((RC,), "float32", scope="local")
@@ -343,8 +366,7 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                                 if e * NT + tx < RC * D:
                                     q_sh[(e * NT + tx) // D, (e * NT + tx) % D] = q[
                                         0, h * G + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) // R,
-                                        T.min(T.max(T.if_then_else(P > 0, BR + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) % R,
-                                                                   nv - nobs + T.min(ch * RC + (e * NT + tx) // D, RWS - 1) % R),
+                                        T.min(T.max(observer_row(T.min(ch * RC + (e * NT + tx) // D, RWS - 1), nv, nobs),
                                                     0), TR - 1),
                                         (e * NT + tx) % D]
                             T.tvm_storage_sync("shared")
@@ -353,18 +375,11 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                                 mt[k] = T.float32(NEG)
                                 lt[k] = T.float32(0)
                             for u in T.serial(CT):
-                                for c in T.serial(D):
-                                    kreg[c] = T.if_then_else(
-                                        u * NT + tx < N, k_cache[h, T.min(u * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(u * NT + tx - N, 0), TR - 1), c])
+                                load_key(kreg, k_cache, k_blk, h, u * NT + tx, nf, nv)
                                 for k in T.serial(RC):
                                     if ch * RC + k < RWS and (ch * RC + k) % R < nobs:
-                                        if seen(u * NT + tx, T.if_then_else(P > 0, BR + (ch * RC + k) % R,
-                                                                            nv - nobs + (ch * RC + k) % R), nv, nf, False):
-                                            st[0] = T.float32(0)
-                                            for c in T.serial(D):
-                                                st[0] = st[0] + q_sh[k, c] * kreg[c]
-                                            st[0] = st[0] * T.float32(scale)
+                                        if seen(u * NT + tx, observer_row(ch * RC + k, nv, nobs), nv, nf, False):
+                                            row_logit(st, q_sh, kreg, k)
                                             st[1] = T.max(mt[k], st[0])
                                             lt[k] = lt[k] * T.exp(mt[k] - st[1]) + T.exp(st[0] - st[1])
                                             mt[k] = st[1]
@@ -384,46 +399,41 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                             T.tvm_storage_sync("shared")
                             # pass 2: each row's probabilities of this thread's candidates
                             for u in T.serial(CT):
-                                for c in T.serial(D):
-                                    kreg[c] = T.if_then_else(
-                                        u * NT + tx < N, k_cache[h, T.min(u * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(u * NT + tx - N, 0), TR - 1), c])
+                                load_key(kreg, k_cache, k_blk, h, u * NT + tx, nf, nv)
                                 for k in T.serial(RC):
                                     if ch * RC + k < RWS and (ch * RC + k) % R < nobs:
-                                        if seen(u * NT + tx, T.if_then_else(P > 0, BR + (ch * RC + k) % R,
-                                                                            nv - nobs + (ch * RC + k) % R), nv, nf, True):
-                                            st[0] = T.float32(0)
-                                            for c in T.serial(D):
-                                                st[0] = st[0] + q_sh[k, c] * kreg[c]
-                                            acc[u] = acc[u] + T.exp(st[0] * T.float32(scale) - m_row[k]) / l_row[k]
+                                        if seen(u * NT + tx, observer_row(ch * RC + k, nv, nobs), nv, nf, True):
+                                            row_logit(st, q_sh, kreg, k)
+                                            acc[u] = acc[u] + T.exp(st[0] - m_row[k]) / l_row[k]
                         # newest candidate position (protected recent window)
                         newest[0] = -2147483647
                         for u in T.serial(CT):
-                            if u * NT + tx < nf:
-                                newest[0] = T.max(newest[0], pos_cache[h, T.min(u * NT + tx, N - 1)])
-                            if u * NT + tx >= N and u * NT + tx - N < nv:
-                                newest[0] = T.max(newest[0], pos_blk[T.min(T.max(u * NT + tx - N, 0), TR - 1)])
+                            if u * NT + tx < n:
+                                newest[0] = T.max(newest[0], T.if_then_else(
+                                    u * NT + tx < nf, pos_cache[h, T.min(u * NT + tx, N - 1)],
+                                    pos_blk[T.min(T.max(u * NT + tx - nf, 0), TR - 1)]))
                         newest_sh[tx] = newest[0]
-                        # group mean into the score buffer (candidate order: cache rows, then block rows)
-                        for u in T.serial(CT):
-                            if u * NT + tx < nf:
-                                score[h, T.min(u * NT + tx, NB - 1)] = acc[u] / T.float32(G)
-                            if u * NT + tx >= N and u * NT + tx - N < nv:
-                                score[h, T.min(T.max(nf + u * NT + tx - N, 0), NB - 1)] = acc[u] / T.float32(G)
                         T.tvm_storage_sync("shared")
                         newest[0] = -2147483647
                         for t in T.serial(NT):
                             newest[0] = T.max(newest[0], newest_sh[t])
-                        # pooling over the candidate order (kernel 1: the identity): read all, then write
+                        # group mean and pooling over the candidate order (kernel 1: the identity); a tile's
+                        # neighbours come through shared memory with a halo of K2 on each side
                         for u in T.serial(CT):
+                            T.tvm_storage_sync("shared")
+                            halo[K2 + tx] = acc[u] / T.float32(G)
+                            if tx >= NT - K2:
+                                halo[tx - (NT - K2)] = T.if_then_else(u > 0, acc[T.max(u - 1, 0)] / T.float32(G),
+                                                                      T.float32(0))
+                            if tx < K2:
+                                halo[NT + K2 + tx] = T.if_then_else(u + 1 < CT, acc[T.min(u + 1, CT - 1)] / T.float32(G),
+                                                                    T.float32(0))
+                            T.tvm_storage_sync("shared")
                             pooled[u] = T.if_then_else(AVG, T.float32(0), T.float32("-inf"))
-                            if u * NT + tx < n:
-                                for o in T.serial(2 * K2 + 1):
-                                    if u * NT + tx + o - K2 >= 0 and u * NT + tx + o - K2 < n:
-                                        pooled[u] = T.if_then_else(
-                                            AVG, pooled[u] + score[h, T.min(T.max(u * NT + tx + o - K2, 0), NB - 1)],
-                                            T.max(pooled[u], score[h, T.min(T.max(u * NT + tx + o - K2, 0), NB - 1)]))
-                        T.tvm_storage_sync("shared")
+                            for o in T.serial(2 * K2 + 1):
+                                if u * NT + tx + o - K2 >= 0 and u * NT + tx + o - K2 < n:
+                                    pooled[u] = T.if_then_else(AVG, pooled[u] + halo[tx + o],
+                                                               T.max(pooled[u], halo[tx + o]))
                         for u in T.serial(CT):
                             if u * NT + tx < NB:
                                 if u * NT + tx < n:
