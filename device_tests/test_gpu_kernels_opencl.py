@@ -200,11 +200,14 @@ def test_attention_with_pseudo_rows(nf, nv, G):
 
 
 DAPQ = [{"window": 4}, {"window": 4, "softmax_pseudo": False}, {"window": 4, "kernel": 3, "keep_recent": 2},
-        {"window": 4, "kernel": 3, "pooling": "max"}]
+        {"window": 4, "kernel": 5, "pooling": "max"}]
+# (H, N, B, d), fill, n_valid: evicting steps; N = 150 spreads the candidates over two column tiles
+# of the GPU kernel (128 columns), so pooling reads neighbours across a tile edge
+DAPQ_CASES = [((2, 16, 8, 16), 16, 8), ((2, 16, 8, 16), 12, 5), ((2, 16, 8, 16), 9, 8), ((3, 40, 8, 64), 40, 5),
+              ((2, 150, 8, 16), 150, 6), ((2, 150, 8, 16), 147, 8)]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("nf,nv", FILLS)
+@pytest.mark.parametrize("shape,nf,nv", DAPQ_CASES, ids=[str(c) for c in DAPQ_CASES])
 @pytest.mark.parametrize("rows", ["prefill", "decode"])
 @pytest.mark.parametrize("params", DAPQ, ids=[str(p) for p in DAPQ])
 def test_dapq_score(shape, nf, nv, rows, params):
@@ -212,7 +215,7 @@ def test_dapq_score(shape, nf, nv, rows, params):
 
     H, N, B, D = shape
     T_ = B + params["window"] if rows == "prefill" else 1
-    nv = nv if rows == "prefill" else 1
+    nf, nv = (nf, nv) if rows == "prefill" else (N, 1)
     st = _state(H, N, T_, D, nf, nv, 9)
     G = 2
     st["q"] = np.random.default_rng(10).standard_normal((1, H * G, T_, D)).astype("float32")
@@ -222,6 +225,6 @@ def test_dapq_score(shape, nf, nv, rows, params):
                    EVICT_ARGS + ["q", "score"])["score"]
     got = run_opencl(build_dapq_gpu_evict_kernel(H, N, T_, D, "float32", **params, **site), st)["score"]
     n = min(nf, N) + nv
-    if n > N:
-        np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=1e-5, atol=1e-6)
-        assert np.all(got[:, n:] == -np.inf)
+    assert n > N  # the scores are read
+    np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=1e-5, atol=1e-6)
+    assert np.all(got[:, n:] == -np.inf)
