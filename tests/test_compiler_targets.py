@@ -206,7 +206,8 @@ def test_float64_demotion_keeps_results(model, imported):
 
 
 @pytest.mark.slow
-def test_cuda_source_compiles_with_nvcc(model, imported, tmp_path_factory):
+@pytest.mark.parametrize("policy", ["keydiff", "dapq"])
+def test_cuda_source_compiles_with_nvcc(model, imported, imported_dapq, tmp_path_factory, policy):
     """The generated CUDA C is valid for sm_80 (nvcc, no GPU needed)."""
     import shutil
 
@@ -214,7 +215,10 @@ def test_cuda_source_compiles_with_nvcc(model, imported, tmp_path_factory):
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
-    res, out = _build(model, imported, tmp_path_factory, "cuda")
+    if policy == "dapq":
+        res, out = _build(model, imported_dapq, tmp_path_factory, "cuda", DAPQ)
+    else:
+        res, out = _build(model, imported, tmp_path_factory, "cuda")
     info = check_cuda_source((out / "device" / "kernels.cu").read_text(), "sm_80")
     assert info["cubin_bytes"] > 10_000
 
