@@ -90,6 +90,20 @@ def pseudo_rows_in_step(rows: int, window: int) -> int:
     return window if rows > window else 0
 
 
+def _kernel_constants(num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent,
+                      num_q_heads, sm_scale):
+    """The compile-time constants both DapQ kernels share: (Hq, G, N + T, pseudo rows P, real rows,
+    observer rows R, pseudo keys in the softmax, pooling half-width, avg?, κ, recent window, scale)."""
+    if num_q_heads is None or num_q_heads % num_kv_heads:
+        raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {num_kv_heads} KV heads")
+    if pooling not in ("avg", "max"):
+        raise ValueError(f"dapq kernel: pooling must be avg or max (got {pooling!r})")
+    P = pseudo_rows_in_step(block, int(window))
+    return (int(num_q_heads), int(num_q_heads) // num_kv_heads, budget + block, P, block - P,
+            P if P else min(int(window), block), bool(softmax_pseudo) and P > 0, int(kernel) // 2, pooling == "avg",
+            float(kernel), int(keep_recent), float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim))
+
+
 def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                             window: int = 32, softmax_pseudo: bool = True, kernel: int = 1, pooling: str = "avg",
                             keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None):
@@ -117,22 +131,8 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
 
     check_dtype(dtype)
     H, N, TR, D = num_kv_heads, budget, block, head_dim
-    if num_q_heads is None or num_q_heads % H:
-        raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {H} KV heads")
-    if pooling not in ("avg", "max"):
-        raise ValueError(f"dapq kernel: pooling must be avg or max (got {pooling!r})")
-    Hq = int(num_q_heads)
-    G = Hq // H
-    NB = N + TR
-    P = pseudo_rows_in_step(TR, int(window))
-    BR = TR - P  # real rows of the step
-    R = P if P else min(int(window), TR)  # observer rows (at most)
-    SP = bool(softmax_pseudo) and P > 0
-    K2 = int(kernel) // 2
-    AVG = pooling == "avg"
-    KAPPA = float(kernel)
-    REC = int(keep_recent)
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(D)
+    Hq, G, NB, P, BR, R, SP, K2, AVG, KAPPA, REC, scale = _kernel_constants(
+        num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent, num_q_heads, sm_scale)
     LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
     CH = D // LANES
 
@@ -268,21 +268,9 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
 
     check_dtype(dtype)
     H, N, TR, D = num_kv_heads, budget, block, head_dim
-    if num_q_heads is None or num_q_heads % H:
-        raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {H} KV heads")
-    Hq = int(num_q_heads)
-    G = Hq // H
-    NB = N + TR
-    P = pseudo_rows_in_step(TR, int(window))
-    BR = TR - P
-    R = P if P else min(int(window), TR)
+    Hq, G, NB, P, BR, R, SP, K2, AVG, KAPPA, REC, scale = _kernel_constants(
+        num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent, num_q_heads, sm_scale)
     RWS = G * R  # observer rows of one KV head
-    SP = bool(softmax_pseudo) and P > 0
-    K2 = int(kernel) // 2
-    AVG = pooling == "avg"
-    KAPPA = float(kernel)
-    REC = int(keep_recent)
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(D)
     NT = 128
     RC = 8  # observer rows per chunk
     NCH = (RWS + RC - 1) // RC
