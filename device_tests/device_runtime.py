@@ -16,6 +16,10 @@ class DeviceRuntime:
         from tvm import relax
 
         self.manifest, self.device = manifest, device
+        if manifest.get("extra_rows"):
+            raise NotImplementedError(f"this driver does not fill the {manifest['extra_rows']} pseudo rows of a "
+                                      f"'{manifest['policy']['name']}' artifact; use edgekv.runtime.HostRuntime's "
+                                      "step_block as the model (docs/COMPILER.md, Pseudo rows)")
         self.block = int(manifest["block"])
         self.num_layers = int(manifest["num_layers"])
         self.vm = relax.VirtualMachine(lib, device)

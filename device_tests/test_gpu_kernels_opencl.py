@@ -179,3 +179,52 @@ def test_append(nf, nv):
     got = run_opencl(gk.build_gpu_select_kernel(H, N, B, D, "float32", False), st)
     for key in ("k_cache", "v_cache", "pos_cache", "fill"):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+# ---- DapQ: block attention with trailing pseudo rows, and the pseudo rows' score kernel ----
+
+@pytest.mark.parametrize("nf,nv", [(0, 8), (5, 3), (16, 8), (12, 5)])
+@pytest.mark.parametrize("G", [1, 3])
+def test_attention_with_pseudo_rows(nf, nv, G):
+    H, N, B, D, W = 2, 16, 8, 16, 4
+    st = _state(H, N, B + W, D, nf, nv, 7)
+    rng = np.random.default_rng(8)
+    arr = {"q": rng.standard_normal((1, H * G, B + W, D)).astype("float32"), "k_blk": st["k_blk"],
+           "v_blk": st["v_blk"], "k_cache": st["k_cache"], "v_cache": st["v_cache"], "fill": st["fill"],
+           "n_valid": st["n_valid"], "out": np.full((1, H * G, B + W, D), 7.0, "float32")}
+    names = ["q", "k_blk", "v_blk", "k_cache", "v_cache", "fill", "n_valid", "out"]
+    want = run_cpu(attention.build_block_attention_kernel(H * G, H, N, B + W, D, D ** -0.5, extra_rows=W),
+                   arr, names)["out"]
+    got = run_opencl(gk.build_gpu_attention_kernel(H * G, H, N, B + W, D, D ** -0.5, extra_rows=W), arr)["out"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+DAPQ = [{"window": 4}, {"window": 4, "softmax_pseudo": False}, {"window": 4, "kernel": 3, "keep_recent": 2},
+        {"window": 4, "kernel": 5, "pooling": "max"}]
+# (H, N, B, d), fill, n_valid: evicting steps; N = 150 spreads the candidates over two column tiles
+# of the GPU kernel (128 columns), so pooling reads neighbours across a tile edge
+DAPQ_CASES = [((2, 16, 8, 16), 16, 8), ((2, 16, 8, 16), 12, 5), ((2, 16, 8, 16), 9, 8), ((3, 40, 8, 64), 40, 5),
+              ((2, 150, 8, 16), 150, 6), ((2, 150, 8, 16), 147, 8)]
+
+
+@pytest.mark.parametrize("shape,nf,nv", DAPQ_CASES, ids=[str(c) for c in DAPQ_CASES])
+@pytest.mark.parametrize("rows", ["prefill", "decode"])
+@pytest.mark.parametrize("params", DAPQ, ids=[str(p) for p in DAPQ])
+def test_dapq_score(shape, nf, nv, rows, params):
+    from edgekv.policies.dapq import build_dapq_evict_kernel, build_dapq_gpu_evict_kernel
+
+    H, N, B, D = shape
+    T_ = B + params["window"] if rows == "prefill" else 1
+    nf, nv = (nf, nv) if rows == "prefill" else (N, 1)
+    st = _state(H, N, T_, D, nf, nv, 9)
+    G = 2
+    st["q"] = np.random.default_rng(10).standard_normal((1, H * G, T_, D)).astype("float32")
+    st["score"] = np.full((H, N + T_), 5.0, "float32")
+    site = {"num_q_heads": H * G, "sm_scale": D ** -0.5}
+    want = run_cpu(build_dapq_evict_kernel(H, N, T_, D, "float32", **params, **site), st,
+                   EVICT_ARGS + ["q", "score"])["score"]
+    got = run_opencl(build_dapq_gpu_evict_kernel(H, N, T_, D, "float32", **params, **site), st)["score"]
+    n = min(nf, N) + nv
+    assert n > N  # the scores are read
+    np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=1e-5, atol=1e-6)
+    assert np.all(got[:, n:] == -np.inf)

@@ -19,6 +19,7 @@ from edgekv.compiler.gpu_schedule import GPUKernelError, ReplaceKernels, demote_
 from edgekv.compiler.pipeline import import_model  # noqa: E402
 from edgekv.compiler.targets import build_for_target, device_target, elf_machine, host_functions_on_host  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
+from edgekv.policies.dapq import DapQPolicy  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
 from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
@@ -134,6 +135,41 @@ def test_other_policies_on_gpu(model, imported, tmp_path_factory, policy):
     assert dev["symbolic_shapes"] == {}
 
 
+DAPQ = DapQPolicy(window=4, prefix=1)
+
+
+@pytest.fixture(scope="module")
+def imported_dapq(model):
+    """DapQ's prefill step runs B + window rows (the pseudo rows last)."""
+    return import_model(model, B, DAPQ.window)
+
+
+@pytest.mark.parametrize("target", list(GPU) + ["hexagon"])
+def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
+    """DapQ builds completely for the GPUs and the NPU: every function on the device, its attention
+    with pseudo rows and its score kernel (which reads the queries) in the generated code, static shapes."""
+    res, out = _build(model, imported_dapq, tmp_path_factory, target, DAPQ)
+    dev = res.manifest["device"]
+    assert res.manifest["extra_rows"] == DAPQ.window
+    if target == "hexagon":
+        with tarfile.open(out / "model.tar") as tf:
+            blob = b"".join(tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".o"))
+        for k in (b"prefill_block_score_dapq_h2_d16", b"decode_score_dapq_h2_d16", b"prefill_block_attention_h4_2_d16_x4",
+                  b"prefill_block_select_h2_d16_score"):
+            assert k in blob
+        assert dev["elf_machine"] == [164]
+        return
+    src = (out / "device" / SOURCE[target]).read_text()
+    for f in dev["device_functions"]:
+        assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
+    assert host_functions_on_host(res.executable) == []
+    assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
+    for name in ("prefill_block_score_dapq_h2_d16", "decode_score_dapq_h2_d16", "prefill_block_attention_h4_2_d16_x4",
+                 "decode_attention_h4_2_d16", "prefill_block_select_h2_d16_score"):
+        assert re.search(rf"\b{name}_kernel\w*\(", src), name
+    assert dev["symbolic_shapes"] == {}
+
+
 def test_unbound_kernels_are_refused(model, imported):
     """Without the replacement the CPU kernels have no thread binding: the check names them."""
     from edgekv.compiler.block_cache import BlockCacheSpec
@@ -142,9 +178,9 @@ def test_unbound_kernels_are_refused(model, imported):
     mod, _, _ = lower_module(imported[0], BlockCacheSpec(budget=N, policy="streaming", policy_params={"sinks": 2}))
     bad = unbound_functions(mod)
     assert "prefill_block_attention_h4_2_d16" in bad and "decode_select_h2_d16_score" in bad
-    with pytest.raises(GPUKernelError, match="no GPU score kernel"):
-        ReplaceKernels("dapq", {}, {}).transform_module(
-            tvm.IRModule({"prefill_block_score_dapq_h2_d16": mod["prefill_block_score_streaming_h2_d16"]}), None)
+    with pytest.raises(GPUKernelError, match="no GPU score kernel"):  # a policy name with no GPU kernel
+        ReplaceKernels("nogpu", {}, {}).transform_module(
+            tvm.IRModule({"prefill_block_score_nogpu_h2_d16": mod["prefill_block_score_streaming_h2_d16"]}), None)
 
 
 def test_float64_demotion_keeps_results(model, imported):
@@ -170,7 +206,8 @@ def test_float64_demotion_keeps_results(model, imported):
 
 
 @pytest.mark.slow
-def test_cuda_source_compiles_with_nvcc(model, imported, tmp_path_factory):
+@pytest.mark.parametrize("policy", ["keydiff", "dapq"])
+def test_cuda_source_compiles_with_nvcc(model, imported, imported_dapq, tmp_path_factory, policy):
     """The generated CUDA C is valid for sm_80 (nvcc, no GPU needed)."""
     import shutil
 
@@ -178,7 +215,10 @@ def test_cuda_source_compiles_with_nvcc(model, imported, tmp_path_factory):
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
-    res, out = _build(model, imported, tmp_path_factory, "cuda")
+    if policy == "dapq":
+        res, out = _build(model, imported_dapq, tmp_path_factory, "cuda", DAPQ)
+    else:
+        res, out = _build(model, imported, tmp_path_factory, "cuda")
     info = check_cuda_source((out / "device" / "kernels.cu").read_text(), "sm_80")
     assert info["cubin_bytes"] > 10_000
 

@@ -57,11 +57,14 @@ def main() -> None:
 
     policy.select = recording_select
     ids = natural_token_ids(model.tokenizer, args.tokens)
+    # the whole prompt first, as prefill() does (DapQ builds its pseudo tokens from it)
+    policy.prepare(ids, engine)
+    rt.prepare(ids.numpy())
     same = total = 0
     first_mismatch = None
     for b, start in enumerate(range(0, ids.numel(), args.block)):
         chunk = ids[start:start + args.block]
-        ref = engine.step(chunk)
+        ref = engine.step(chunk, extra=engine._extra_for(chunk.numel()))  # pseudo rows as in engine.prefill
         got = rt.step_block(chunk.numpy())
         for layer in range(model.config.num_layers):
             a = engine.kept_positions(layer).numpy()

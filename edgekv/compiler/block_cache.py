@@ -34,6 +34,7 @@ from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
 from .kernels import build_attention, build_observe, build_score, build_select, kernel_spec, policy_tag, site_params
+from .pseudo_rows import attention_kernel_key, step_extra_rows
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
 STATE_FIELD = "state"
@@ -54,6 +55,9 @@ class BlockCacheSpec:
     tokens_input: str = "tokens"
     positions_input: str = "positions"
     dtype: str = "float32"
+    # Pseudo rows at the end of every prefill step (DapQ: the window w). The prefill graph is then
+    # exported at T = B + w; their K/V never enter the cache (see ``pseudo_rows.py``).
+    extra_rows: int = 0
 
 
 def substitute(expr, vmap: dict):
@@ -107,6 +111,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             raise AttentionMatchError(f"attention site {s.index} runs over {s.seq_len} tokens, the input has {T}")
     num_input = int(func.attrs["num_input"])
     weights = list(func.params[num_input:])
+    W = step_extra_rows(spec, T, fixed_n_valid)
 
     new_tokens = relax.Var("tokens", relax.TensorType((T,), tokens.ty.dtype))
     new_positions = relax.Var("positions", relax.TensorType((T,), positions.ty.dtype))
@@ -152,8 +157,8 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 kc, vc, pc, fc = cache_vars[site.index][:4]
                 st = cache_vars[site.index][4] if S else None
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
-                attn_gv = kernel(f"attention_h{Hq}_{H}_d{D}",
-                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype))
+                attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
+                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W))
                 out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv],
                                              relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
                 if site.output_layout == "bthd":

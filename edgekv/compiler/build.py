@@ -174,7 +174,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     import tvm
 
     from .block_cache import BlockCacheSpec
-    from .pipeline import Lowered, import_model, lower_module, param_layout
+    from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
+    from .pseudo_rows import extra_rows
 
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
@@ -186,10 +187,12 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
 
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
                                 out_dir, imported=imported, progress=progress, mem_limit=mem_limit)
-    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget))
+    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
+                          extra_rows=extra_rows(policy))
     say = progress or (lambda msg: None)
     say("exporting and lowering")
-    mod, params, timings = imported if imported is not None else import_model(model, block)
+    mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
+    check_imported_rows(mod, block, spec.extra_rows)
     timings = dict(timings)
     t0 = time.perf_counter()
     mod, sites, transposed = lower_module(mod, spec)
@@ -223,6 +226,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
     """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and device builds)."""
     cfg = model.config
     state = entry_state_names(lowered)
+    rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo rows last (DapQ)
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -231,6 +235,8 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
         "budget": budget,
         "block": block,
+        # pseudo rows after the B real rows of every prefill step (DapQ; compiler/pseudo_rows.py)
+        "extra_rows": int(getattr(spec, "extra_rows", 0)),
         "dtype": "float32",
         "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
         "num_layers": len(lowered.sites),
@@ -242,7 +248,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         # per-entry state of the policy (one float32 [S, H, N] tensor per layer after fill, rows = K/V rows)
         "entry_state": state,
         "functions": {
-            "prefill_block": {"inputs": ["tokens[B] int64", "positions[B] int64", "n_valid[1] int32",
+            "prefill_block": {"inputs": [f"tokens[{rows}] int64", f"positions[{rows}] int64", "n_valid[1] int32",
                                          "caches (k, v, pos, fill" + (", state" if state else "") + ") × layers",
                                          "weights"],
                               "outputs": ["logits[V] of token n_valid-1", "caches"]},

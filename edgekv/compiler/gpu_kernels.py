@@ -36,17 +36,23 @@ def _lanes(d: int) -> int:
 
 def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
                                head_dim: int, sm_scale: float, dtype: str = "float32",
-                               rows_per_block: int = 4):
+                               rows_per_block: int = 4, extra_rows: int = 0):
     """One thread block = ``RQ`` query rows that share a KV head (threadIdx.y) × ``TX`` lanes
     (threadIdx.x). Keys are streamed in tiles of ``TK`` rows: the K and V tiles are loaded
     into shared memory once (coalesced) and reused by all RQ rows; each row keeps an online
     softmax (running max, sum, and its slice of the output in registers). Cache tiles run
     only up to ``fill``, block tiles only up to ``n_valid`` (causal mask inside the block);
-    rows ≥ n_valid are written as zeros."""
+    rows ≥ n_valid are written as zeros. With ``extra_rows`` = w pseudo rows (DapQ) the last w
+    of the ``block`` rows see the real rows < n_valid and the pseudo rows up to their own
+    (``kernels.attention.block_key_visible``); block tiles then run over all rows."""
+    from .kernels.attention import block_key_visible
+
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    W = int(extra_rows)
+    BR = B - W  # real rows
     G = Hq // H
     ROWS = G * B  # query rows per KV head
     RQ = max(1, min(rows_per_block, ROWS))
@@ -93,7 +99,7 @@ def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int,
                         nf: T.let[T.int32] = fill[0]
                         nv: T.let[T.int32] = n_valid[0]
                         ct: T.let[T.int32] = (nf + TK - 1) // TK
-                        bt: T.let[T.int32] = (nv + TK - 1) // TK
+                        bt: T.let[T.int32] = T.if_then_else(W > 0, (B + TK - 1) // TK, (nv + TK - 1) // TK)
                         for u in T.serial(CPT):
                             if u * TX + tx < D:
                                 q_sh[ty, u * TX + tx] = q[0, h, i, u * TX + tx]
@@ -115,10 +121,12 @@ def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int,
                                                                       v_cache[kh, T.min(it * TK + jj, N - 1), cc],
                                                                       T.float32(0))
                                     else:
-                                        k_sh[jj, cc] = T.if_then_else((it - ct) * TK + jj < nv,
+                                        k_sh[jj, cc] = T.if_then_else(T.Or((it - ct) * TK + jj < nv,
+                                                                           T.And(W > 0, (it - ct) * TK + jj >= BR)),
                                                                       k_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
                                                                       T.float32(0))
-                                        v_sh[jj, cc] = T.if_then_else((it - ct) * TK + jj < nv,
+                                        v_sh[jj, cc] = T.if_then_else(T.Or((it - ct) * TK + jj < nv,
+                                                                           T.And(W > 0, (it - ct) * TK + jj >= BR)),
                                                                       v_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
                                                                       T.float32(0))
                             T.tvm_storage_sync("shared")
@@ -130,7 +138,7 @@ def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int,
                                         dot[0] = dot[0] + q_sh[ty, c] * k_sh[u * TX + tx, c]
                                     s_sh[ty, u * TX + tx] = T.if_then_else(
                                         T.if_then_else(it < ct, it * TK + u * TX + tx < nf,
-                                                       (it - ct) * TK + u * TX + tx <= i),
+                                                       block_key_visible((it - ct) * TK + u * TX + tx, i, nv, BR, W)),
                                         dot[0] * T.float32(scale), T.float32(NEG_BIG))
                             T.tvm_storage_sync("shared")
                             # online softmax update (every lane of the row does the same scalar work)
@@ -153,7 +161,7 @@ def build_gpu_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int,
                             for u in T.serial(CPT):
                                 if u * TX + tx < D:
                                     out[0, h, i, u * TX + tx] = T.if_then_else(
-                                        i < nv, acc[u] / T.max(st[1], T.float32(1e-30)), T.float32(0))
+                                        T.Or(i < nv, i >= BR), acc[u] / T.max(st[1], T.float32(1e-30)), T.float32(0))
 
     return block_attention_gpu
 
@@ -718,9 +726,16 @@ def build_gpu_select_kernel(num_kv_heads: int, budget: int, block: int, head_dim
     return append_only_gpu
 
 
+def _dapq_gpu_score(*args, **kwargs):
+    from ..policies.dapq import build_dapq_gpu_evict_kernel  # beside its reference scorer
+
+    return build_dapq_gpu_evict_kernel(*args, **kwargs)
+
+
 # GPU score kernels by policy name: same arguments as the policy's ``evict_kernel`` (including,
 # for policies with ``kernel_inputs``, ``num_q_heads`` / ``sm_scale``).
 GPU_SCORE_KERNELS = {
+    "dapq": _dapq_gpu_score,
     "streaming": build_gpu_streaming_score,
     "keydiff": build_gpu_keydiff_score,
     "lagkv": build_gpu_lagkv_score,

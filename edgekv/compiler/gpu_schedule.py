@@ -33,7 +33,7 @@ from .kernels import kernel_spec, policy_tag, site_params
 
 GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
 
-_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)$")
+_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)(?:_x(\d+))?$")  # _x<w>: w pseudo rows (pseudo_rows.py)
 _SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
 _OBSERVE = re.compile(r"_observe_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
 _SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)(?:_s(\d+))?$")
@@ -58,12 +58,12 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
     if m:
         _, Hq, B, D = _shape(func, 0)
         H, N, _ = _shape(func, 3)
-        if (Hq, H, D) != tuple(int(g) for g in m.groups()):
+        if (Hq, H, D) != tuple(int(g) for g in m.groups()[:3]):
             raise GPUKernelError(f"{name}: buffer shapes {(Hq, H, D)} do not match the name")
         scale = sm_scales.get((Hq, H, D))
         if scale is None:
             raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
-        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale)
+        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0))
     for rx, table, what in ((_SCORE, gk.GPU_SCORE_KERNELS, "score"), (_OBSERVE, gk.GPU_OBSERVE_KERNELS, "observe")):
         m = rx.search(name)
         if not m:

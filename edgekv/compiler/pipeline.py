@@ -47,15 +47,28 @@ def passes(spec: BlockCacheSpec) -> list:
             PretransposeWeights(list(FUNCTIONS))]
 
 
-def import_model(model: Any, block: int) -> tuple[tvm.IRModule, list[tuple[str, Any]], dict[str, float]]:
+def import_model(model: Any, block: int, extra_rows: int = 0) -> tuple[tvm.IRModule, list[tuple[str, Any]], dict[str, float]]:
+    """Export the prefill step at T = ``block`` + ``extra_rows`` (pseudo rows, ``pseudo_rows.py``)
+    and decode at T = 1, and import both."""
     t0 = time.perf_counter()
-    mod_b, params = import_to_relax(export_plain_forward(model, block))
+    mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows))
     mod_1, params_1 = import_to_relax(export_plain_forward(model, 1))
     t1 = time.perf_counter()
     if [n for n, _ in params] != [n for n, _ in params_1]:
         raise RuntimeError("the block and decode exports disagree on their weight inputs")
     mod = tvm.IRModule({"prefill_src": mod_b["main"], "decode_src": mod_1["main"]})
     return mod, params, {"export_import_s": t1 - t0}
+
+
+def check_imported_rows(mod: tvm.IRModule, block: int, extra: int) -> None:
+    """Refuse an ``imported`` module exported at another step size than this build needs."""
+    from .build import CompileError
+
+    rows = int(mod["prefill_src"].params[0].ty.shape[1])
+    if rows != block + extra:
+        need = f"B + {extra} pseudo rows = {block + extra}" if extra else f"B = {block}"
+        raise CompileError(f"the imported module's prefill step has {rows} rows, this build needs {need}; "
+                           f"import it with pipeline.import_model(model, {block}, extra_rows={extra})")
 
 
 def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite], set[str]]:

@@ -70,13 +70,16 @@ def _tvm_target(tgt: dict, host: dict | None):
 def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None):
     """Export + edgekv passes (the target-independent part); returns (Lowered, spec)."""
     from .block_cache import BlockCacheSpec
-    from .pipeline import Lowered, import_model, lower_module, param_layout
+    from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
+    from .pseudo_rows import extra_rows
 
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
-    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget))
-    mod, params, timings = imported if imported is not None else import_model(model, block)
+    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
+                          extra_rows=extra_rows(policy))
+    mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
+    check_imported_rows(mod, block, spec.extra_rows)
     timings = dict(timings)
     t0 = time.perf_counter()
     mod, sites, transposed = lower_module(mod, spec)

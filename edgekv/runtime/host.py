@@ -142,6 +142,14 @@ class HostRuntime:
         self.block = int(manifest["block"])
         self.policy = manifest["policy"]["name"]
         self.num_layers = int(manifest["num_layers"])
+        # pseudo rows after the B real rows of every prefill step (DapQ): the policy object builds
+        # them from the whole prompt, exactly as for the eager engine (``prepare`` / ``extra_tokens``)
+        self.extra_rows = int(manifest.get("extra_rows", 0))
+        self._row_policy = None
+        if self.extra_rows:
+            from ..policies import make_policy
+
+            self._row_policy = make_policy(self.policy, dict(manifest["policy"]["params"]))
         self.device = tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
@@ -229,6 +237,37 @@ class HostRuntime:
                               f"entries and this artifact's budget is {self.budget}; compile with --budget "
                               f"{self.position + extra} or more, or choose an evicting policy")
 
+    # ---- pseudo rows (DapQ) ---------------------------------------------------------------
+    def prepare(self, prompt_ids) -> None:
+        """Hand the whole prompt to the policy before its blocks are run (``prefill`` does it; call
+        it yourself before ``step_block``). DapQ builds its pseudo tokens here; other policies
+        need nothing."""
+        if self._row_policy is not None:
+            import torch
+
+            self._row_policy.prepare(torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64).reshape(-1)), self)
+
+    def _pseudo_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, positions) of the w pseudo rows of the next step of n real tokens."""
+        from ..policies.base import PolicyError
+
+        extra = self._row_policy.extra_tokens()
+        if extra is None:
+            raise PolicyError(f"this '{self.policy}' artifact appends pseudo tokens built from the whole prompt to "
+                              "every block: call prefill(prompt), or prepare(prompt) before step_block")
+        ids, pos = (np.asarray(t, dtype=np.int64) for t in extra)
+        w = self.extra_rows
+        if ids.size < w:
+            # a prompt shorter than the window gives fewer pseudo tokens; harmless unless this step evicts
+            if int(self.caches[3].numpy()[0]) + n > self.budget:
+                raise PolicyError(f"the prompt gives only {ids.size} pseudo tokens but this artifact was compiled "
+                                  f"for window={w}; recompile with --policy-arg window={ids.size}, or a budget of at "
+                                  f"least {int(self.caches[3].numpy()[0]) + n} so that this prompt is not evicted")
+            # this step keeps every row: the pseudo rows' scores are not read, any content does
+            ids = np.resize(ids, w) if ids.size else np.zeros(w, np.int64)
+            pos = np.arange(self.position + self.block, self.position + self.block + w, dtype=np.int64)
+        return ids, pos
+
     # ---- running ------------------------------------------------------------------------
     def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
         """One compiled prefill call on ≤ B tokens at positions start…; returns last-token logits."""
@@ -240,9 +279,13 @@ class HostRuntime:
             raise ValueError(f"a block holds 1..{self.block} tokens, got {n}")
         start = self.position if start is None else start
         self._check_room(n)
-        tok = np.zeros((self.block,), dtype=np.int64)
+        rows = self.block + self.extra_rows
+        tok = np.zeros((rows,), dtype=np.int64)
         tok[:n] = ids
-        pos = np.arange(start, start + self.block, dtype=np.int64)
+        pos = np.arange(start, start + rows, dtype=np.int64)
+        if self.extra_rows:
+            self.position = start  # the pseudo positions may follow the block (positions=block)
+            tok[self.block:], pos[self.block:] = self._pseudo_rows(n)
         out = self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
                             tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
         self.position = start + n
@@ -253,6 +296,7 @@ class HostRuntime:
         if ids.size == 0:
             raise ValueError("the prompt is empty; give at least one token")
         self._check_room(ids.size)
+        self.prepare(ids)
         logits = None
         t0 = time.perf_counter()
         for s in range(0, ids.size, self.block):

@@ -4,6 +4,10 @@ Query row i of the block (i < n_valid) attends to every valid cache row (they ar
 than the block) and to block rows j ≤ i (causal inside the block). Rows i ≥ n_valid are padding:
 their output is zero. GQA: query head h reads KV head h // (Hq / H).
 
+Pseudo rows (DapQ, ``extra_rows`` = w): the step has B + w rows, the last w are pseudo tokens.
+They see the valid cache rows, the real rows [0, n_valid) (never the padding between n_valid and
+B) and the pseudo rows up to their own; the real rows never see them (causal: they come last).
+
 Schedule (written into the kernel; the CPU analogue of a flash-attention tile loop):
 
 * the G = Hq / H query heads that share a KV head are one row space of G·B rows; it is cut
@@ -70,12 +74,31 @@ def attention_tiles(num_q_heads: int, num_kv_heads: int, block: int, head_dim: i
     return {"QT": QT, "KT": 64, "RB": RB, "VL": 16 if head_dim % 16 == 0 else (8 if head_dim % 8 == 0 else 1)}
 
 
+def block_key_visible(key, row, n_valid, real_rows: int, extra_rows: int):
+    """Whether block row ``row`` sees block key ``key`` (tirx expressions): causal (key ≤ row), and
+    with ``extra_rows`` pseudo rows after ``real_rows`` real ones, the padding keys
+    [n_valid, real_rows) are hidden from the pseudo rows (real rows never reach them: key ≤ row <
+    n_valid). Without extra rows it is exactly ``key <= row``."""
+    from tvm import tirx
+
+    if not extra_rows:
+        return key <= row
+    return tirx.all(key <= row, tirx.any(key < n_valid, key >= real_rows))
+
+
 def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
-                                 head_dim: int, sm_scale: float, dtype: str = "float32"):
+                                 head_dim: int, sm_scale: float, dtype: str = "float32", extra_rows: int = 0):
+    """``block`` rows in all; with ``extra_rows`` = w > 0 the last w of them are pseudo rows (DapQ):
+    they see every valid cache row, the real rows [0, n_valid) and the pseudo rows up to their own
+    (causal), and their output is kept; real rows never see them (they come last)."""
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    W = int(extra_rows)
+    if not 0 <= W < B:
+        raise ValueError(f"{W} pseudo rows do not fit a step of {B} rows")
+    BR = B - W  # real rows
     G = Hq // H
     scale = float(sm_scale)
     t = attention_tiles(Hq, H, B, D)
@@ -200,7 +223,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                             part[l] = T.float32(NEG_BIG)
                         for j0 in T.serial(KT // KL):
                             for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = T.if_then_else(kt_i * KT + j0 * KL + l <= (r0 + r) % B, s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                s[r, j0 * KL + l] = T.if_then_else(block_key_visible(kt_i * KT + j0 * KL + l, (r0 + r) % B, nv, BR, W), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
                                 part[l] = T.max(part[l], s[r, j0 * KL + l])
                         alpha[r] = m[r]
                         for l in T.serial(KL):
@@ -230,6 +253,6 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                                 o[rb * RB + r, c] = o[rb * RB + r, c] + acco[r, c]
                 for r, c in T.grid(QT, D):
                     out[0, kh * G + (r0 + r) // B, (r0 + r) % B, c] = T.if_then_else(
-                        (r0 + r) % B < nv, o[r, c] / lsum[r], T.float32(0))
+                        T.Or((r0 + r) % B < nv, (r0 + r) % B >= BR), o[r, c] / lsum[r], T.float32(0))
 
     return block_attention
