@@ -194,6 +194,192 @@ def merge_into(kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, 
     return (num / den[..., None]).to(kept.dtype)
 
 
+# ---- compiled kernels --------------------------------------------------------------------------
+MERGE_MODES = ("weighted", "code", "average")
+# the layer-state vectors the compiled model carries per layer beside its cache (see docs/policies/d2o.md)
+BUDGET_FIELDS = ("layer_budget", "recent")  # int32 [2]: N_l and M_l = ⌊N_l·recent_ratio⌋
+TAU_FIELDS = ("tau", "tau_set")  # float32 [2]: τ and 1.0 once the layer's first eviction has set it
+
+
+def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                           merge: str = "weighted", threshold: str = "ema", beta: float = 0.7, eps: float = 1e-12):
+    """TIR merge-on-evict kernel: ``best_matches`` + ``update_threshold`` + ``merge_into`` of one layer.
+
+    ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score[H, N+B],
+    layer_budget[2] int32, tau[2] float32) -> (k_cache, v_cache, tau, k_blk_merged, v_blk_merged)``
+    with k_cache, v_cache and tau updated in place (``call_tir_inplace`` indices 0, 1, 10) and the
+    block's K/V copied out with the merges into kept block rows applied. It runs between the score
+    kernel and the top-N_l select + compaction, which then keeps exactly the set this kernel saw
+    (same scores, same N_l = ``layer_budget[0]``, same ``evicted_mask_macro``).
+
+    Three loop nests: (1) per KV head (parallel): the evicted set, unit keys (``F.normalize``'s
+    ``eps``), and for each evicted entry its most cosine-similar kept entry m, j* (ties → the
+    lower index, as ``torch.max``); (2) once: τ ← β·mean(m) + (1 − β)·τ over all heads and evicted
+    entries (τ = mean(m) at the layer's first eviction, ``tau[1]`` marks it set); (3) per KV head
+    (parallel): every evicted entry with m ≥ τ (all with ``threshold="none"``) folded into its
+    j* with the weights of ``merge``, in place. Nothing happens when fill + n_valid ≤ N_l.
+    τ is float32 (the reference carries a Python float): a decision can flip only when m is within
+    an ulp of τ."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.select import evicted_mask_macro
+
+    check_dtype(dtype)
+    if merge not in MERGE_MODES:
+        raise PolicyError(f"d2o: the merge kernel has no mode {merge!r}; use weighted, code or average "
+                          "(merge=none needs no merge kernel)")
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    SELF_W = math.e if merge == "weighted" else 1.0
+    EXP_W, SIM_W = merge == "weighted", merge == "code"
+    COUNT_DEN = merge != "weighted"  # code/average: den = 1 + |E_j|; weighted: e + Σ e^u
+    EMA = threshold == "ema"
+    BETA, EPS = float(beta), float(eps)
+    mark_evicted = evicted_mask_macro(NB)
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_merge(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        layer_budget: T.Buffer((2,), "int32"),
+        tau: T.Buffer((2,), "float32"),
+        k_out: T.Buffer((1, H, B, D), "float32"),
+        v_out: T.Buffer((1, H, B, D), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        gone = T.alloc_buffer((H, NB), "int32")
+        best = T.alloc_buffer((H, NB), "float32")
+        target = T.alloc_buffer((H, NB), "int32")
+        unit = T.alloc_buffer((H, NB, D), "float32")
+        thr = T.alloc_buffer((1,), "float32")
+        for h in T.parallel(H):
+            with T.sblock("d2o_match"):
+                T.reads(k_cache[h, 0:N, 0:D], k_blk[0, h, 0:B, 0:D], v_blk[0, h, 0:B, 0:D], score[h, 0:NB],
+                        fill[0:1], n_valid[0:1], layer_budget[0:2])
+                T.writes(k_out[0, h, 0:B, 0:D], v_out[0, h, 0:B, 0:D], gone[h, 0:NB], best[h, 0:NB],
+                         target[h, 0:NB], unit[h, 0:NB, 0:D])
+                key = T.sblock_alloc_buffer((NB,), "int32")
+                row = T.sblock_alloc_buffer((NB,), "int32")
+                lo = T.sblock_alloc_buffer((1,), "int64")
+                hi = T.sblock_alloc_buffer((1,), "int64")
+                cnt = T.sblock_alloc_buffer((1,), "int32")
+                red = T.sblock_alloc_buffer((1,), "float32")
+                nf: T.let[T.int32] = fill[0]
+                n: T.let[T.int32] = fill[0] + n_valid[0]
+                keep: T.let[T.int32] = layer_budget[0]
+                for i in T.serial(B):
+                    for c in T.serial(D):
+                        k_out[0, h, i, c] = k_blk[0, h, i, c]
+                        v_out[0, h, i, c] = v_blk[0, h, i, c]
+                for i in T.serial(NB):
+                    gone[h, i] = 0
+                if n > keep:
+                    mark_evicted(score, h, n, keep, key, row, lo, hi, cnt)
+                    for i in T.serial(NB):
+                        gone[h, i] = row[i]
+                        if i < n:
+                            red[0] = T.float32(0)
+                            for c in T.serial(D):
+                                unit[h, i, c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c],
+                                                               k_blk[0, h, T.max(i - nf, 0), c])
+                                red[0] = red[0] + unit[h, i, c] * unit[h, i, c]
+                            red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                            for c in T.serial(D):
+                                unit[h, i, c] = unit[h, i, c] / red[0]
+                    for i in T.serial(NB):
+                        best[h, i] = T.float32("-inf")
+                        target[h, i] = 0
+                        if i < n:
+                            if row[i] == 1:
+                                for j in T.serial(NB):
+                                    if j < n:
+                                        if row[j] == 0:
+                                            red[0] = T.float32(0)
+                                            for c in T.serial(D):
+                                                red[0] = red[0] + unit[h, i, c] * unit[h, j, c]
+                                            if red[0] > best[h, i]:
+                                                best[h, i] = red[0]
+                                                target[h, i] = j
+        with T.sblock("d2o_tau"):
+            T.reads(gone[0:H, 0:NB], best[0:H, 0:NB], fill[0:1], n_valid[0:1], layer_budget[0:2], tau[0:2])
+            T.writes(tau[0:2], thr[0:1])
+            total = T.sblock_alloc_buffer((1,), "float32")
+            n2: T.let[T.int32] = fill[0] + n_valid[0]
+            if n2 > layer_budget[0]:
+                total[0] = T.float32(0)
+                for h in T.serial(H):
+                    for i in T.serial(NB):
+                        if gone[h, i] == 1:
+                            total[0] = total[0] + best[h, i]
+                total[0] = total[0] / T.Cast("float32", H * (n2 - layer_budget[0]))
+                if tau[1] == T.float32(0):
+                    tau[0] = total[0]
+                    tau[1] = T.float32(1)
+                else:
+                    tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * tau[0]
+                thr[0] = T.if_then_else(EMA, tau[0], T.float32("-inf"))
+        for h in T.parallel(H):
+            with T.sblock("d2o_fold"):
+                T.reads(gone[h, 0:NB], best[h, 0:NB], target[h, 0:NB], thr[0:1], k_blk[0, h, 0:B, 0:D],
+                        v_blk[0, h, 0:B, 0:D], fill[0:1], n_valid[0:1], layer_budget[0:2])
+                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], k_out[0, h, 0:B, 0:D], v_out[0, h, 0:B, 0:D])
+                den = T.sblock_alloc_buffer((NB,), "float32")
+                hit = T.sblock_alloc_buffer((NB,), "int32")
+                w = T.sblock_alloc_buffer((1,), "float32")
+                nf3: T.let[T.int32] = fill[0]
+                n3: T.let[T.int32] = fill[0] + n_valid[0]
+                if n3 > layer_budget[0]:
+                    for j in T.serial(NB):
+                        den[j] = T.float32(0)
+                        hit[j] = 0
+                    # numerators accumulate in the kept rows themselves: evicted rows are never targets
+                    for i in T.serial(NB):
+                        if gone[h, i] == 1:
+                            if best[h, i] >= thr[0]:
+                                w[0] = T.if_then_else(EXP_W, T.exp(best[h, i]),
+                                                      T.if_then_else(SIM_W, best[h, i], T.float32(1)))
+                                if hit[target[h, i]] == 0:
+                                    hit[target[h, i]] = 1
+                                    for c in T.serial(D):
+                                        if target[h, i] < nf3:
+                                            k_cache[h, target[h, i], c] = k_cache[h, target[h, i], c] * T.float32(SELF_W)
+                                            v_cache[h, target[h, i], c] = v_cache[h, target[h, i], c] * T.float32(SELF_W)
+                                        else:
+                                            k_out[0, h, target[h, i] - nf3, c] = k_out[0, h, target[h, i] - nf3, c] * T.float32(SELF_W)
+                                            v_out[0, h, target[h, i] - nf3, c] = v_out[0, h, target[h, i] - nf3, c] * T.float32(SELF_W)
+                                den[target[h, i]] = den[target[h, i]] + T.if_then_else(COUNT_DEN, T.float32(1), w[0])
+                                for c in T.serial(D):
+                                    if target[h, i] < nf3:
+                                        k_cache[h, target[h, i], c] = k_cache[h, target[h, i], c] + w[0] * T.if_then_else(
+                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.max(i - nf3, 0), c])
+                                        v_cache[h, target[h, i], c] = v_cache[h, target[h, i], c] + w[0] * T.if_then_else(
+                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.max(i - nf3, 0), c])
+                                    else:
+                                        k_out[0, h, target[h, i] - nf3, c] = k_out[0, h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
+                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.max(i - nf3, 0), c])
+                                        v_out[0, h, target[h, i] - nf3, c] = v_out[0, h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
+                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.max(i - nf3, 0), c])
+                    for j in T.serial(NB):
+                        if hit[j] == 1:
+                            for c in T.serial(D):
+                                if j < nf3:
+                                    k_cache[h, j, c] = k_cache[h, j, c] / (den[j] + T.float32(SELF_W))
+                                    v_cache[h, j, c] = v_cache[h, j, c] / (den[j] + T.float32(SELF_W))
+                                else:
+                                    k_out[0, h, j - nf3, c] = k_out[0, h, j - nf3, c] / (den[j] + T.float32(SELF_W))
+                                    v_out[0, h, j - nf3, c] = v_out[0, h, j - nf3, c] / (den[j] + T.float32(SELF_W))
+
+    return d2o_merge
+
+
 @dataclass
 class D2OPolicy(Policy):
     name = "d2o"
