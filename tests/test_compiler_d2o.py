@@ -1,6 +1,7 @@
-"""D2O's compiled parts against the reference functions of edgekv/policies/d2o.py: the merge-on-evict
-kernel (evicted set at the layer budget N_l, ``best_matches``, the EMA threshold of
-``D2OPolicy.update_threshold``, ``merge_into``) on random tensors, for every merge mode."""
+"""D2O's compiled kernels against the reference in edgekv/policies/d2o.py, on random tensors:
+the score kernel (``observe`` + ``score``: column sums, accumulated state, sinks and recent pins)
+and the eviction kernel (``select``: top-N_l, ``best_matches``, the EMA τ, ``merge_into``, then the
+engine's compaction of K, V, positions and the accumulated state), for every merge mode."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import torch
 tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
-from edgekv.policies.base import topk_keep  # noqa: E402
-from edgekv.policies.d2o import D2OPolicy, best_matches, build_d2o_merge_kernel, merge_into  # noqa: E402
+from edgekv.policies.attention_rows import attention_column_sums  # noqa: E402
+from edgekv.policies.base import EvictionContext, PolicyError  # noqa: E402
+from edgekv.policies.d2o import STATE, D2OPolicy, build_d2o_evict_kernel, build_d2o_score_kernel  # noqa: E402
 
-H, N, B, D = 2, 24, 8, 16
+H, HQ, N, B, D = 2, 4, 24, 8, 16
+NB = N + B
+SCALE = D ** -0.5
+SINKS = 2
 TARGET = tvm.target.Target({"kind": "llvm", "opt-level": 0, "num-cores": 2})
 MODES = [("weighted", "ema"), ("code", "ema"), ("average", "ema"), ("weighted", "none")]
 BETA = 0.7
@@ -24,107 +29,151 @@ def _ty(shape, dtype="float32"):
     return relax.TensorType(shape, dtype)
 
 
-ARGS_TY = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"),
-           _ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32"),
-           _ty((H, N + B)), _ty((2,), "int32"), _ty((2,))]
+CACHE_TY = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32")]
+BLOCK_TY = [_ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32")]
+EVICT_TY = CACHE_TY + BLOCK_TY + [_ty((H, NB)), _ty((H, NB)), _ty((2,), "int32"), _ty((H, N)), _ty((2,))]
+SCORE_TY = [_ty((1, HQ, B, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"), _ty((1, H, B, D)),
+            _ty((B,), "int32"), _ty((1,), "int32"), _ty((H, N)), _ty((2,), "int32")]
 
 
 @pytest.fixture(scope="module")
 def vm():
-    """One module, a merge function per (merge, threshold) mode."""
+    """One module: the score function, and an eviction function per (merge, threshold) mode."""
     bb = relax.BlockBuilder()
+    vars_ = [relax.Var(f"s{i}", t) for i, t in enumerate(SCORE_TY)]
+    with bb.function("score", vars_):
+        gv = bb.add_func(build_d2o_score_kernel(HQ, H, N, B, D, SCALE, "float32", SINKS), "k_score")
+        with bb.dataflow():
+            out = bb.emit_output(relax.call_tir(gv, vars_, [_ty((H, NB)), _ty((H, NB)), _ty((HQ, NB))]))
+        bb.emit_func_output(out)
     for merge, threshold in MODES:
-        vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(ARGS_TY)]
-        with bb.function(f"merge_{merge}_{threshold}", vars_):
-            gv = bb.add_func(build_d2o_merge_kernel(H, N, B, D, "float32", merge, threshold, BETA),
+        vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(EVICT_TY)]
+        with bb.function(f"evict_{merge}_{threshold}", vars_):
+            gv = bb.add_func(build_d2o_evict_kernel(H, N, B, D, "float32", merge, threshold, BETA),
                              f"k_{merge}_{threshold}")
             with bb.dataflow():
-                out = bb.emit_output(relax.call_tir_inplace(
-                    gv, vars_, [0, 1, 10, -1, -1], [ARGS_TY[0], ARGS_TY[1], ARGS_TY[10], ARGS_TY[4], ARGS_TY[4]]))
+                out = bb.emit_output(relax.call_tir_inplace(gv, vars_, [0, 1, 2, 3, 11, 12],
+                                                            [EVICT_TY[i] for i in (0, 1, 2, 3, 11, 12)]))
             bb.emit_func_output(out)
     return relax.VirtualMachine(tvm.compile(bb.get(), target=TARGET), tvm.cpu())
 
 
-def _case(rng, fill, n_valid, near_copies):
+def _layer(rng, fill, n_valid, near_copies=False):
+    """A layer's cache (its own increasing positions per head, sinks among them) and a block."""
     kc = rng.standard_normal((H, N, D)).astype("float32")
     kb = rng.standard_normal((1, H, B, D)).astype("float32")
-    if near_copies:  # evicted keys close to kept ones: high similarities, so many pass τ
+    if near_copies:  # block keys close to cached ones: high similarities, so many pass τ
         kb[0, :, : B // 2] = kc[:, : B // 2] + 0.05 * rng.standard_normal((H, B // 2, D)).astype("float32")
     vc = rng.standard_normal((H, N, D)).astype("float32")
     vb = rng.standard_normal((1, H, B, D)).astype("float32")
-    pc = np.tile(np.arange(N, dtype="int32"), (H, 1))
-    pb = np.arange(fill, fill + B, dtype="int32")
-    score = rng.standard_normal((H, N + B)).astype("float32")
-    score[:, :2] = np.inf  # pinned entries (sinks) as the score kernel writes them
-    return kc, vc, pc, pb, kb, vb, score
+    pc = np.zeros((H, N), dtype="int32")
+    for h in range(H):
+        pc[h, :fill] = np.sort(rng.choice(np.arange(3 * N), size=fill, replace=False))
+        pc[h, : min(fill, SINKS)] = np.arange(min(fill, SINKS))
+    start = int(pc[:, :fill].max()) + 1 if fill else 0
+    pb = np.arange(start, start + B, dtype="int32")
+    return kc, vc, pc, kb, vb, pb
 
 
-def _candidates(cache, blk, fill, n_valid):
+def _cand(cache, blk, fill, n_valid):
     return torch.from_numpy(np.concatenate([cache[:, :fill], blk[0, :, :n_valid]], axis=1))
+
+
+def _cand_pos(pc, pb, fill, n_valid):
+    return torch.from_numpy(np.concatenate([pc[:, :fill], np.tile(pb[:n_valid], (H, 1))], axis=1))
+
+
+def _run(vm, name, arrays):
+    return [o.numpy() for o in vm[name](*[tvm.runtime.tensor(a, tvm.cpu()) for a in arrays])]
+
+
+@pytest.mark.parametrize("fill,n_valid,keep", [(N, B, N), (N, B, 17), (20, 5, 11), (0, B, 6), (N, 1, 19), (5, 3, 20)])
+def test_score_kernel_matches_observe_and_score(vm, fill, n_valid, keep):
+    rng = np.random.default_rng(fill * 31 + n_valid)
+    kc, vc, pc, kb, vb, pb = _layer(rng, fill, n_valid)
+    q = rng.standard_normal((1, HQ, B, D)).astype("float32")
+    acc = rng.random((H, N)).astype("float32") * 3
+    n = fill + n_valid
+    policy = D2OPolicy(sinks=SINKS)
+    state = torch.cat([torch.from_numpy(acc[:, :fill]), torch.zeros(H, n_valid)], dim=1)
+    ctx = EvictionContext(layer=0, num_layers=1, budget=keep, keys=_cand(kc, kb, fill, n_valid),
+                          values=_cand(vc, vb, fill, n_valid), positions=_cand_pos(pc, pb, fill, n_valid),
+                          n_cache=fill, queries=torch.from_numpy(q[0, :, :n_valid]),
+                          query_positions=torch.from_numpy(pb[:n_valid]), scale=SCALE, state={STATE: state})
+    policy.observe(ctx)
+    want_score = policy.score(ctx)
+    want_sums = attention_column_sums(ctx.keys, ctx.positions, ctx.queries, ctx.query_positions, SCALE)
+    score, acc_cand, col_sums = _run(vm, "score", [q, kc, pc, np.array([fill], "int32"), kb, pb,
+                                                   np.array([n_valid], "int32"), acc,
+                                                   np.array([keep, policy.recent_size(keep)], "int32")])
+    np.testing.assert_allclose(col_sums[:, :n], want_sums.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc_cand[:, :n], ctx.state[STATE].numpy(), rtol=1e-5, atol=1e-6)
+    pinned = torch.isinf(want_score).numpy()
+    assert pinned.any() and not pinned.all()
+    np.testing.assert_array_equal(np.isinf(score[:, :n]), pinned)
+    np.testing.assert_allclose(score[:, :n][~pinned], want_score.numpy()[~pinned], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("merge,threshold", MODES)
 @pytest.mark.parametrize("fill,n_valid,keep,tau0", [
-    (N, B, N, None),          # full cache + full block, layer budget = N, first eviction sets τ
-    (N, B, 17, 0.1),          # a smaller layer budget N_l, τ already set (EMA step)
+    (N, B, N, None),          # full cache + full block at N_l = N, the first eviction sets τ
+    (N, B, 17, 0.1),          # a smaller layer budget N_l, τ already set (an EMA step)
     (20, 5, 11, None),        # partial block, partial cache
-    (N, 1, 19, 0.3),          # decode step: n = N + 1 over N_l = 19
+    (N, 1, 19, 0.3),          # a decode step at N_l < N (the cache holds 19 of its 24 rows)
+    (0, B, 5, None),          # the first block alone over N_l
 ])
 @pytest.mark.parametrize("near_copies", [False, True])
-def test_merge_kernel_matches_reference(vm, merge, threshold, fill, n_valid, keep, tau0, near_copies):
+def test_evict_kernel_matches_select_and_compaction(vm, merge, threshold, fill, n_valid, keep, tau0, near_copies):
     rng = np.random.default_rng(fill * 100 + n_valid * 7 + keep)
-    kc, vc, pc, pb, kb, vb, score = _case(rng, fill, n_valid, near_copies)
+    kc, vc, pc, kb, vb, pb = _layer(rng, fill, n_valid, near_copies)
+    acc_cand = np.full((H, NB), -1.0, dtype="float32")
     n = fill + n_valid
-    # reference: the kept set at N_l, matches, τ, merge — as D2OPolicy.select does it
-    keys, values = _candidates(kc, kb, fill, n_valid), _candidates(vc, vb, fill, n_valid)
-    kept = topk_keep(torch.from_numpy(score[:, :n]), keep)
-    gone = torch.ones(H, n, dtype=torch.bool).scatter_(1, kept, False)
-    evicted = gone.nonzero()[:, 1].view(H, n - keep)
-    gather = lambda x, idx: torch.gather(x, 1, idx[..., None].expand(H, idx.shape[1], D))  # noqa: E731
-    best, target = best_matches(gather(keys, evicted), gather(keys, kept))
-    policy = D2OPolicy(beta=BETA, merge=merge, threshold=threshold)
+    acc_cand[:, :n] = rng.random((H, n)).astype("float32")
+    policy = D2OPolicy(sinks=SINKS, beta=BETA, merge=merge, threshold=threshold)
     if tau0 is not None:
         policy.tau[0] = tau0
-    tau = policy.update_threshold(0, best)
-    do_merge = best >= tau if threshold == "ema" else torch.ones_like(best, dtype=torch.bool)
-    want_k = merge_into(gather(keys, kept), gather(keys, evicted), target, best, do_merge, merge)
-    want_v = merge_into(gather(values, kept), gather(values, evicted), target, best, do_merge, merge)
+    ctx = EvictionContext(layer=0, num_layers=1, budget=keep, keys=_cand(kc, kb, fill, n_valid),
+                          values=_cand(vc, vb, fill, n_valid), positions=_cand_pos(pc, pb, fill, n_valid),
+                          n_cache=fill, state={STATE: torch.from_numpy(acc_cand[:, :n].copy())})
+    score = np.full((H, NB), -np.inf, dtype="float32")
+    score[:, :n] = policy.score(ctx).numpy()
+    sel = policy.select(ctx)
+    rows = torch.arange(H)[:, None]
+    want_k = sel.keys if sel.keys is not None else ctx.keys[rows, sel.kept]
+    want_v = sel.values if sel.values is not None else ctx.values[rows, sel.kept]
+    assert sel.keys is not None, "the case must merge something to test the merge"
 
-    dev = tvm.cpu()
     tau_state = np.array([0.0 if tau0 is None else tau0, 0.0 if tau0 is None else 1.0], dtype="float32")
-    ins = [kc, vc, pc, np.array([fill], "int32"), kb, vb, pb, np.array([n_valid], "int32"), score,
-           np.array([keep, policy.recent_size(keep)], "int32"), tau_state]
-    out = vm[f"merge_{merge}_{threshold}"](*[tvm.runtime.tensor(a, dev) for a in ins])
-    k_cache, v_cache, tau_out, k_blk, v_blk = (o.numpy() for o in out)
-    got_k = gather(_candidates(k_cache, k_blk, fill, n_valid), kept)
-    got_v = gather(_candidates(v_cache, v_blk, fill, n_valid), kept)
-    assert bool(do_merge.any()), "the case must merge something to test the merge"
-    np.testing.assert_allclose(got_k.numpy(), want_k.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got_v.numpy(), want_v.numpy(), rtol=1e-5, atol=1e-5)
+    acc = np.zeros((H, N), "float32")
+    acc[:, :fill] = acc_cand[:, :fill]
+    k_cache, v_cache, pos_cache, fill_out, acc_out, tau_out = _run(vm, f"evict_{merge}_{threshold}", [
+        kc, vc, pc, np.array([fill], "int32"), kb, vb, pb, np.array([n_valid], "int32"), score, acc_cand,
+        np.array([keep, policy.recent_size(keep)], "int32"), acc, tau_state])
+    assert fill_out.tolist() == [keep]
+    np.testing.assert_array_equal(pos_cache[:, :keep], ctx.positions[rows, sel.kept].numpy())
+    np.testing.assert_array_equal(acc_out[:, :keep], acc_cand[:, :n][rows.numpy(), sel.kept.numpy()])
+    np.testing.assert_allclose(k_cache[:, :keep], want_k.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v_cache[:, :keep], want_v.numpy(), rtol=1e-5, atol=1e-5)
     assert tau_out[1] == 1.0
-    assert tau_out[0] == pytest.approx(tau, rel=1e-5, abs=1e-6)
-    # the evicted rows are only read: a cache row that is evicted keeps its old contents
-    for h in range(H):
-        for i in evicted[h].tolist():
-            if i < fill:
-                np.testing.assert_array_equal(k_cache[h, i], kc[h, i])
+    assert tau_out[0] == pytest.approx(policy.tau[0], rel=1e-5, abs=1e-6)
 
 
-def test_no_eviction_leaves_everything(vm):
+def test_evict_kernel_appends_below_the_layer_budget(vm):
     rng = np.random.default_rng(5)
-    kc, vc, pc, pb, kb, vb, score = _case(rng, 10, 4, True)
-    ins = [kc, vc, pc, np.array([10], "int32"), kb, vb, pb, np.array([4], "int32"), score,
-           np.array([14, 3], "int32"), np.array([0.5, 1.0], "float32")]
-    out = vm["merge_weighted_ema"](*[tvm.runtime.tensor(a, tvm.cpu()) for a in ins])
-    k_cache, v_cache, tau_out, k_blk, v_blk = (o.numpy() for o in out)
-    np.testing.assert_array_equal(k_cache, kc)
-    np.testing.assert_array_equal(v_cache, vc)
-    np.testing.assert_array_equal(k_blk, kb)
+    kc, vc, pc, kb, vb, pb = _layer(rng, 10, 4, True)
+    acc_cand = rng.random((H, NB)).astype("float32")
+    k_cache, v_cache, pos_cache, fill_out, acc_out, tau_out = _run(vm, "evict_weighted_ema", [
+        kc, vc, pc, np.array([10], "int32"), kb, vb, pb, np.array([4], "int32"), np.zeros((H, NB), "float32"),
+        acc_cand, np.array([14, 3], "int32"), np.zeros((H, N), "float32"), np.array([0.5, 1.0], "float32")])
+    assert fill_out.tolist() == [14]
+    np.testing.assert_array_equal(k_cache[:, :10], kc[:, :10])
+    np.testing.assert_array_equal(k_cache[:, 10:14], kb[0, :, :4])
+    np.testing.assert_array_equal(v_cache[:, 10:14], vb[0, :, :4])
+    np.testing.assert_array_equal(pos_cache[:, 10:14], np.tile(pb[:4], (H, 1)))
+    np.testing.assert_array_equal(acc_out[:, :14], acc_cand[:, :14])
     np.testing.assert_array_equal(tau_out, [0.5, 1.0])
 
 
-def test_merge_kernel_refuses_unknown_mode():
-    from edgekv.policies.base import PolicyError
-
-    with pytest.raises(PolicyError, match="merge=none needs no merge kernel"):
-        build_d2o_merge_kernel(H, N, B, D, merge="none")
+def test_evict_kernel_refuses_unknown_merge_mode():
+    with pytest.raises(PolicyError, match="use weighted, code or average"):
+        build_d2o_evict_kernel(H, N, B, D, merge="none")

@@ -196,30 +196,132 @@ def merge_into(kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, 
 
 # ---- compiled kernels --------------------------------------------------------------------------
 MERGE_MODES = ("weighted", "code", "average")
-# the layer-state vectors the compiled model carries per layer beside its cache (see docs/policies/d2o.md)
-BUDGET_FIELDS = ("layer_budget", "recent")  # int32 [2]: N_l and M_l = ⌊N_l·recent_ratio⌋
-TAU_FIELDS = ("tau", "tau_set")  # float32 [2]: τ and 1.0 once the layer's first eviction has set it
+# What the compiled model carries per layer beside k, v, pos, fill (one tensor each, in this order):
+#   d2o_acc     [H, N] float32  accumulated column sums of the cached entries (compacted with them)
+#   d2o_budget  [2] int32       N_l and M_l = ⌊N_l·recent_ratio⌋, set by the host per prompt
+#   d2o_tau     [2] float32     τ, and 1.0 once the layer's first eviction has set it
+COMPILED_STATE = (("d2o_acc", "entry", "float32"), ("d2o_budget", 2, "int32"), ("d2o_tau", 2, "float32"))
 
 
-def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int, head_dim: int,
+                           sm_scale: float, dtype: str = "float32", sinks: int = 4):
+    """TIR kernel: ``D2OPolicy.observe`` + ``D2OPolicy.score`` of one layer, on every step.
+
+    ``(q[1, Hq, B, d], k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc[H, N], d2o_budget[2])
+    -> (score[H, N+B], acc_cand[H, N+B], col_sums[Hq, N+B])``
+
+    col_sums: per query head, Σ over the block's valid query rows of their attention probabilities
+    over cache ⊕ block (softmax per row over the candidates with position ≤ the row's, as
+    ``attention_column_sums``; one row at a time). acc_cand: the candidates' accumulated sums after
+    this step (cache rows: ``acc`` + the group mean of col_sums; block rows: the group mean).
+    score: acc_cand with the sinks (position < ``sinks``) and the M_l = ``d2o_budget[1]`` newest
+    candidates (the last M_l indices: the cache is in temporal order) at +inf. The host reads
+    col_sums of the probe block (``d2o_layer_budgets``); the eviction kernel compacts acc_cand."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+
+    check_dtype(dtype)
+    Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    G = Hq // H
+    NB = N + B
+    S = int(sinks)
+    scale = float(sm_scale)
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_score(
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        k_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        acc: T.Buffer((H, N), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        col_sums: T.Buffer((Hq, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True})
+        for hq in T.parallel(Hq):
+            with T.sblock("d2o_col_sums"):
+                T.reads(q[0, hq, 0:B, 0:D], k_cache[hq // G, 0:N, 0:D], pos_cache[hq // G, 0:N], fill[0:1],
+                        k_blk[0, hq // G, 0:B, 0:D], pos_blk[0:B], n_valid[0:1])
+                T.writes(col_sums[hq, 0:NB])
+                logit = T.sblock_alloc_buffer((NB,), "float32")
+                red = T.sblock_alloc_buffer((3,), "float32")  # dot product, row max, row sum
+                nf: T.let[T.int32] = fill[0]
+                nv: T.let[T.int32] = n_valid[0]
+                for j in T.serial(NB):
+                    col_sums[hq, j] = T.float32(0)
+                for r in T.serial(B):
+                    if r < nv:
+                        red[1] = T.float32("-inf")
+                        for j in T.serial(NB):
+                            logit[j] = T.float32("-inf")
+                            if j < nf + nv:
+                                if T.if_then_else(j < nf, pos_cache[hq // G, T.min(j, N - 1)],
+                                                  pos_blk[T.max(j - nf, 0)]) <= pos_blk[r]:
+                                    red[0] = T.float32(0)
+                                    for c in T.serial(D):
+                                        red[0] = red[0] + q[0, hq, r, c] * T.if_then_else(
+                                            j < nf, k_cache[hq // G, T.min(j, N - 1), c], k_blk[0, hq // G, T.max(j - nf, 0), c])
+                                    logit[j] = red[0] * T.float32(scale)
+                                    red[1] = T.max(red[1], logit[j])
+                        red[2] = T.float32(0)
+                        for j in T.serial(NB):
+                            logit[j] = T.if_then_else(logit[j] == T.float32("-inf"), T.float32(0),
+                                                      T.exp(logit[j] - red[1]))
+                            red[2] = red[2] + logit[j]
+                        for j in T.serial(NB):
+                            col_sums[hq, j] = col_sums[hq, j] + logit[j] / red[2]
+        for h in T.parallel(H):
+            with T.sblock("d2o_acc_score"):
+                T.reads(col_sums[h * G:h * G + G, 0:NB], acc[h, 0:N], pos_cache[h, 0:N], pos_blk[0:B], fill[0:1],
+                        n_valid[0:1], d2o_budget[0:2])
+                T.writes(acc_cand[h, 0:NB], score[h, 0:NB])
+                inc = T.sblock_alloc_buffer((1,), "float32")
+                nf2: T.let[T.int32] = fill[0]
+                n: T.let[T.int32] = fill[0] + n_valid[0]
+                for j in T.serial(NB):
+                    inc[0] = T.float32(0)
+                    for g in T.serial(G):
+                        inc[0] = inc[0] + col_sums[h * G + g, j]
+                    acc_cand[h, j] = T.if_then_else(j < nf2, acc[h, T.min(j, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
+                    score[h, j] = T.float32("-inf")
+                    if j < n:
+                        score[h, j] = acc_cand[h, j]
+                        if j >= n - d2o_budget[1]:
+                            score[h, j] = T.float32("inf")
+                        if T.if_then_else(j < nf2, pos_cache[h, T.min(j, N - 1)], pos_blk[T.max(j - nf2, 0)]) < S:
+                            score[h, j] = T.float32("inf")
+
+    return d2o_score
+
+
+def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                            merge: str = "weighted", threshold: str = "ema", beta: float = 0.7, eps: float = 1e-12):
-    """TIR merge-on-evict kernel: ``best_matches`` + ``update_threshold`` + ``merge_into`` of one layer.
+    """TIR eviction kernel of one layer: ``D2OPolicy.select`` (top-N_l, ``best_matches``,
+    ``update_threshold``, ``merge_into``) and the engine's compaction, in place.
 
     ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score[H, N+B],
-    layer_budget[2] int32, tau[2] float32) -> (k_cache, v_cache, tau, k_blk_merged, v_blk_merged)``
-    with k_cache, v_cache and tau updated in place (``call_tir_inplace`` indices 0, 1, 10) and the
-    block's K/V copied out with the merges into kept block rows applied. It runs between the score
-    kernel and the top-N_l select + compaction, which then keeps exactly the set this kernel saw
-    (same scores, same N_l = ``layer_budget[0]``, same ``evicted_mask_macro``).
+    acc_cand[H, N+B], d2o_budget[2], acc[H, N], d2o_tau[2])``; in place (``call_tir_inplace``):
+    k_cache, v_cache, pos_cache, fill, acc, d2o_tau (indices 0, 1, 2, 3, 11, 12).
 
-    Three loop nests: (1) per KV head (parallel): the evicted set, unit keys (``F.normalize``'s
-    ``eps``), and for each evicted entry its most cosine-similar kept entry m, j* (ties → the
-    lower index, as ``torch.max``); (2) once: τ ← β·mean(m) + (1 − β)·τ over all heads and evicted
-    entries (τ = mean(m) at the layer's first eviction, ``tau[1]`` marks it set); (3) per KV head
-    (parallel): every evicted entry with m ≥ τ (all with ``threshold="none"``) folded into its
-    j* with the weights of ``merge``, in place. Nothing happens when fill + n_valid ≤ N_l.
-    τ is float32 (the reference carries a Python float): a decision can flip only when m is within
-    an ulp of τ."""
+    When fill + n_valid ≤ N_l = ``d2o_budget[0]`` the block is appended (acc ← acc_cand). Otherwise
+    four loop nests: (1) per KV head (parallel): the evicted set (the shared ``evicted_mask_macro``,
+    ties → the higher index evicted, as ``topk_keep``), unit keys (``F.normalize``'s ``eps``) and
+    for each evicted entry its most cosine-similar kept entry m, j* (ties → the lower index, as
+    ``torch.max``); (2) once: τ ← β·mean(m) + (1 − β)·τ over all heads and evicted entries (τ =
+    mean(m) at the layer's first eviction; ``d2o_tau[1]`` marks it set); (3) per KV head: every
+    evicted entry with m ≥ τ (all with ``threshold="none"``) folded into its j* with the weights of
+    ``merge`` — into the cache row itself, or into a copy of the block row; (4) per KV head: the
+    kept candidates (merged) compacted to the front in ascending order with their positions and
+    acc_cand. τ is float32 (the reference carries a Python float): a merge decision can differ
+    only when m is within an ulp of τ."""
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
@@ -227,8 +329,7 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
 
     check_dtype(dtype)
     if merge not in MERGE_MODES:
-        raise PolicyError(f"d2o: the merge kernel has no mode {merge!r}; use weighted, code or average "
-                          "(merge=none needs no merge kernel)")
+        raise PolicyError(f"d2o: the compiled eviction has no merge mode {merge!r}; use weighted, code or average")
     H, N, B, D = num_kv_heads, budget, block, head_dim
     NB = N + B
     SELF_W = math.e if merge == "weighted" else 1.0
@@ -239,7 +340,7 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     mark_evicted = evicted_mask_macro(NB)
 
     @T.prim_func(private=True, s_tir=True)
-    def d2o_merge(
+    def d2o_evict(
         k_cache: T.Buffer((H, N, D), "float32"),
         v_cache: T.Buffer((H, N, D), "float32"),
         pos_cache: T.Buffer((H, N), "int32"),
@@ -249,22 +350,24 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
         pos_blk: T.Buffer((B,), "int32"),
         n_valid: T.Buffer((1,), "int32"),
         score: T.Buffer((H, NB), "float32"),
-        layer_budget: T.Buffer((2,), "int32"),
-        tau: T.Buffer((2,), "float32"),
-        k_out: T.Buffer((1, H, B, D), "float32"),
-        v_out: T.Buffer((1, H, B, D), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        acc: T.Buffer((H, N), "float32"),
+        d2o_tau: T.Buffer((2,), "float32"),
     ):
         T.func_attr({"tirx.noalias": True})
         gone = T.alloc_buffer((H, NB), "int32")
         best = T.alloc_buffer((H, NB), "float32")
         target = T.alloc_buffer((H, NB), "int32")
         unit = T.alloc_buffer((H, NB, D), "float32")
+        k_new = T.alloc_buffer((H, B, D), "float32")  # the block rows, merges applied
+        v_new = T.alloc_buffer((H, B, D), "float32")
         thr = T.alloc_buffer((1,), "float32")
         for h in T.parallel(H):
             with T.sblock("d2o_match"):
                 T.reads(k_cache[h, 0:N, 0:D], k_blk[0, h, 0:B, 0:D], v_blk[0, h, 0:B, 0:D], score[h, 0:NB],
-                        fill[0:1], n_valid[0:1], layer_budget[0:2])
-                T.writes(k_out[0, h, 0:B, 0:D], v_out[0, h, 0:B, 0:D], gone[h, 0:NB], best[h, 0:NB],
+                        fill[0:1], n_valid[0:1], d2o_budget[0:2])
+                T.writes(k_new[h, 0:B, 0:D], v_new[h, 0:B, 0:D], gone[h, 0:NB], best[h, 0:NB],
                          target[h, 0:NB], unit[h, 0:NB, 0:D])
                 key = T.sblock_alloc_buffer((NB,), "int32")
                 row = T.sblock_alloc_buffer((NB,), "int32")
@@ -274,11 +377,11 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                 red = T.sblock_alloc_buffer((1,), "float32")
                 nf: T.let[T.int32] = fill[0]
                 n: T.let[T.int32] = fill[0] + n_valid[0]
-                keep: T.let[T.int32] = layer_budget[0]
+                keep: T.let[T.int32] = d2o_budget[0]
                 for i in T.serial(B):
                     for c in T.serial(D):
-                        k_out[0, h, i, c] = k_blk[0, h, i, c]
-                        v_out[0, h, i, c] = v_blk[0, h, i, c]
+                        k_new[h, i, c] = k_blk[0, h, i, c]
+                        v_new[h, i, c] = v_blk[0, h, i, c]
                 for i in T.serial(NB):
                     gone[h, i] = 0
                 if n > keep:
@@ -309,34 +412,33 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                                                 best[h, i] = red[0]
                                                 target[h, i] = j
         with T.sblock("d2o_tau"):
-            T.reads(gone[0:H, 0:NB], best[0:H, 0:NB], fill[0:1], n_valid[0:1], layer_budget[0:2], tau[0:2])
-            T.writes(tau[0:2], thr[0:1])
+            T.reads(gone[0:H, 0:NB], best[0:H, 0:NB], fill[0:1], n_valid[0:1], d2o_budget[0:2], d2o_tau[0:2])
+            T.writes(d2o_tau[0:2], thr[0:1])
             total = T.sblock_alloc_buffer((1,), "float32")
             n2: T.let[T.int32] = fill[0] + n_valid[0]
-            if n2 > layer_budget[0]:
+            if n2 > d2o_budget[0]:
                 total[0] = T.float32(0)
                 for h in T.serial(H):
                     for i in T.serial(NB):
                         if gone[h, i] == 1:
                             total[0] = total[0] + best[h, i]
-                total[0] = total[0] / T.Cast("float32", H * (n2 - layer_budget[0]))
-                if tau[1] == T.float32(0):
-                    tau[0] = total[0]
-                    tau[1] = T.float32(1)
+                total[0] = total[0] / T.Cast("float32", H * (n2 - d2o_budget[0]))
+                if d2o_tau[1] == T.float32(0):
+                    d2o_tau[0] = total[0]
+                    d2o_tau[1] = T.float32(1)
                 else:
-                    tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * tau[0]
-                thr[0] = T.if_then_else(EMA, tau[0], T.float32("-inf"))
+                    d2o_tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * d2o_tau[0]
+                thr[0] = T.if_then_else(EMA, d2o_tau[0], T.float32("-inf"))
         for h in T.parallel(H):
             with T.sblock("d2o_fold"):
                 T.reads(gone[h, 0:NB], best[h, 0:NB], target[h, 0:NB], thr[0:1], k_blk[0, h, 0:B, 0:D],
-                        v_blk[0, h, 0:B, 0:D], fill[0:1], n_valid[0:1], layer_budget[0:2])
-                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], k_out[0, h, 0:B, 0:D], v_out[0, h, 0:B, 0:D])
+                        v_blk[0, h, 0:B, 0:D], fill[0:1], n_valid[0:1], d2o_budget[0:2])
+                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], k_new[h, 0:B, 0:D], v_new[h, 0:B, 0:D])
                 den = T.sblock_alloc_buffer((NB,), "float32")
                 hit = T.sblock_alloc_buffer((NB,), "int32")
                 w = T.sblock_alloc_buffer((1,), "float32")
                 nf3: T.let[T.int32] = fill[0]
-                n3: T.let[T.int32] = fill[0] + n_valid[0]
-                if n3 > layer_budget[0]:
+                if fill[0] + n_valid[0] > d2o_budget[0]:
                     for j in T.serial(NB):
                         den[j] = T.float32(0)
                         hit[j] = 0
@@ -353,8 +455,8 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                                             k_cache[h, target[h, i], c] = k_cache[h, target[h, i], c] * T.float32(SELF_W)
                                             v_cache[h, target[h, i], c] = v_cache[h, target[h, i], c] * T.float32(SELF_W)
                                         else:
-                                            k_out[0, h, target[h, i] - nf3, c] = k_out[0, h, target[h, i] - nf3, c] * T.float32(SELF_W)
-                                            v_out[0, h, target[h, i] - nf3, c] = v_out[0, h, target[h, i] - nf3, c] * T.float32(SELF_W)
+                                            k_new[h, target[h, i] - nf3, c] = k_new[h, target[h, i] - nf3, c] * T.float32(SELF_W)
+                                            v_new[h, target[h, i] - nf3, c] = v_new[h, target[h, i] - nf3, c] * T.float32(SELF_W)
                                 den[target[h, i]] = den[target[h, i]] + T.if_then_else(COUNT_DEN, T.float32(1), w[0])
                                 for c in T.serial(D):
                                     if target[h, i] < nf3:
@@ -363,9 +465,9 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                                         v_cache[h, target[h, i], c] = v_cache[h, target[h, i], c] + w[0] * T.if_then_else(
                                             i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.max(i - nf3, 0), c])
                                     else:
-                                        k_out[0, h, target[h, i] - nf3, c] = k_out[0, h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
+                                        k_new[h, target[h, i] - nf3, c] = k_new[h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
                                             i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.max(i - nf3, 0), c])
-                                        v_out[0, h, target[h, i] - nf3, c] = v_out[0, h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
+                                        v_new[h, target[h, i] - nf3, c] = v_new[h, target[h, i] - nf3, c] + w[0] * T.if_then_else(
                                             i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.max(i - nf3, 0), c])
                     for j in T.serial(NB):
                         if hit[j] == 1:
@@ -374,10 +476,39 @@ def build_d2o_merge_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                                     k_cache[h, j, c] = k_cache[h, j, c] / (den[j] + T.float32(SELF_W))
                                     v_cache[h, j, c] = v_cache[h, j, c] / (den[j] + T.float32(SELF_W))
                                 else:
-                                    k_out[0, h, j - nf3, c] = k_out[0, h, j - nf3, c] / (den[j] + T.float32(SELF_W))
-                                    v_out[0, h, j - nf3, c] = v_out[0, h, j - nf3, c] / (den[j] + T.float32(SELF_W))
+                                    k_new[h, j - nf3, c] = k_new[h, j - nf3, c] / (den[j] + T.float32(SELF_W))
+                                    v_new[h, j - nf3, c] = v_new[h, j - nf3, c] / (den[j] + T.float32(SELF_W))
+        for h in T.parallel(H):
+            with T.sblock("d2o_compact"):
+                T.reads(gone[h, 0:NB], k_new[h, 0:B, 0:D], v_new[h, 0:B, 0:D], acc_cand[h, 0:NB], pos_blk[0:B],
+                        fill[0:1], n_valid[0:1], d2o_budget[0:2])
+                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], pos_cache[h, 0:N], acc[h, 0:N])
+                cnt4 = T.sblock_alloc_buffer((1,), "int32")
+                nf4: T.let[T.int32] = fill[0]
+                # kept[j] ≥ j: writing row j from candidate kept[j] in ascending j never overwrites a
+                # row still to be read (as in the select kernel); with nothing evicted this appends
+                cnt4[0] = 0
+                for i in T.serial(NB):
+                    if i < fill[0] + n_valid[0]:
+                        if gone[h, i] == 0:
+                            if cnt4[0] < N:
+                                if i < nf4:
+                                    if cnt4[0] != i:
+                                        for c in T.serial(D):
+                                            k_cache[h, cnt4[0], c] = k_cache[h, i, c]
+                                            v_cache[h, cnt4[0], c] = v_cache[h, i, c]
+                                        pos_cache[h, cnt4[0]] = pos_cache[h, i]
+                                else:
+                                    for c in T.serial(D):
+                                        k_cache[h, cnt4[0], c] = k_new[h, i - nf4, c]
+                                        v_cache[h, cnt4[0], c] = v_new[h, i - nf4, c]
+                                    pos_cache[h, cnt4[0]] = pos_blk[i - nf4]
+                                acc[h, cnt4[0]] = acc_cand[h, i]
+                                cnt4[0] = cnt4[0] + 1
+        with T.sblock("d2o_fill"):
+            fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
 
-    return d2o_merge
+    return d2o_evict
 
 
 @dataclass
