@@ -21,7 +21,7 @@ NB = N + B
 SCALE = D ** -0.5
 SINKS = 2
 TARGET = tvm.target.Target({"kind": "llvm", "opt-level": 0, "num-cores": 2})
-MODES = [("weighted", "ema"), ("code", "ema"), ("average", "ema"), ("weighted", "none")]
+MODES = [("weighted", "ema"), ("code", "ema"), ("average", "ema"), ("weighted", "none"), ("none", "ema")]
 BETA = 0.7
 
 
@@ -141,7 +141,7 @@ def test_evict_kernel_matches_select_and_compaction(vm, merge, threshold, fill, 
     rows = torch.arange(H)[:, None]
     want_k = sel.keys if sel.keys is not None else ctx.keys[rows, sel.kept]
     want_v = sel.values if sel.values is not None else ctx.values[rows, sel.kept]
-    assert sel.keys is not None, "the case must merge something to test the merge"
+    assert (sel.keys is not None) == (merge != "none"), "the case must merge something to test the merge"
 
     tau_state = np.array([0.0 if tau0 is None else tau0, 0.0 if tau0 is None else 1.0], dtype="float32")
     acc = np.zeros((H, N), "float32")
@@ -154,6 +154,9 @@ def test_evict_kernel_matches_select_and_compaction(vm, merge, threshold, fill, 
     np.testing.assert_array_equal(acc_out[:, :keep], acc_cand[:, :n][rows.numpy(), sel.kept.numpy()])
     np.testing.assert_allclose(k_cache[:, :keep], want_k.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v_cache[:, :keep], want_v.numpy(), rtol=1e-5, atol=1e-5)
+    if merge == "none":  # plain top-N_l: τ is never touched
+        np.testing.assert_array_equal(tau_out, tau_state)
+        return
     assert tau_out[1] == 1.0
     assert tau_out[0] == pytest.approx(policy.tau[0], rel=1e-5, abs=1e-6)
 
@@ -175,5 +178,58 @@ def test_evict_kernel_appends_below_the_layer_budget(vm):
 
 
 def test_evict_kernel_refuses_unknown_merge_mode():
-    with pytest.raises(PolicyError, match="use weighted, code or average"):
-        build_d2o_evict_kernel(H, N, B, D, merge="none")
+    with pytest.raises(PolicyError, match="use weighted, code, average or none"):
+        build_d2o_evict_kernel(H, N, B, D, merge="max")
+
+
+# ---- end to end: the compiled block step vs the reference engine on a tiny random model ----------
+E2E_B = 8
+E2E_PROMPT = 45  # 5 full blocks + a 5-token tail block (n_valid padding)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from edgekv.models import tiny_random_model
+
+    return tiny_random_model(seed=0, layers=2)
+
+
+@pytest.mark.parametrize("policy,budget", [
+    (D2OPolicy(), 16),                                   # paper defaults: variance budgets, Eq. 12, EMA τ
+    (D2OPolicy(layers="uniform", merge="code", recent_ratio=0.5), 13),
+    (D2OPolicy(merge="average", threshold="none", sinks=2), 20),
+])
+def test_compiled_d2o_matches_engine(tiny, policy, budget):
+    """Same layer budgets, same kept positions after every block and decode step, logits within
+    1e-3 — the compiled probe → budgets → score → merge/evict chain against ``BlockEngine``."""
+    from edgekv.compiler import compile_model
+    from edgekv.engine import BlockEngine
+    from edgekv.runtime import HostRuntime
+
+    prompt = torch.randint(0, 256, (E2E_PROMPT,), generator=torch.Generator().manual_seed(1))
+    res = compile_model(tiny, policy, budget, E2E_B, target={"kind": "llvm", "opt-level": 0, "num-cores": 2})
+    rt = HostRuntime.from_executable(res.executable, res.manifest, res.params)
+    eng = BlockEngine(tiny, policy, budget, E2E_B, record_kept=True)
+    want = eng.prefill(prompt).numpy()
+    rt.prepare(prompt.numpy())
+    assert rt.layer_budgets == eng.layer_budgets
+    if policy.layers == "variance":
+        assert len(set(eng.layer_budgets)) > 1, "the case must give the layers different budgets"
+    for step, start in enumerate(range(0, E2E_PROMPT, E2E_B)):
+        got = rt.step_block(prompt[start:start + E2E_B].numpy())
+        for layer in range(tiny.config.num_layers):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.stats.steps[step].kept_positions[layer].numpy(),
+                                          err_msg=f"block {step}, layer {layer}")
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-3
+    assert rt.cache_lengths() == [min(b, E2E_PROMPT) for b in eng.layer_budgets]
+    for _ in range(4):  # decode: one eviction (and maybe a merge) per layer and step
+        tok = int(np.argmax(got))
+        got, want = rt.decode(tok), eng.decode(tok).numpy()
+        assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-3
+        for layer in range(tiny.config.num_layers):
+            np.testing.assert_array_equal(rt.kept_positions(layer), eng.kept_positions(layer).numpy())
+    # merged keys: the caches hold the same (merged) K and V, not only the same positions
+    for layer in range(tiny.config.num_layers):
+        n = rt.cache_lengths()[layer]
+        np.testing.assert_allclose(rt._field(layer, "k").numpy()[:, :n], eng.caches[layer].keys[:, :n].numpy(),
+                                   rtol=1e-3, atol=1e-4)

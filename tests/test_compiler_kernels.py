@@ -123,7 +123,7 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm():
 
     code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert compiled_policy_names() == ["full", "keydiff", "lagkv", "streaming"]
+    assert compiled_policy_names() == ["d2o", "full", "keydiff", "lagkv", "streaming"]
     for name in compiled_policy_names():
         cls = REGISTRY[name]
         assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer

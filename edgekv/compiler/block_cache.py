@@ -4,9 +4,11 @@ Input: a Relax function ``src(tokens[1, T], positions[1, T], *weights) -> logits
 imported from ``torch.export`` (see ``export.py``), with ``num_input`` = 2.
 
 Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights)`` returning
-``(logits[V] of token n_valid − 1, *caches)`` where ``caches`` is, per attention site (layer) in
-graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32``. For decode
-(``fixed_n_valid=1``) the ``n_valid`` input is dropped.
+``(logits[V] of token n_valid − 1, *caches[, *extra])`` where ``caches`` is, per attention site (layer)
+in graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` followed by the policy's
+compiled state if it has one (``cache_layout``). For decode (``fixed_n_valid=1``) the ``n_valid``
+input is dropped. A policy class with ``emit_site_eviction`` (D2O) places its own kernels at each
+site instead of score + select, and may add per-site outputs (``extra``, after the caches).
 
 At every attention site (``attention_sites.find_attention_sites``) the pass:
   1. replaces the site's output with the block-attention TIR kernel over cache ⊕ block
@@ -28,6 +30,7 @@ import tvm
 from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
+from ..policies import REGISTRY
 from .kernels import build_attention, build_score, build_select
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
@@ -59,14 +62,27 @@ def substitute(expr, vmap: dict):
     return expr
 
 
-def cache_types(site: AttentionSite, budget: int, dtype: str):
-    H, N, D = site.num_kv_heads, budget, site.head_dim
-    return [
-        relax.TensorType((H, N, D), dtype),
-        relax.TensorType((H, N, D), dtype),
-        relax.TensorType((H, N), "int32"),
-        relax.TensorType((1,), "int32"),
-    ]
+def policy_cache_state(policy: str) -> tuple:
+    """The per-layer state a policy's compiled eviction carries after k, v, pos, fill:
+    ``(name, "entry" | length, dtype)`` triples (``<Policy>.compiled_state``; D2O's accumulated
+    attention, layer budget and τ)."""
+    cls = REGISTRY.get(policy)
+    return tuple(getattr(cls, "compiled_state", ())) if cls is not None else ()
+
+
+def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32"):
+    """One layer's cache tensors in argument order: [(field, shape, dtype)] — k, v, pos, fill,
+    then the policy's state (``policy_cache_state``). The manifest and the runtime use the same."""
+    H, N, D = num_kv_heads, budget, head_dim
+    fields = [("k", (H, N, D), dtype), ("v", (H, N, D), dtype), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
+    for name, length, dt in policy_cache_state(policy):
+        fields.append((name, (H, N) if length == "entry" else (int(length),), dt))
+    return fields
+
+
+def cache_types(site: AttentionSite, budget: int, dtype: str, policy: str = "full"):
+    return [relax.TensorType(shape, dt) for _, shape, dt in cache_layout(site.num_kv_heads, site.head_dim, budget,
+                                                                          policy, dtype)]
 
 
 def _find_param(func: relax.Function, name: str, what: str):
@@ -101,9 +117,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     new_positions = relax.Var("positions", relax.TensorType((T,), positions.ty.dtype))
     n_valid = None if fixed_n_valid is not None else relax.Var("n_valid", relax.TensorType((1,), "int32"))
     cache_vars = []
+    site_eviction = getattr(REGISTRY.get(spec.policy), "emit_site_eviction", None)
+    extra_outputs = []
     for s in sites:
-        tys = cache_types(s, spec.budget, spec.dtype)
-        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", t) for f, t in zip(CACHE_FIELDS, tys)])
+        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype)
+        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", relax.TensorType(shape, dt)) for f, shape, dt in layout])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
     params += [v for cv in cache_vars for v in cv] + new_weights
@@ -134,7 +152,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                     vmap[var] = bb.emit(substitute(value, vmap), var.name)
                     continue
                 H, Hq, D, N = site.num_kv_heads, site.num_q_heads, site.head_dim, spec.budget
-                kc, vc, pc, fc = cache_vars[site.index]
+                kc, vc, pc, fc = cache_vars[site.index][:4]
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
                 attn_gv = kernel(f"attention_h{Hq}_{H}_d{D}",
                                  lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype))
@@ -143,6 +161,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
+                if site_eviction is not None:  # a policy that wires its own kernels (D2O)
+                    new, extra = site_eviction(bb, kernel, site, spec, T, cache_vars[site.index], q, kb, vb, pos32, nv)
+                    new_caches.append(new)
+                    extra_outputs.extend(extra)
+                    continue
                 score_gv = kernel(f"score_{spec.policy}_h{H}_d{D}",
                                   lambda: build_score(spec.policy, H, N, T, D, spec.dtype, spec.policy_params))
                 select_gv = kernel(f"select_h{H}_d{D}_{'score' if score_gv is not None else 'append'}",
@@ -163,7 +186,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             idx = bb.emit(relax.op.subtract(nv, relax.const(1, "int32")), "last_index")
             last = bb.emit(relax.op.take(ret, idx, axis=1), "logits_last")
             logits = bb.emit(relax.op.reshape(last, (rshape[2],)), "logits")
-            out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv]))
+            out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv] + extra_outputs))
         bb.emit_func_output(out)
     return bb.get()
 

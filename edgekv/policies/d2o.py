@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -328,10 +328,11 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     from ..compiler.kernels.select import evicted_mask_macro
 
     check_dtype(dtype)
-    if merge not in MERGE_MODES:
-        raise PolicyError(f"d2o: the compiled eviction has no merge mode {merge!r}; use weighted, code or average")
+    if merge not in MERGE_MODES + ("none",):
+        raise PolicyError(f"d2o: the compiled eviction has no merge mode {merge!r}; use weighted, code, average or none")
     H, N, B, D = num_kv_heads, budget, block, head_dim
     NB = N + B
+    MERGE = merge != "none"  # merge=none: plain top-N_l, τ never updated (as ``select``)
     SELF_W = math.e if merge == "weighted" else 1.0
     EXP_W, SIM_W = merge == "weighted", merge == "code"
     COUNT_DEN = merge != "weighted"  # code/average: den = 1 + |E_j|; weighted: e + Σ e^u
@@ -388,35 +389,37 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                     mark_evicted(score, h, n, keep, key, row, lo, hi, cnt)
                     for i in T.serial(NB):
                         gone[h, i] = row[i]
-                        if i < n:
-                            red[0] = T.float32(0)
-                            for c in T.serial(D):
-                                unit[h, i, c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c],
-                                                               k_blk[0, h, T.max(i - nf, 0), c])
-                                red[0] = red[0] + unit[h, i, c] * unit[h, i, c]
-                            red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
-                            for c in T.serial(D):
-                                unit[h, i, c] = unit[h, i, c] / red[0]
-                    for i in T.serial(NB):
                         best[h, i] = T.float32("-inf")
                         target[h, i] = 0
-                        if i < n:
-                            if row[i] == 1:
-                                for j in T.serial(NB):
-                                    if j < n:
-                                        if row[j] == 0:
-                                            red[0] = T.float32(0)
-                                            for c in T.serial(D):
-                                                red[0] = red[0] + unit[h, i, c] * unit[h, j, c]
-                                            if red[0] > best[h, i]:
-                                                best[h, i] = red[0]
-                                                target[h, i] = j
+                    if MERGE:
+                        for i in T.serial(NB):
+                            if i < n:
+                                red[0] = T.float32(0)
+                                for c in T.serial(D):
+                                    unit[h, i, c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c],
+                                                                   k_blk[0, h, T.max(i - nf, 0), c])
+                                    red[0] = red[0] + unit[h, i, c] * unit[h, i, c]
+                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                for c in T.serial(D):
+                                    unit[h, i, c] = unit[h, i, c] / red[0]
+                        for i in T.serial(NB):
+                            if i < n:
+                                if row[i] == 1:
+                                    for j in T.serial(NB):
+                                        if j < n:
+                                            if row[j] == 0:
+                                                red[0] = T.float32(0)
+                                                for c in T.serial(D):
+                                                    red[0] = red[0] + unit[h, i, c] * unit[h, j, c]
+                                                if red[0] > best[h, i]:
+                                                    best[h, i] = red[0]
+                                                    target[h, i] = j
         with T.sblock("d2o_tau"):
             T.reads(gone[0:H, 0:NB], best[0:H, 0:NB], fill[0:1], n_valid[0:1], d2o_budget[0:2], d2o_tau[0:2])
             T.writes(d2o_tau[0:2], thr[0:1])
             total = T.sblock_alloc_buffer((1,), "float32")
             n2: T.let[T.int32] = fill[0] + n_valid[0]
-            if n2 > d2o_budget[0]:
+            if MERGE and n2 > d2o_budget[0]:
                 total[0] = T.float32(0)
                 for h in T.serial(H):
                     for i in T.serial(NB):
@@ -438,7 +441,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                 hit = T.sblock_alloc_buffer((NB,), "int32")
                 w = T.sblock_alloc_buffer((1,), "float32")
                 nf3: T.let[T.int32] = fill[0]
-                if fill[0] + n_valid[0] > d2o_budget[0]:
+                if MERGE and fill[0] + n_valid[0] > d2o_budget[0]:
                     for j in T.serial(NB):
                         den[j] = T.float32(0)
                         hit[j] = 0
@@ -511,12 +514,44 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     return d2o_evict
 
 
+def emit_d2o_site(bb, kernel, site, spec, block, caches, q, k_blk, v_blk, pos_blk, n_valid):
+    """The block-cache pass's hook (``D2OPolicy.emit_site_eviction``): at one attention site emit
+    the score kernel and the in-place eviction kernel over the site's caches
+    (k, v, pos, fill, d2o_acc, d2o_budget, d2o_tau). Returns (the site's new caches, [col_sums]):
+    the per-query-head column sums of the step leave the function as an extra output, for the
+    host's layer-budget probe (``d2o_layer_budgets``)."""
+    from tvm import relax  # lazy: tvm is the optional `compile` extra
+
+    H, Hq, D, N, T_ = site.num_kv_heads, site.num_q_heads, site.head_dim, spec.budget, block
+    params = dict(spec.policy_params)
+    sinks = int(params.pop("sinks"))
+    kc, vc, pc, fc, acc, layer_budget, tau = caches
+    score_gv = kernel(f"d2o_score_h{Hq}_{H}_d{D}_s{sinks}",
+                      lambda: build_d2o_score_kernel(Hq, H, N, T_, D, site.sm_scale, spec.dtype, sinks))
+    evict_gv = kernel(f"d2o_evict_h{H}_d{D}",
+                      lambda: build_d2o_evict_kernel(H, N, T_, D, spec.dtype, **params))
+    cand = relax.TensorType((H, N + T_), "float32")
+    scored = bb.emit(relax.call_tir(score_gv, [q, kc, pc, fc, k_blk, pos_blk, n_valid, acc, layer_budget],
+                                    [cand, cand, relax.TensorType((Hq, N + T_), "float32")]), f"d2o_score_{site.index}")
+    score, acc_cand, col_sums = (bb.emit(relax.TupleGetItem(scored, i)) for i in range(3))
+    args = [kc, vc, pc, fc, k_blk, v_blk, pos_blk, n_valid, score, acc_cand, layer_budget, acc, tau]
+    upd = bb.emit(relax.call_tir_inplace(evict_gv, args, [0, 1, 2, 3, 11, 12],
+                                         [args[i].ty for i in (0, 1, 2, 3, 11, 12)]), f"evict_{site.index}")
+    new = [bb.emit(relax.TupleGetItem(upd, i)) for i in range(6)]
+    return new[:5] + [layer_budget, new[5]], [col_sums]
+
+
 @dataclass
 class D2OPolicy(Policy):
     name = "d2o"
     needs_queries = True
     observes_every_step = True
     entry_state = (STATE,)
+    # compiled: the eviction kernel (the score kernel needs the queries, so the pass asks
+    # ``emit_site_eviction`` to wire both), and the per-layer state the compiled model carries
+    evict_kernel = staticmethod(build_d2o_evict_kernel)
+    emit_site_eviction = staticmethod(emit_d2o_site)
+    compiled_state = COMPILED_STATE
     recent_ratio: float = 0.25
     sinks: int = 4
     beta: float = 0.7
@@ -553,6 +588,9 @@ class D2OPolicy(Policy):
             raise PolicyError(f"d2o: budget {budget} cannot hold {self.sinks} sinks and a recent entry; use "
                               f"a budget of at least {self.sinks + 2} or fewer sinks")
 
+    def kernel_params(self, budget: int) -> dict:
+        return {"merge": self.merge, "threshold": self.threshold, "beta": float(self.beta), "sinks": int(self.sinks)}
+
     # ---- layer level -------------------------------------------------------------------------
     def min_layer_budget(self, budget: int) -> int:
         return min(budget, self.sinks + 2)
@@ -578,14 +616,26 @@ class D2OPolicy(Policy):
         if engine is None or self.layers == "uniform":
             return
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-        if prompt_ids.numel() <= engine.budget:  # the prompt fits: nothing to compress, uniform N
-            self.budgets = [engine.budget] * engine.cfg.num_layers
-            return
         first = prompt_ids[: engine.block]
-        probe = _VarianceProbe()
-        type(engine)(engine.model, probe, budget=first.numel(), block=first.numel()).step(first)
-        head_var = torch.stack([probe.variances[i] for i in range(engine.cfg.num_layers)])
-        self.budgets = self.allocate(head_var, engine.budget)
+
+        def first_block_variances() -> torch.Tensor:
+            probe = _VarianceProbe()
+            type(engine)(engine.model, probe, budget=first.numel(), block=first.numel()).step(first)
+            return torch.stack([probe.variances[i] for i in range(engine.cfg.num_layers)])
+
+        self.budgets = self.prompt_budgets(prompt_ids.numel(), engine.budget, engine.cfg.num_layers,
+                                           first_block_variances)
+
+    def prompt_budgets(self, prompt_len: int, budget: int, num_layers: int,
+                       first_block_variances: Callable[[], torch.Tensor]) -> list[int]:
+        """Every layer's N_l for a prompt of ``prompt_len`` tokens — what ``prepare`` fixes; the
+        compiled runtime calls it too, with its own probe. ``first_block_variances()`` returns the
+        first block's [L, Hq] column-sum variances and is called only when the budgets depend on it."""
+        if self.layers == "uniform":
+            return [self.uniform_budget(budget)] * num_layers
+        if prompt_len <= budget:  # the prompt fits: nothing to compress, uniform N
+            return [budget] * num_layers
+        return [min(budget, b) for b in self.allocate(first_block_variances(), budget)]
 
     def layer_budget(self, layer: int, budget: int) -> int:
         if self.budgets is None:  # before prepare(): no statistic yet, uniform average budget

@@ -24,6 +24,10 @@ import numpy as np
 from ..compiler.build import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, sha256_file, versions
 
 
+# an artifact without "cache_fields" (before policies carried compiled state) holds these
+DEFAULT_CACHE_FIELDS = [("k", "float32"), ("v", "float32"), ("pos", "int32"), ("fill", "int32")]
+
+
 class ArtifactError(RuntimeError):
     """The artifact is missing, corrupt, or does not match this installation."""
 
@@ -153,16 +157,20 @@ class HostRuntime:
                                     f"{p['shape']} {p['dtype']}")
             self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
         del arrays
-        # caches: allocated once, mutated in place by the compiled functions
+        # caches: allocated once, mutated in place by the compiled functions. Per layer k, v, pos,
+        # fill, then the policy's compiled state (D2O), as the manifest lists them
+        self.cache_fields = [(f, dt) for f, dt in manifest.get("cache_fields", DEFAULT_CACHE_FIELDS)]
+        self._stride = len(self.cache_fields)
         self.caches = []
         for c in self.manifest["cache"]:
-            self.caches += [
-                tvm.runtime.tensor(np.zeros(c["k"], dtype="float32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["v"], dtype="float32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["pos"], dtype="int32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["fill"], dtype="int32"), self.device),
-            ]
+            self.caches += [tvm.runtime.tensor(np.zeros(c[f], dtype=dt), self.device) for f, dt in self.cache_fields]
         self._tail = self.caches + self.params
+        self._d2o = None
+        if self.policy == "d2o":
+            from ..policies.d2o import D2OPolicy
+
+            self._d2o = D2OPolicy(**manifest["policy"]["params"])
+            self._set_d2o_budgets([self.budget] * self.num_layers)
         self._prefill = self.vm["prefill_block"]
         self._decode = self.vm["decode"]
         self._zero_fill = np.zeros((1,), dtype="int32")
@@ -185,10 +193,13 @@ class HostRuntime:
         return self._tokenizer
 
     # ---- state --------------------------------------------------------------------------
+    def _field(self, layer: int, name: str):
+        return self.caches[self._stride * layer + [f for f, _ in self.cache_fields].index(name)]
+
     def reset(self) -> None:
         """Start a new sequence: empty every cache (fill = 0) without reallocating."""
-        for i in range(3, len(self.caches), 4):
-            self.caches[i].copyfrom(self._zero_fill)
+        for layer in range(self.num_layers):
+            self._field(layer, "fill").copyfrom(self._zero_fill)
         self.position = 0
         self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
 
@@ -196,12 +207,53 @@ class HostRuntime:
         self.stats.peak_rss_bytes = max(self.stats.peak_rss_bytes, _rss())
 
     def cache_lengths(self) -> list[int]:
-        return [int(self.caches[4 * l + 3].numpy()[0]) for l in range(self.num_layers)]
+        return [int(self._field(l, "fill").numpy()[0]) for l in range(self.num_layers)]
 
     def kept_positions(self, layer: int) -> np.ndarray:
         """Original positions of the entries of layer ``layer``'s cache, [H, fill]."""
-        fill = int(self.caches[4 * layer + 3].numpy()[0])
-        return self.caches[4 * layer + 2].numpy()[:, :fill].copy()
+        fill = int(self._field(layer, "fill").numpy()[0])
+        return self._field(layer, "pos").numpy()[:, :fill].copy()
+
+    # ---- D2O: per-prompt layer budgets --------------------------------------------------
+    def _set_d2o_budgets(self, budgets: list[int]) -> None:
+        """Write every layer's (N_l, M_l) and clear its τ (the reference resets τ per prompt)."""
+        for layer, n_l in enumerate(budgets):
+            if not 1 <= n_l <= self.budget:
+                raise ValueError(f"layer {layer} budget {n_l} is outside 1..{self.budget} (the compiled N)")
+            self._field(layer, "d2o_budget").copyfrom(np.array([n_l, self._d2o.recent_size(n_l)], dtype="int32"))
+            self._field(layer, "d2o_tau").copyfrom(np.zeros(2, dtype="float32"))
+        self.layer_budgets = list(budgets)
+
+    def prepare(self, prompt_ids) -> None:
+        """What ``Policy.prepare`` does before a prompt; only D2O has work: its per-layer budgets.
+        They come from the first block's attention (``D2OPolicy.prompt_budgets``): the block runs
+        once through ``prefill_block`` at positions 0… over an empty cache (the caches are saved
+        and restored around it), the per-query-head column sums it returns give each layer's
+        variance, and the policy's own ``allocate`` turns them into N_l, written into the
+        ``d2o_budget`` state with τ cleared. One extra block per prompt, as in the reference."""
+        if self._d2o is None:
+            return
+        from ..policies.d2o import column_sum_variance
+
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        first = ids[: self.block]
+
+        def first_block_variances():
+            import torch
+
+            saved = [c.numpy() for c in self.caches]
+            position = self.position
+            self.reset()
+            self._set_d2o_budgets([self.budget] * self.num_layers)
+            out = self._run_block(first, 0)
+            self.position = position
+            for c, a in zip(self.caches, saved):
+                c.copyfrom(a)
+            first_sums = len(out) - self.num_layers  # the col_sums outputs follow logits and caches
+            return torch.stack([column_sum_variance(torch.from_numpy(out[first_sums + l].numpy()[:, : first.size]))
+                                for l in range(self.num_layers)])
+
+        self._set_d2o_budgets(self._d2o.prompt_budgets(ids.size, self.budget, self.num_layers, first_block_variances))
 
     def _check_room(self, extra: int) -> None:
         if self.policy == "full" and self.position + extra > self.budget:
@@ -214,27 +266,32 @@ class HostRuntime:
     # ---- running ------------------------------------------------------------------------
     def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
         """One compiled prefill call on ≤ B tokens at positions start…; returns last-token logits."""
-        import tvm
-
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if not 1 <= n <= self.block:
             raise ValueError(f"a block holds 1..{self.block} tokens, got {n}")
         start = self.position if start is None else start
         self._check_room(n)
+        out = self._run_block(ids, start)
+        self.position = start + n
+        return out[0].numpy()
+
+    def _run_block(self, ids: np.ndarray, start: int):
+        import tvm
+
+        n = ids.shape[0]
         tok = np.zeros((self.block,), dtype=np.int64)
         tok[:n] = ids
         pos = np.arange(start, start + self.block, dtype=np.int64)
-        out = self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
-                            tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
-        self.position = start + n
-        return out[0].numpy()
+        return self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
+                             tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
 
     def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None) -> np.ndarray:
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("the prompt is empty; give at least one token")
         self._check_room(ids.size)
+        self.prepare(ids)
         logits = None
         t0 = time.perf_counter()
         for s in range(0, ids.size, self.block):
