@@ -57,6 +57,9 @@ def main() -> None:
 
     policy.select = recording_select
     ids = natural_token_ids(model.tokenizer, args.tokens)
+    # per-prompt setup on both sides before stepping blocks (D2O: the probe and layer budgets)
+    engine.prepare(ids)
+    rt.prepare(ids.numpy())
     same = total = 0
     first_mismatch = None
     for b, start in enumerate(range(0, ids.numel(), args.block)):

@@ -514,6 +514,380 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     return d2o_evict
 
 
+# ---- GPU versions (same signatures; swapped in by gpu_schedule.ReplaceKernels) -------------------
+GPU_THREADS = 128
+
+
+def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int, block: int, head_dim: int,
+                               sm_scale: float, dtype: str = "float32", sinks: int = 4):
+    """``build_d2o_score_kernel`` thread-bound. Column sums: one thread block per query head, each
+    of the 128 threads owning the candidates j ≡ tx (mod 128) (their logits and running column
+    sums in registers); per query row the row's q sits in shared memory and the row max and sum
+    are reduced through shared memory. Accumulation and pins: one thread block per KV head, one
+    thread per candidate."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+
+    check_dtype(dtype)
+    Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    G = Hq // H
+    NB = N + B
+    S = int(sinks)
+    scale = float(sm_scale)
+    NT = GPU_THREADS
+    KPT = (NB + NT - 1) // NT  # candidates per thread
+    QL = (D + NT - 1) // NT
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_score_gpu(
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        k_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        acc: T.Buffer((H, N), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        col_sums: T.Buffer((Hq, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for hq in T.thread_binding(Hq, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("d2o_col_sums"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    logit = T.sblock_alloc_buffer((KPT,), "float32", scope="local")
+                    colacc = T.sblock_alloc_buffer((KPT,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    for u in T.serial(KPT):
+                        colacc[u] = T.float32(0)
+                    for r in T.serial(B):
+                        if r < nv:
+                            T.tvm_storage_sync("shared")
+                            for u in T.serial(QL):
+                                if u * NT + tx < D:
+                                    q_sh[T.min(u * NT + tx, D - 1)] = q[0, hq, r, T.min(u * NT + tx, D - 1)]
+                            T.tvm_storage_sync("shared")
+                            red[1] = T.float32("-inf")
+                            for u in T.serial(KPT):
+                                logit[u] = T.float32("-inf")
+                                if u * NT + tx < nf + nv:
+                                    if T.if_then_else(u * NT + tx < nf, pos_cache[hq // G, T.min(u * NT + tx, N - 1)],
+                                                      pos_blk[T.min(T.max(u * NT + tx - nf, 0), B - 1)]) <= pos_blk[r]:
+                                        red[0] = T.float32(0)
+                                        for c in T.serial(D):
+                                            red[0] = red[0] + q_sh[c] * T.if_then_else(
+                                                u * NT + tx < nf, k_cache[hq // G, T.min(u * NT + tx, N - 1), c],
+                                                k_blk[0, hq // G, T.min(T.max(u * NT + tx - nf, 0), B - 1), c])
+                                        logit[u] = red[0] * T.float32(scale)
+                                        red[1] = T.max(red[1], logit[u])
+                            red_sh[tx] = red[1]
+                            T.tvm_storage_sync("shared")
+                            red[1] = T.float32("-inf")
+                            for t in T.serial(NT):
+                                red[1] = T.max(red[1], red_sh[t])
+                            T.tvm_storage_sync("shared")
+                            red[2] = T.float32(0)
+                            for u in T.serial(KPT):
+                                logit[u] = T.if_then_else(logit[u] == T.float32("-inf"), T.float32(0),
+                                                          T.exp(logit[u] - red[1]))
+                                red[2] = red[2] + logit[u]
+                            red_sh[tx] = red[2]
+                            T.tvm_storage_sync("shared")
+                            red[2] = T.float32(0)
+                            for t in T.serial(NT):
+                                red[2] = red[2] + red_sh[t]
+                            for u in T.serial(KPT):
+                                colacc[u] = colacc[u] + logit[u] / red[2]
+                    for u in T.serial(KPT):
+                        if u * NT + tx < NB:
+                            col_sums[hq, T.min(u * NT + tx, NB - 1)] = colacc[u]
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("d2o_acc_score"):
+                    T.reads()
+                    T.writes()
+                    inc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    nf2: T.let[T.int32] = fill[0]
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    for u in T.serial(KPT):
+                        if u * NT + tx < NB:
+                            inc[0] = T.float32(0)
+                            for g in T.serial(G):
+                                inc[0] = inc[0] + col_sums[h * G + g, T.min(u * NT + tx, NB - 1)]
+                            acc_cand[h, T.min(u * NT + tx, NB - 1)] = T.if_then_else(
+                                u * NT + tx < nf2, acc[h, T.min(u * NT + tx, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
+                            score[h, T.min(u * NT + tx, NB - 1)] = T.float32("-inf")
+                            if u * NT + tx < n:
+                                score[h, T.min(u * NT + tx, NB - 1)] = acc_cand[h, T.min(u * NT + tx, NB - 1)]
+                                if u * NT + tx >= n - d2o_budget[1]:
+                                    score[h, T.min(u * NT + tx, NB - 1)] = T.float32("inf")
+                                if T.if_then_else(u * NT + tx < nf2, pos_cache[h, T.min(u * NT + tx, N - 1)],
+                                                  pos_blk[T.min(T.max(u * NT + tx - nf2, 0), B - 1)]) < S:
+                                    score[h, T.min(u * NT + tx, NB - 1)] = T.float32("inf")
+
+    return d2o_score_gpu
+
+
+def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+                               merge: str = "weighted", threshold: str = "ema", beta: float = 0.7, eps: float = 1e-12):
+    """``build_d2o_evict_kernel`` thread-bound, the same four steps as separate launches.
+    (1) one thread block per KV head: thread 0 finds the evicted set (``evicted_mask_macro`` over
+    shared memory: 33 counting passes, negligible next to the matching), then the 128 threads
+    normalise candidates and match evicted entries (one evicted entry per thread, a loop over the
+    kept ones). (2) τ: one thread. (3) merge: one thread block per KV head, one thread per channel
+    (targets shared by several evicted entries need no atomics; thread 0 first tallies which rows
+    are hit and their denominators). (4) compaction: one thread per channel, the row order walked
+    by every thread (kept[j] ≥ j keeps it in place), thread 0 moving positions and state."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.select import evicted_mask_macro
+
+    check_dtype(dtype)
+    if merge not in MERGE_MODES + ("none",):
+        raise PolicyError(f"d2o: the compiled eviction has no merge mode {merge!r}; use weighted, code, average or none")
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    if D > 1024:
+        raise ValueError(f"d2o GPU eviction runs one thread per channel: head_dim {D} > 1024")
+    NB = N + B
+    MERGE = merge != "none"
+    SELF_W = math.e if merge == "weighted" else 1.0
+    EXP_W, SIM_W = merge == "weighted", merge == "code"
+    COUNT_DEN = merge != "weighted"
+    EMA = threshold == "ema"
+    BETA, EPS = float(beta), float(eps)
+    NT = GPU_THREADS
+    KPT = (NB + NT - 1) // NT
+    CP = (B * D + NT - 1) // NT
+    mark_evicted = evicted_mask_macro(NB)
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_evict_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        acc: T.Buffer((H, N), "float32"),
+        d2o_tau: T.Buffer((2,), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        gone = T.alloc_buffer((H, NB), "int32")
+        best = T.alloc_buffer((H, NB), "float32")
+        target = T.alloc_buffer((H, NB), "int32")
+        unit = T.alloc_buffer((H, NB, D), "float32")
+        k_new = T.alloc_buffer((H, B, D), "float32")
+        v_new = T.alloc_buffer((H, B, D), "float32")
+        thr = T.alloc_buffer((1,), "float32")
+        den_all = T.alloc_buffer((H, NB), "float32")  # per row: Σ weights (or counts) merged into it
+        hit_all = T.alloc_buffer((H, NB), "int32")  # per row: 1 when something merges into it
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("d2o_match"):
+                    T.reads()
+                    T.writes()
+                    # thread 0's selection scratch is thread-private: the sync pass allows no shared
+                    # loads in branch conditions, and the bisection branches on them
+                    key = T.sblock_alloc_buffer((NB,), "int32", scope="local")
+                    row = T.sblock_alloc_buffer((NB,), "int32", scope="local")
+                    lo = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                    hi = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                    cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    keep: T.let[T.int32] = d2o_budget[0]
+                    for u in T.serial(CP):
+                        if u * NT + tx < B * D:
+                            k_new[h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D] = \
+                                k_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                            v_new[h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D] = \
+                                v_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                    for u in T.serial(KPT):
+                        if u * NT + tx < NB:
+                            gone[h, T.min(u * NT + tx, NB - 1)] = 0
+                            best[h, T.min(u * NT + tx, NB - 1)] = T.float32("-inf")
+                            target[h, T.min(u * NT + tx, NB - 1)] = 0
+                    T.tvm_storage_sync("shared")
+                    if n > keep:
+                        if tx == 0:
+                            mark_evicted(score, h, n, keep, key, row, lo, hi, cnt)
+                            for i in T.serial(NB):
+                                gone[h, i] = row[i]
+                    T.tvm_storage_sync("shared")
+                    if MERGE and n > keep:
+                        for u in T.serial(KPT):
+                            if u * NT + tx < n:
+                                red[0] = T.float32(0)
+                                for c in T.serial(D):
+                                    unit[h, T.min(u * NT + tx, NB - 1), c] = T.if_then_else(
+                                        u * NT + tx < nf, k_cache[h, T.min(u * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(u * NT + tx - nf, 0), B - 1), c])
+                                    red[0] = red[0] + unit[h, T.min(u * NT + tx, NB - 1), c] * unit[h, T.min(u * NT + tx, NB - 1), c]
+                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                for c in T.serial(D):
+                                    unit[h, T.min(u * NT + tx, NB - 1), c] = unit[h, T.min(u * NT + tx, NB - 1), c] / red[0]
+                        T.tvm_storage_sync("shared")
+                        for u in T.serial(KPT):
+                            if u * NT + tx < n:
+                                if gone[h, T.min(u * NT + tx, NB - 1)] == 1:
+                                    for j in T.serial(NB):
+                                        if j < n:
+                                            if gone[h, j] == 0:
+                                                red[0] = T.float32(0)
+                                                for c in T.serial(D):
+                                                    red[0] = red[0] + unit[h, T.min(u * NT + tx, NB - 1), c] * unit[h, j, c]
+                                                if red[0] > best[h, T.min(u * NT + tx, NB - 1)]:
+                                                    best[h, T.min(u * NT + tx, NB - 1)] = red[0]
+                                                    target[h, T.min(u * NT + tx, NB - 1)] = j
+        for _b in T.thread_binding(1, thread="blockIdx.x"):
+            for _t in T.thread_binding(1, thread="threadIdx.x"):
+                with T.sblock("d2o_tau"):
+                    T.reads()
+                    T.writes()
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    n2: T.let[T.int32] = fill[0] + n_valid[0]
+                    if MERGE and n2 > d2o_budget[0]:
+                        total[0] = T.float32(0)
+                        for h in T.serial(H):
+                            for i in T.serial(NB):
+                                if gone[h, i] == 1:
+                                    total[0] = total[0] + best[h, i]
+                        total[0] = total[0] / T.Cast("float32", H * (n2 - d2o_budget[0]))
+                        if d2o_tau[1] == T.float32(0):
+                            d2o_tau[0] = total[0]
+                            d2o_tau[1] = T.float32(1)
+                        else:
+                            d2o_tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * d2o_tau[0]
+                        thr[0] = T.if_then_else(EMA, d2o_tau[0], T.float32("-inf"))
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for c in T.thread_binding(D, thread="threadIdx.x"):
+                with T.sblock("d2o_fold"):
+                    T.reads()
+                    T.writes()
+                    w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    nf3: T.let[T.int32] = fill[0]
+                    if MERGE and fill[0] + n_valid[0] > d2o_budget[0]:
+                        if c == 0:
+                            for j in T.serial(NB):
+                                den_all[h, j] = T.float32(0)
+                                hit_all[h, j] = 0
+                            for i in T.serial(NB):
+                                if gone[h, i] == 1:
+                                    if best[h, i] >= thr[0]:
+                                        hit_all[h, target[h, i]] = 1
+                                        den_all[h, target[h, i]] = den_all[h, target[h, i]] + T.if_then_else(
+                                            COUNT_DEN, T.float32(1),
+                                            T.if_then_else(EXP_W, T.exp(best[h, i]),
+                                                           T.if_then_else(SIM_W, best[h, i], T.float32(1))))
+                        T.tvm_storage_sync("shared")
+                        for j in T.serial(NB):
+                            if hit_all[h, j] == 1:
+                                if j < nf3:
+                                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
+                                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
+                                else:
+                                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
+                                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
+                        for i in T.serial(NB):
+                            if gone[h, i] == 1:
+                                if best[h, i] >= thr[0]:
+                                    w[0] = T.if_then_else(EXP_W, T.exp(best[h, i]),
+                                                          T.if_then_else(SIM_W, best[h, i], T.float32(1)))
+                                    if target[h, i] < nf3:
+                                        k_cache[h, T.min(target[h, i], N - 1), c] = k_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
+                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                                        v_cache[h, T.min(target[h, i], N - 1), c] = v_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
+                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                                    else:
+                                        k_new[h, T.min(target[h, i] - nf3, B - 1), c] = k_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
+                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                                        v_new[h, T.min(target[h, i] - nf3, B - 1), c] = v_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
+                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                        for j in T.serial(NB):
+                            if hit_all[h, j] == 1:
+                                if j < nf3:
+                                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                                else:
+                                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for c in T.thread_binding(D, thread="threadIdx.x"):
+                with T.sblock("d2o_compact"):
+                    T.reads()
+                    T.writes()
+                    cnt4 = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    nf4: T.let[T.int32] = fill[0]
+                    cnt4[0] = 0
+                    for i in T.serial(NB):
+                        if i < fill[0] + n_valid[0]:
+                            if gone[h, i] == 0:
+                                if cnt4[0] < N:
+                                    if i < nf4:
+                                        if cnt4[0] != i:
+                                            k_cache[h, cnt4[0], c] = k_cache[h, T.min(i, N - 1), c]
+                                            v_cache[h, cnt4[0], c] = v_cache[h, T.min(i, N - 1), c]
+                                            if c == 0:
+                                                pos_cache[h, cnt4[0]] = pos_cache[h, T.min(i, N - 1)]
+                                    else:
+                                        k_cache[h, cnt4[0], c] = k_new[h, T.min(i - nf4, B - 1), c]
+                                        v_cache[h, cnt4[0], c] = v_new[h, T.min(i - nf4, B - 1), c]
+                                        if c == 0:
+                                            pos_cache[h, cnt4[0]] = pos_blk[T.min(i - nf4, B - 1)]
+                                    if c == 0:
+                                        acc[h, cnt4[0]] = acc_cand[h, i]
+                                    cnt4[0] = cnt4[0] + 1
+        for _b in T.thread_binding(1, thread="blockIdx.x"):
+            for _t in T.thread_binding(1, thread="threadIdx.x"):
+                with T.sblock("d2o_fill"):
+                    T.reads()
+                    T.writes()
+                    fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
+
+    return d2o_evict_gpu
+
+
+def d2o_gpu_kernel(name: str, func, policy_params: dict, sm_scales: dict):
+    """``gpu_schedule.ReplaceKernels``'s hook (``D2OPolicy.gpu_kernel``): (kind, GPU PrimFunc) for
+    the D2O kernel ``name`` (the names ``emit_d2o_site`` gives), None for any other function."""
+    import re
+
+    params = dict(policy_params)
+    sinks = int(params.pop("sinks"))
+    shape = lambda i: tuple(int(x) for x in func.params[i].ty.shape)  # noqa: E731
+    m = re.search(r"_d2o_score_h(\d+)_(\d+)_d(\d+)_s(\d+)$", name)
+    if m:
+        _, Hq, B, D = shape(0)
+        H, N, _ = shape(1)
+        scale = sm_scales.get((Hq, H, D))
+        if scale is None:
+            raise PolicyError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
+        return "score", build_d2o_score_kernel_gpu(Hq, H, N, B, D, scale, "float32", sinks)
+    if re.search(r"_d2o_evict_h(\d+)_d(\d+)$", name):
+        H, N, D = shape(0)
+        B = shape(4)[2]
+        return "select", build_d2o_evict_kernel_gpu(H, N, B, D, "float32", **params)
+    return None
+
+
 def emit_d2o_site(bb, kernel, site, spec, block, caches, q, k_blk, v_blk, pos_blk, n_valid):
     """The block-cache pass's hook (``D2OPolicy.emit_site_eviction``): at one attention site emit
     the score kernel and the in-place eviction kernel over the site's caches
@@ -551,6 +925,7 @@ class D2OPolicy(Policy):
     # ``emit_site_eviction`` to wire both), and the per-layer state the compiled model carries
     evict_kernel = staticmethod(build_d2o_evict_kernel)
     emit_site_eviction = staticmethod(emit_d2o_site)
+    gpu_kernel = staticmethod(d2o_gpu_kernel)
     compiled_state = COMPILED_STATE
     recent_ratio: float = 0.25
     sinks: int = 4
