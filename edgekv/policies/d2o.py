@@ -203,6 +203,41 @@ MERGE_MODES = ("weighted", "code", "average")
 COMPILED_STATE = (("d2o_acc", "entry", "float32"), ("d2o_budget", 2, "int32"), ("d2o_tau", 2, "float32"))
 
 
+def _merge_weight_fn(merge: str):
+    """sim (a PrimExpr) -> the weight of an evicted row in ``merge_into``'s numerator."""
+    from tvm import tirx
+
+    if merge == "weighted":
+        return tirx.exp
+    if merge == "code":
+        return lambda sim: sim
+    return lambda sim: tirx.const(1.0, "float32")
+
+
+def _update_tau_macro(H: int, NB: int, beta: float, ema: bool):
+    """``update_tau(gone, best, evicted, d2o_tau, thr, total)``: ``update_threshold`` over the
+    evicted entries of all H heads (``evicted`` per head) — τ = mean(m) at the first eviction,
+    then β·mean(m) + (1 − β)·τ — and the merge threshold ``thr`` (−inf with threshold="none")."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def update_tau(gone, best, evicted, d2o_tau, thr, total):
+        total[0] = T.float32(0)
+        for h in T.serial(H):
+            for i in T.serial(NB):
+                if gone[h, i] == 1:
+                    total[0] = total[0] + best[h, i]
+        total[0] = total[0] / T.Cast("float32", H * evicted)
+        if d2o_tau[1] == T.float32(0):
+            d2o_tau[0] = total[0]
+            d2o_tau[1] = T.float32(1)
+        else:
+            d2o_tau[0] = T.float32(beta) * total[0] + T.float32(1.0 - beta) * d2o_tau[0]
+        thr[0] = T.if_then_else(ema, d2o_tau[0], T.float32("-inf"))
+
+    return update_tau
+
+
 def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int, head_dim: int,
                            sm_scale: float, dtype: str = "float32", sinks: int = 4):
     """TIR kernel: ``D2OPolicy.observe`` + ``D2OPolicy.score`` of one layer, on every step.
@@ -334,11 +369,11 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     NB = N + B
     MERGE = merge != "none"  # merge=none: plain top-N_l, τ never updated (as ``select``)
     SELF_W = math.e if merge == "weighted" else 1.0
-    EXP_W, SIM_W = merge == "weighted", merge == "code"
+    weight = _merge_weight_fn(merge)
     COUNT_DEN = merge != "weighted"  # code/average: den = 1 + |E_j|; weighted: e + Σ e^u
-    EMA = threshold == "ema"
-    BETA, EPS = float(beta), float(eps)
+    EPS = float(eps)
     mark_evicted = evicted_mask_macro(NB)
+    update_tau = _update_tau_macro(H, NB, float(beta), threshold == "ema")
 
     @T.prim_func(private=True, s_tir=True)
     def d2o_evict(
@@ -420,18 +455,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
             total = T.sblock_alloc_buffer((1,), "float32")
             n2: T.let[T.int32] = fill[0] + n_valid[0]
             if MERGE and n2 > d2o_budget[0]:
-                total[0] = T.float32(0)
-                for h in T.serial(H):
-                    for i in T.serial(NB):
-                        if gone[h, i] == 1:
-                            total[0] = total[0] + best[h, i]
-                total[0] = total[0] / T.Cast("float32", H * (n2 - d2o_budget[0]))
-                if d2o_tau[1] == T.float32(0):
-                    d2o_tau[0] = total[0]
-                    d2o_tau[1] = T.float32(1)
-                else:
-                    d2o_tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * d2o_tau[0]
-                thr[0] = T.if_then_else(EMA, d2o_tau[0], T.float32("-inf"))
+                update_tau(gone, best, n2 - d2o_budget[0], d2o_tau, thr, total)
         for h in T.parallel(H):
             with T.sblock("d2o_fold"):
                 T.reads(gone[h, 0:NB], best[h, 0:NB], target[h, 0:NB], thr[0:1], k_blk[0, h, 0:B, 0:D],
@@ -449,8 +473,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                     for i in T.serial(NB):
                         if gone[h, i] == 1:
                             if best[h, i] >= thr[0]:
-                                w[0] = T.if_then_else(EXP_W, T.exp(best[h, i]),
-                                                      T.if_then_else(SIM_W, best[h, i], T.float32(1)))
+                                w[0] = weight(best[h, i])
                                 if hit[target[h, i]] == 0:
                                     hit[target[h, i]] = 1
                                     for c in T.serial(D):
@@ -663,14 +686,14 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     NB = N + B
     MERGE = merge != "none"
     SELF_W = math.e if merge == "weighted" else 1.0
-    EXP_W, SIM_W = merge == "weighted", merge == "code"
+    weight = _merge_weight_fn(merge)
     COUNT_DEN = merge != "weighted"
-    EMA = threshold == "ema"
-    BETA, EPS = float(beta), float(eps)
+    EPS = float(eps)
     NT = GPU_THREADS
     KPT = (NB + NT - 1) // NT
     CP = (B * D + NT - 1) // NT
     mark_evicted = evicted_mask_macro(NB)
+    update_tau = _update_tau_macro(H, NB, float(beta), threshold == "ema")
 
     @T.prim_func(private=True, s_tir=True)
     def d2o_evict_gpu(
@@ -765,18 +788,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                     total = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     n2: T.let[T.int32] = fill[0] + n_valid[0]
                     if MERGE and n2 > d2o_budget[0]:
-                        total[0] = T.float32(0)
-                        for h in T.serial(H):
-                            for i in T.serial(NB):
-                                if gone[h, i] == 1:
-                                    total[0] = total[0] + best[h, i]
-                        total[0] = total[0] / T.Cast("float32", H * (n2 - d2o_budget[0]))
-                        if d2o_tau[1] == T.float32(0):
-                            d2o_tau[0] = total[0]
-                            d2o_tau[1] = T.float32(1)
-                        else:
-                            d2o_tau[0] = T.float32(BETA) * total[0] + T.float32(1.0 - BETA) * d2o_tau[0]
-                        thr[0] = T.if_then_else(EMA, d2o_tau[0], T.float32("-inf"))
+                        update_tau(gone, best, n2 - d2o_budget[0], d2o_tau, thr, total)
         for h in T.thread_binding(H, thread="blockIdx.x"):
             for c in T.thread_binding(D, thread="threadIdx.x"):
                 with T.sblock("d2o_fold"):
@@ -794,9 +806,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                                     if best[h, i] >= thr[0]:
                                         hit_all[h, target[h, i]] = 1
                                         den_all[h, target[h, i]] = den_all[h, target[h, i]] + T.if_then_else(
-                                            COUNT_DEN, T.float32(1),
-                                            T.if_then_else(EXP_W, T.exp(best[h, i]),
-                                                           T.if_then_else(SIM_W, best[h, i], T.float32(1))))
+                                            COUNT_DEN, T.float32(1), weight(best[h, i]))
                         T.tvm_storage_sync("shared")
                         for j in T.serial(NB):
                             if hit_all[h, j] == 1:
@@ -809,8 +819,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                         for i in T.serial(NB):
                             if gone[h, i] == 1:
                                 if best[h, i] >= thr[0]:
-                                    w[0] = T.if_then_else(EXP_W, T.exp(best[h, i]),
-                                                          T.if_then_else(SIM_W, best[h, i], T.float32(1)))
+                                    w[0] = weight(best[h, i])
                                     if target[h, i] < nf3:
                                         k_cache[h, T.min(target[h, i], N - 1), c] = k_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
                                             i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
