@@ -105,8 +105,10 @@ def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = Tr
 
 
 class HostRuntime:
-    def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None):
-        """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError)."""
+    def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None,
+                 device=None):
+        """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError).
+        ``device``: the TVM device of a device artifact (e.g. ``tvm.cuda()``); default the CPU."""
         import tvm
         from safetensors.numpy import load_file
 
@@ -126,7 +128,7 @@ class HostRuntime:
             arrays = load_file(str(path / files["params"]["name"]))
         except Exception as exc:  # noqa: BLE001
             raise ArtifactError(f"cannot read {path / files['params']['name']}: {exc}") from None
-        self._setup(path, manifest, lib, arrays, t0)
+        self._setup(path, manifest, lib, arrays, t0, device)
 
     @classmethod
     def from_executable(cls, executable, manifest: dict, params: list[tuple[str, np.ndarray]]) -> "HostRuntime":
@@ -135,7 +137,7 @@ class HostRuntime:
         self._setup(None, manifest, executable, dict(params), time.perf_counter())
         return self
 
-    def _setup(self, path, manifest, lib, arrays, t0) -> None:
+    def _setup(self, path, manifest, lib, arrays, t0, device=None) -> None:
         import tvm
         from tvm import relax
 
@@ -145,7 +147,7 @@ class HostRuntime:
         self.block = int(manifest["block"])
         self.policy = manifest["policy"]["name"]
         self.num_layers = int(manifest["num_layers"])
-        self.device = tvm.cpu()
+        self.device = device if device is not None else tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
         for p in manifest["params"]:
