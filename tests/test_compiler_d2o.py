@@ -1,7 +1,9 @@
 """D2O's compiled kernels against the reference in edgekv/policies/d2o.py, on random tensors:
 the score kernel (``observe`` + ``score``: column sums, accumulated state, sinks and recent pins)
 and the eviction kernel (``select``: top-N_l, ``best_matches``, the EMA τ, ``merge_into``, then the
-engine's compaction of K, V, positions and the accumulated state), for every merge mode."""
+engine's compaction of K, V, positions and the accumulated state), for every merge mode; then the
+compiled model end to end against ``BlockEngine`` on a tiny random Llama (layer budgets, kept
+positions after every block and decode step, merged keys, logits)."""
 
 from __future__ import annotations
 

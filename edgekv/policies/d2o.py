@@ -42,6 +42,11 @@ code's per-head min-max makes it uniform; ``variance_norm`` = raw / head_minmax 
 selection and scores are per KV head (query-head column sums averaged over the group; the code
 expands K/V to the query heads); the merge decision is per (head, evicted entry), since every KV head
 evicts its own entries (the code averages m over heads).
+
+Compiled (``build_d2o_score_kernel``, ``build_d2o_evict_kernel`` and their ``_gpu`` versions, wired per
+attention site by ``emit_d2o_site``): each layer carries ``COMPILED_STATE`` beside its cache — the
+accumulated sums (compacted with the cache), (N_l, M_l) and τ. The budgets are state, set per prompt by
+the host runtime with ``prompt_budgets`` from the compiled first block's column sums (docs/COMPILER.md).
 """
 
 from __future__ import annotations
