@@ -25,15 +25,14 @@ class DeviceRuntime:
         self.vm = relax.VirtualMachine(lib, device)
         arrays = dict(params)
         self.params = [tvm.runtime.tensor(np.ascontiguousarray(arrays[p["name"]]), device) for p in manifest["params"]]
+        if manifest["policy"]["name"] == "d2o":
+            raise ValueError("a D2O artifact needs its per-prompt layer budgets (the first-block probe); run it "
+                             "with edgekv.runtime.HostRuntime(artifact, device=tvm.cuda()) and its prefill")
+        fields = manifest.get("cache_fields", [["k", "float32"], ["v", "float32"], ["pos", "int32"], ["fill", "int32"]])
+        self.stride = len(fields)
         self.caches = []
         for c in manifest["cache"]:
-            self.caches += [tvm.runtime.tensor(np.zeros(c["k"], "float32"), device),
-                            tvm.runtime.tensor(np.zeros(c["v"], "float32"), device),
-                            tvm.runtime.tensor(np.zeros(c["pos"], "int32"), device),
-                            tvm.runtime.tensor(np.zeros(c["fill"], "int32"), device)]
-            if "state" in c:  # per-entry policy state [S, H, N] (manifest "entry_state")
-                self.caches.append(tvm.runtime.tensor(np.zeros(c["state"], "float32"), device))
-        self.per_layer = 4 + (1 if manifest.get("entry_state") else 0)
+            self.caches += [tvm.runtime.tensor(np.zeros(c[f], dt), device) for f, dt in fields]
         self.position = 0
 
     @classmethod
@@ -71,5 +70,5 @@ class DeviceRuntime:
         return out[0].numpy()
 
     def kept_positions(self, layer: int) -> np.ndarray:
-        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
-        return self.caches[self.per_layer * layer + 2].numpy()[:, :fill]
+        fill = int(self.caches[self.stride * layer + 3].numpy()[0])
+        return self.caches[self.stride * layer + 2].numpy()[:, :fill]

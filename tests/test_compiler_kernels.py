@@ -123,8 +123,8 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm(monkeypatch):
 
     code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert compiled_policy_names() == ["dapq", "full", "h2o", "keydiff", "lagkv", "snapkv", "snapkv++", "streaming",
-                                       "tova"]
+    assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "snapkv", "snapkv++",
+                                       "streaming", "tova"]
     for name in compiled_policy_names():
         cls = REGISTRY[name]
         assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer

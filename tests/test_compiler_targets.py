@@ -247,3 +247,33 @@ def test_finish_links_with_the_named_toolchain(model, imported, tmp_path_factory
     assert "-shared" in args and any(a.endswith("lib0.o") for a in args)
     m = json.loads((art / "manifest.json").read_text())
     assert m["files"]["library"]["name"] == "model.so" and m["device"]["toolchain"]["status"] == "finished"
+
+
+@pytest.mark.parametrize("target", ["opencl", pytest.param("cuda", marks=pytest.mark.slow),
+                                    pytest.param("metal", marks=pytest.mark.slow), "hexagon"])
+def test_d2o_on_device_targets(model, imported, tmp_path_factory, target):
+    """D2O wires its own kernels (score with the queries, merge-on-evict + compaction with its
+    state): their GPU versions replace them, everything runs on the device, shapes are static."""
+    from edgekv.policies.d2o import D2OPolicy
+
+    res, out = _build(model, imported, tmp_path_factory, target, D2OPolicy())
+    dev = res.manifest["device"]
+    names = (b"_d2o_score_h4_2_d16_s4", b"_d2o_evict_h2_d16")
+    if target == "hexagon":
+        with tarfile.open(out / "model.tar") as tf:
+            blob = b"".join(tf.extractfile(mm).read() for mm in tf.getmembers() if mm.name.endswith(".o"))
+        assert dev["elf_machine"] == [164]
+        for fn in ("prefill_block", "decode"):
+            assert all(fn.encode() + k in blob for k in names)
+        return
+    src = (out / "device" / SOURCE[target]).read_text()
+    for f in dev["device_functions"]:
+        assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
+    assert host_functions_on_host(res.executable) == []
+    assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
+    for fn in ("prefill_block", "decode"):
+        for k in names:
+            assert re.search(rf"\b{fn}{k.decode()}_kernel\w*\(", src), f"{fn}{k.decode()} missing"
+    assert dev["symbolic_shapes"] == {}
+    if target != "cuda":
+        assert dev["float64_demoted"] and "double" not in src

@@ -57,8 +57,9 @@ def main() -> None:
 
     policy.select = recording_select
     ids = natural_token_ids(model.tokenizer, args.tokens)
-    # the whole prompt first, as prefill() does (DapQ builds its pseudo tokens from it)
-    policy.prepare(ids, engine)
+    # per-prompt setup on both sides before stepping blocks, as prefill() does (DapQ: the pseudo
+    # tokens from the whole prompt; D2O: the probe and layer budgets)
+    engine.prepare(ids)
     rt.prepare(ids.numpy())
     same = total = 0
     first_mismatch = None

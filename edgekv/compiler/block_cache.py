@@ -4,10 +4,13 @@ Input: a Relax function ``src(tokens[1, T], positions[1, T], *weights) -> logits
 imported from ``torch.export`` (see ``export.py``), with ``num_input`` = 2.
 
 Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights)`` returning
-``(logits[V] of token n_valid − 1, *caches)`` where ``caches`` is, per attention site (layer) in
-graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` and, for a policy with
-``entry_state`` (S names), ``state[S, H, N] float32``. For decode (``fixed_n_valid=1``) the
-``n_valid`` input is dropped.
+``(logits[V] of token n_valid − 1, *caches[, *extra])`` where ``caches`` is, per attention site (layer)
+in graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` followed by the policy's
+state (``cache_layout``): for a policy with ``entry_state`` (S names) ``state[S, H, N] float32``;
+for a policy that wires its own site kernels, its ``compiled_state``. For decode
+(``fixed_n_valid=1``) the ``n_valid`` input is dropped. A policy class with
+``emit_site_eviction`` (D2O) places its own kernels at each site instead of observe + score +
+select, and may add per-site outputs (``extra``, after the caches).
 
 At every attention site (``attention_sites.find_attention_sites``) the pass:
   1. replaces the site's output with the block-attention TIR kernel over cache ⊕ block
@@ -33,16 +36,12 @@ import tvm
 from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
+from ..policies import REGISTRY
 from .kernels import build_attention, build_observe, build_score, build_select, kernel_spec, policy_tag, site_params
 from .pseudo_rows import attention_kernel_key, step_extra_rows
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
 STATE_FIELD = "state"
-
-
-def cache_fields(num_state: int) -> tuple[str, ...]:
-    """Per-layer cache tensors: k, v, pos, fill (+ state when the policy keeps per-entry state)."""
-    return CACHE_FIELDS + ((STATE_FIELD,) if num_state else ())
 
 
 @dataclass
@@ -74,14 +73,29 @@ def substitute(expr, vmap: dict):
     return expr
 
 
-def cache_types(site: AttentionSite, budget: int, dtype: str, num_state: int = 0):
-    H, N, D = site.num_kv_heads, budget, site.head_dim
-    return [
-        relax.TensorType((H, N, D), dtype),
-        relax.TensorType((H, N, D), dtype),
-        relax.TensorType((H, N), "int32"),
-        relax.TensorType((1,), "int32"),
-    ] + ([relax.TensorType((num_state, H, N), "float32")] if num_state else [])
+def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32"):
+    """One layer's cache tensors in argument order: [(field, shape, dtype)] — k, v, pos, fill, then
+    the policy's state. Generic (``Policy.entry_state`` with an observe kernel): one
+    ``state [S, H, N] float32``. A policy that wires its own site kernels (``emit_site_eviction``)
+    lists its own ``compiled_state`` instead: ``(name, "entry" | length, dtype)`` triples, an
+    "entry" tensor being [H, N] (D2O: accumulated attention [H, N], layer budget [2], τ [2]). The
+    pass, the manifest, the memory plan and the runtimes all read this one layout."""
+    H, N, D = num_kv_heads, budget, head_dim
+    fields = [("k", (H, N, D), dtype), ("v", (H, N, D), dtype), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
+    cls = REGISTRY.get(policy)
+    if cls is None:
+        return fields
+    S = kernel_spec(policy).num_state
+    if S:
+        fields.append((STATE_FIELD, (S, H, N), "float32"))
+    for name, length, dt in getattr(cls, "compiled_state", ()):
+        fields.append((name, (H, N) if length == "entry" else (int(length),), dt))
+    return fields
+
+
+def cache_types(site: AttentionSite, budget: int, dtype: str, policy: str = "full"):
+    return [relax.TensorType(shape, dt) for _, shape, dt in cache_layout(site.num_kv_heads, site.head_dim, budget,
+                                                                          policy, dtype)]
 
 
 def _find_param(func: relax.Function, name: str, what: str):
@@ -118,11 +132,13 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     n_valid = None if fixed_n_valid is not None else relax.Var("n_valid", relax.TensorType((1,), "int32"))
     kspec = kernel_spec(spec.policy)
     S = kspec.num_state
-    fields = cache_fields(S)
+    fields = [f for f, _, _ in cache_layout(1, 1, spec.budget, spec.policy, spec.dtype)]
     cache_vars = []
+    site_eviction = getattr(REGISTRY.get(spec.policy), "emit_site_eviction", None)
+    extra_outputs = []
     for s in sites:
-        tys = cache_types(s, spec.budget, spec.dtype, S)
-        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", t) for f, t in zip(fields, tys)])
+        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype)
+        cache_vars.append([relax.Var(f"{f}_cache_{s.index}", relax.TensorType(shape, dt)) for f, shape, dt in layout])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
     params += [v for cv in cache_vars for v in cv] + new_weights
@@ -164,6 +180,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
+                if site_eviction is not None:  # a policy that wires its own kernels (D2O)
+                    new, extra = site_eviction(bb, kernel, site, spec, T, cache_vars[site.index], q, kb, vb, pos32, nv)
+                    new_caches.append(new)
+                    extra_outputs.extend(extra)
+                    continue
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
                 # the policy's extra inputs (Policy.kernel_inputs), in its declared order
                 inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
@@ -191,7 +212,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                     inplace.append(len(sel_args))
                     sel_args += [st, cand]
                 upd = bb.emit(relax.call_tir_inplace(select_gv, sel_args, inplace,
-                                                     cache_types(site, N, spec.dtype, S)), f"evict_{site.index}")
+                                                     cache_types(site, N, spec.dtype, spec.policy)), f"evict_{site.index}")
                 new_caches.append([bb.emit(relax.TupleGetItem(upd, i), f"{f}_new_{site.index}")
                                    for i, f in enumerate(fields)])
             ret = vmap[func.body.body] if isinstance(func.body.body, relax.Var) else substitute(func.body.body, vmap)
@@ -201,7 +222,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             idx = bb.emit(relax.op.subtract(nv, relax.const(1, "int32")), "last_index")
             last = bb.emit(relax.op.take(ret, idx, axis=1), "logits_last")
             logits = bb.emit(relax.op.reshape(last, (rshape[2],)), "logits")
-            out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv]))
+            out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv] + extra_outputs))
         bb.emit_func_output(out)
     return bb.get()
 

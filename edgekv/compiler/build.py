@@ -117,19 +117,17 @@ def entry_state_names(lowered) -> list[str]:
     return [str(n) for n in names] if names else []
 
 
-def memory_plan(lowered, budget: int, dtype_bytes: int = 4) -> dict[str, int]:
+def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
     """Static plan in bytes: weights and caches exactly (K, V, positions, fill and the policy's
-    per-entry state [S, H, N] float32); activations as the peak of live
+    state, ``block_cache.cache_layout``); activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
     of what TVM's static block-memory planner allocates, which reuses storage)."""
     from .attention_sites import _arg_vars, op_name, shape_of
+    from .block_cache import cache_layout
 
     weights = sum(int(a.nbytes) for _, a in lowered.params)
-    num_state = len(entry_state_names(lowered))
-    cache = 0
-    for s in lowered.sites:
-        cache += 2 * s.num_kv_heads * budget * s.head_dim * dtype_bytes + s.num_kv_heads * budget * 4 + 4
-        cache += num_state * s.num_kv_heads * budget * 4
+    cache = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for s in lowered.sites
+                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy))
     func = lowered.mod["prefill_block"]
     params = set(func.params)
     size: dict = {}
@@ -198,7 +196,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     mod, sites, transposed = lower_module(mod, spec)
     timings["passes_s"] = time.perf_counter() - t0
     lowered = Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
-    plan = memory_plan(lowered, budget)
+    plan = memory_plan(lowered, budget, policy.name)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
                            f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
@@ -224,6 +222,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
 def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, profile: dict, target: Any,
                    tgt: dict, lowered: Any, plan: dict, host: dict | None = None, **extra: Any) -> dict[str, Any]:
     """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and device builds)."""
+    from .block_cache import cache_layout
+
     cfg = model.config
     state = entry_state_names(lowered)
     rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo rows last (DapQ)
@@ -242,14 +242,15 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "num_layers": len(lowered.sites),
         "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
                              "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
-        "cache": [{"k": [s.num_kv_heads, budget, s.head_dim], "v": [s.num_kv_heads, budget, s.head_dim],
-                   "pos": [s.num_kv_heads, budget], "fill": [1],
-                   **({"state": [len(state), s.num_kv_heads, budget]} if state else {})} for s in lowered.sites],
-        # per-entry state of the policy (one float32 [S, H, N] tensor per layer after fill, rows = K/V rows)
+        "cache": [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name)}
+                  for s in lowered.sites],
+        "cache_fields": [[f, dt] for f, _, dt in cache_layout(1, 1, budget, policy.name)],
+        # names of the policy's per-entry state: rows of the "state" [S, H, N] cache tensor
         "entry_state": state,
         "functions": {
             "prefill_block": {"inputs": [f"tokens[{rows}] int64", f"positions[{rows}] int64", "n_valid[1] int32",
-                                         "caches (k, v, pos, fill" + (", state" if state else "") + ") × layers",
+                                         "caches (" + ", ".join(f for f, _, _ in cache_layout(1, 1, budget, policy.name))
+                                         + ") × layers",
                                          "weights"],
                               "outputs": ["logits[V] of token n_valid-1", "caches"]},
             "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],

@@ -27,6 +27,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
+from ..policies import REGISTRY
 from . import gpu_kernels as gk
 from .build import CompileError
 from .kernels import kernel_spec, policy_tag, site_params
@@ -109,17 +110,21 @@ class ReplaceKernels:
         self.policy_params = dict(policy_params or {})
         self.sm_scales = dict(sm_scales or {})
         self.replaced: dict[str, str] = {}
+        self.policy_kernel = getattr(REGISTRY.get(policy), "gpu_kernel", None)
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         updates = {}
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            new = gpu_kernel_for(gv.name_hint, func, self.policy, self.policy_params, self.sm_scales)
+            # a policy that wires its own kernels (D2O) also provides their GPU versions
+            own = self.policy_kernel(gv.name_hint, func, self.policy_params, self.sm_scales) if self.policy_kernel else None
+            kind, new = own if own is not None else (
+                _kind(gv.name_hint), gpu_kernel_for(gv.name_hint, func, self.policy, self.policy_params, self.sm_scales))
             if new is None:
                 continue
             updates[gv] = new
-            self.replaced[gv.name_hint] = _kind(gv.name_hint)
+            self.replaced[gv.name_hint] = kind
         for gv, func in updates.items():
             mod[gv] = func
         return mod

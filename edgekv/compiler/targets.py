@@ -169,7 +169,7 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     profile, tgt, host = device_target(target)
     say("exporting and lowering")
     lowered, spec = lower_for_target(model, policy, budget, block, imported)
-    plan = memory_plan(lowered, budget)
+    plan = memory_plan(lowered, budget, policy.name)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
                            "lower --budget or --block")

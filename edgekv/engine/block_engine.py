@@ -192,6 +192,12 @@ class BlockEngine:
         return True
 
     # ---- prefill / decode ---------------------------------------------------------------
+    def prepare(self, prompt_ids: torch.Tensor) -> None:
+        """The policy's per-prompt setup (``Policy.prepare``) and the layer budgets that may depend
+        on the prompt (D2O); ``prefill`` calls it, a caller stepping blocks itself calls it first."""
+        self.policy.prepare(torch.as_tensor(prompt_ids, dtype=torch.long).flatten(), self)
+        self.layer_budgets = self._layer_budgets()
+
     def prefill(self, prompt_ids: torch.Tensor, progress=None, all_logits: bool = False) -> torch.Tensor:
         """Block-wise prefill of the whole prompt; returns the last token's logits
         (or every prompt token's logits with ``all_logits``, for teacher-forced evaluation)."""
@@ -200,8 +206,7 @@ class BlockEngine:
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt_ids.numel() == 0:
             raise PolicyError("the prompt is empty; give at least one token")
-        self.policy.prepare(prompt_ids, self)
-        self.layer_budgets = self._layer_budgets()  # may depend on the prompt (D2O)
+        self.prepare(prompt_ids)
         outs = []
         t0 = time.perf_counter()
         for start in range(0, prompt_ids.numel(), self.block):

@@ -5,8 +5,9 @@
     logits = rt.decode(token_id)            # one compiled call per token
     ids = rt.generate(prompt_ids, 64)
 
-The caches (per layer K, V [H, N, d], positions [H, N], fill [1], and — for a policy with
-per-entry state such as H2O — state [S, H, N] float32) are allocated once at load
+The caches (per layer K, V [H, N, d], positions [H, N], fill [1], and the policy's state: for a
+policy with per-entry state such as H2O one state [S, H, N] float32, for D2O its own per-layer
+tensors — the manifest's ``cache_fields``) are allocated once at load
 and updated *in place* by the compiled functions (their eviction kernels are
 ``call_tir_inplace``); nothing is reallocated per block and there is no per-layer or per-head
 Python in the loop.
@@ -23,6 +24,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..compiler.build import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, sha256_file, versions
+
+
+# an artifact without "cache_fields" (before policies carried compiled state) holds these
+DEFAULT_CACHE_FIELDS = [("k", "float32"), ("v", "float32"), ("pos", "int32"), ("fill", "int32")]
 
 
 class ArtifactError(RuntimeError):
@@ -102,8 +107,10 @@ def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = Tr
 
 
 class HostRuntime:
-    def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None):
-        """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError)."""
+    def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None,
+                 device=None):
+        """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError).
+        ``device``: the TVM device of a device artifact (e.g. ``tvm.cuda()``); default the CPU."""
         import tvm
         from safetensors.numpy import load_file
 
@@ -123,7 +130,7 @@ class HostRuntime:
             arrays = load_file(str(path / files["params"]["name"]))
         except Exception as exc:  # noqa: BLE001
             raise ArtifactError(f"cannot read {path / files['params']['name']}: {exc}") from None
-        self._setup(path, manifest, lib, arrays, t0)
+        self._setup(path, manifest, lib, arrays, t0, device)
 
     @classmethod
     def from_executable(cls, executable, manifest: dict, params: list[tuple[str, np.ndarray]]) -> "HostRuntime":
@@ -132,7 +139,7 @@ class HostRuntime:
         self._setup(None, manifest, executable, dict(params), time.perf_counter())
         return self
 
-    def _setup(self, path, manifest, lib, arrays, t0) -> None:
+    def _setup(self, path, manifest, lib, arrays, t0, device=None) -> None:
         import tvm
         from tvm import relax
 
@@ -150,7 +157,7 @@ class HostRuntime:
             from ..policies import make_policy
 
             self._row_policy = make_policy(self.policy, dict(manifest["policy"]["params"]))
-        self.device = tvm.cpu()
+        self.device = device if device is not None else tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
         for p in manifest["params"]:
@@ -162,24 +169,25 @@ class HostRuntime:
                                     f"{p['shape']} {p['dtype']}")
             self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
         del arrays
-        # caches: allocated once, mutated in place by the compiled functions; per layer k, v, pos,
-        # fill and (policies with entry_state) one state tensor [S, H, N] (see build_manifest)
+        # caches: allocated once, mutated in place by the compiled functions. Per layer k, v, pos,
+        # fill, then the policy's state as the manifest lists it (``block_cache.cache_layout``):
+        # the generic per-entry "state" [S, H, N] (entry_state) or the policy's own (D2O)
+        self.cache_fields = [(f, dt) for f, dt in manifest.get("cache_fields", DEFAULT_CACHE_FIELDS)]
+        self._stride = len(self.cache_fields)
         self.caches = []
         self.state_names = list(manifest.get("entry_state") or [])
-        self.per_layer = 4 + (1 if self.state_names else 0)
+        if self.state_names and "state" not in dict(self.cache_fields):
+            raise ArtifactError("the manifest names per-entry state but its cache fields hold no state tensor; "
+                                "recompile the artifact")
         for c in self.manifest["cache"]:
-            self.caches += [
-                tvm.runtime.tensor(np.zeros(c["k"], dtype="float32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["v"], dtype="float32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["pos"], dtype="int32"), self.device),
-                tvm.runtime.tensor(np.zeros(c["fill"], dtype="int32"), self.device),
-            ]
-            if self.state_names:
-                if "state" not in c:
-                    raise ArtifactError("the manifest names per-entry state but a layer's cache lists no state shape; "
-                                        "recompile the artifact")
-                self.caches.append(tvm.runtime.tensor(np.zeros(c["state"], dtype="float32"), self.device))
+            self.caches += [tvm.runtime.tensor(np.zeros(c[f], dtype=dt), self.device) for f, dt in self.cache_fields]
         self._tail = self.caches + self.params
+        self._d2o = None
+        if self.policy == "d2o":
+            from ..policies.d2o import D2OPolicy
+
+            self._d2o = D2OPolicy(**manifest["policy"]["params"])
+            self._set_d2o_budgets([self.budget] * self.num_layers)
         self._prefill = self.vm["prefill_block"]
         self._decode = self.vm["decode"]
         self._zero_fill = np.zeros((1,), dtype="int32")
@@ -202,11 +210,13 @@ class HostRuntime:
         return self._tokenizer
 
     # ---- state --------------------------------------------------------------------------
+    def _field(self, layer: int, name: str):
+        return self.caches[self._stride * layer + [f for f, _ in self.cache_fields].index(name)]
+
     def reset(self) -> None:
         """Start a new sequence: empty every cache (fill = 0) without reallocating."""
-        # rows >= fill (K/V/pos and state) are never read: emptying fill is enough
-        for i in range(3, len(self.caches), self.per_layer):
-            self.caches[i].copyfrom(self._zero_fill)
+        for layer in range(self.num_layers):
+            self._field(layer, "fill").copyfrom(self._zero_fill)
         self.position = 0
         self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
 
@@ -214,20 +224,58 @@ class HostRuntime:
         self.stats.peak_rss_bytes = max(self.stats.peak_rss_bytes, _rss())
 
     def cache_lengths(self) -> list[int]:
-        return [int(self.caches[self.per_layer * l + 3].numpy()[0]) for l in range(self.num_layers)]
+        return [int(self._field(l, "fill").numpy()[0]) for l in range(self.num_layers)]
 
     def kept_positions(self, layer: int) -> np.ndarray:
         """Original positions of the entries of layer ``layer``'s cache, [H, fill]."""
-        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
-        return self.caches[self.per_layer * layer + 2].numpy()[:, :fill].copy()
+        fill = int(self._field(layer, "fill").numpy()[0])
+        return self._field(layer, "pos").numpy()[:, :fill].copy()
 
     def entry_state(self, layer: int) -> dict[str, np.ndarray]:
         """The policy's per-entry state of layer ``layer``'s cache: ``{name: [H, fill]}`` (empty without)."""
         if not self.state_names:
             return {}
-        fill = int(self.caches[self.per_layer * layer + 3].numpy()[0])
-        st = self.caches[self.per_layer * layer + 4].numpy()
+        fill = int(self._field(layer, "fill").numpy()[0])
+        st = self._field(layer, "state").numpy()
         return {name: st[s, :, :fill].copy() for s, name in enumerate(self.state_names)}
+
+    # ---- D2O: per-prompt layer budgets --------------------------------------------------
+    def _set_d2o_budgets(self, budgets: list[int]) -> None:
+        """Write every layer's (N_l, M_l) and clear its τ (the reference resets τ per prompt)."""
+        for layer, n_l in enumerate(budgets):
+            if not 1 <= n_l <= self.budget:
+                raise ValueError(f"layer {layer} budget {n_l} is outside 1..{self.budget} (the compiled N)")
+            self._field(layer, "d2o_budget").copyfrom(np.array([n_l, self._d2o.recent_size(n_l)], dtype="int32"))
+            self._field(layer, "d2o_tau").copyfrom(np.zeros(2, dtype="float32"))
+        self.layer_budgets = list(budgets)
+
+    def _prepare_d2o(self, prompt_ids) -> None:
+        """D2O's per-layer budgets for this prompt. They come from the first block's attention (``D2OPolicy.prompt_budgets``): the block runs
+        once through ``prefill_block`` at positions 0… over an empty cache (the caches are saved
+        and restored around it), the per-query-head column sums it returns give each layer's
+        variance, and the policy's own ``allocate`` turns them into N_l, written into the
+        ``d2o_budget`` state with τ cleared. One extra block per prompt, as in the reference."""
+        from ..policies.d2o import column_sum_variance
+
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        first = ids[: self.block]
+
+        def first_block_variances():
+            import torch
+
+            saved = [c.numpy() for c in self.caches]
+            position = self.position
+            self.reset()
+            self._set_d2o_budgets([self.budget] * self.num_layers)
+            out = self._run_block(first, 0)
+            self.position = position
+            for c, a in zip(self.caches, saved):
+                c.copyfrom(a)
+            first_sums = len(out) - self.num_layers  # the col_sums outputs follow logits and caches
+            return torch.stack([column_sum_variance(torch.from_numpy(out[first_sums + l].numpy()[:, : first.size]))
+                                for l in range(self.num_layers)])
+
+        self._set_d2o_budgets(self._d2o.prompt_budgets(ids.size, self.budget, self.num_layers, first_block_variances))
 
     def _check_room(self, extra: int) -> None:
         if self.policy == "full" and self.position + extra > self.budget:
@@ -237,16 +285,19 @@ class HostRuntime:
                               f"entries and this artifact's budget is {self.budget}; compile with --budget "
                               f"{self.position + extra} or more, or choose an evicting policy")
 
-    # ---- pseudo rows (DapQ) ---------------------------------------------------------------
+    # ---- per-prompt setup -------------------------------------------------------------------
     def prepare(self, prompt_ids) -> None:
-        """Hand the whole prompt to the policy before its blocks are run (``prefill`` does it; call
-        it yourself before ``step_block``). DapQ builds its pseudo tokens here; other policies
-        need nothing."""
+        """What ``Policy.prepare`` does before a prompt (``prefill`` does it; call it yourself
+        before ``step_block``): DapQ builds its pseudo tokens from the whole prompt, D2O its
+        per-layer budgets (``_prepare_d2o``); other policies need nothing."""
+        if self._d2o is not None:
+            self._prepare_d2o(prompt_ids)
         if self._row_policy is not None:
             import torch
 
             self._row_policy.prepare(torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64).reshape(-1)), self)
 
+    # ---- pseudo rows (DapQ) ---------------------------------------------------------------
     def _pseudo_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, positions) of the w pseudo rows of the next step of n real tokens."""
         from ..policies.base import PolicyError
@@ -259,10 +310,11 @@ class HostRuntime:
         w = self.extra_rows
         if ids.size < w:
             # a prompt shorter than the window gives fewer pseudo tokens; harmless unless this step evicts
-            if int(self.caches[3].numpy()[0]) + n > self.budget:
+            need = int(self._field(0, "fill").numpy()[0]) + n
+            if need > self.budget:
                 raise PolicyError(f"the prompt gives only {ids.size} pseudo tokens but this artifact was compiled "
                                   f"for window={w}; recompile with --policy-arg window={ids.size}, or a budget of at "
-                                  f"least {int(self.caches[3].numpy()[0]) + n} so that this prompt is not evicted")
+                                  f"least {need} so that this prompt is not evicted")
             # this step keeps every row: the pseudo rows' scores are not read, any content does
             ids = np.resize(ids, w) if ids.size else np.zeros(w, np.int64)
             pos = np.arange(self.position + self.block, self.position + self.block + w, dtype=np.int64)
@@ -271,14 +323,22 @@ class HostRuntime:
     # ---- running ------------------------------------------------------------------------
     def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
         """One compiled prefill call on ≤ B tokens at positions start…; returns last-token logits."""
-        import tvm
-
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if not 1 <= n <= self.block:
             raise ValueError(f"a block holds 1..{self.block} tokens, got {n}")
         start = self.position if start is None else start
         self._check_room(n)
+        out = self._run_block(ids, start)
+        self.position = start + n
+        return out[0].numpy()
+
+    def _run_block(self, ids: np.ndarray, start: int):
+        """One ``prefill_block`` call (all its outputs): the ids at positions start…, padded to B,
+        then the pseudo rows (DapQ)."""
+        import tvm
+
+        n = ids.shape[0]
         rows = self.block + self.extra_rows
         tok = np.zeros((rows,), dtype=np.int64)
         tok[:n] = ids
@@ -286,10 +346,8 @@ class HostRuntime:
         if self.extra_rows:
             self.position = start  # the pseudo positions may follow the block (positions=block)
             tok[self.block:], pos[self.block:] = self._pseudo_rows(n)
-        out = self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
-                            tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
-        self.position = start + n
-        return out[0].numpy()
+        return self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
+                             tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
 
     def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None) -> np.ndarray:
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)

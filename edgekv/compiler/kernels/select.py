@@ -29,6 +29,53 @@ from tvm.script import tirx as T
 from .common import check_dtype
 
 
+def evicted_mask_macro(NB: int):
+    """``mark_evicted(score, h, n, keep, key, gone, lo, hi, cnt)``: sets ``gone[i]`` = 1 for the
+    n − keep candidates of head ``h`` (of the n ≤ NB valid ones) with the lowest score — ties evict
+    the higher index, the ``topk_keep`` rule — and 0 for the others. ``key`` [NB] int32, ``lo``/``hi``
+    [1] int64 and ``cnt`` [1] int32 are scratch. Shared by the select kernel and kernels that must
+    know the evicted set before the compaction (D2O's merge)."""
+
+    @T.macro
+    def mark_evicted(score, h, n, keep, key, gone, lo, hi, cnt):
+        # order-preserving int32 key of each score (NaN → INT32_MAX: never evicted;
+        # −0.0 → +0.0 so they tie as floats do); padding rows get INT32_MAX too
+        for i in T.serial(NB):
+            key[i] = T.if_then_else(
+                i < n,
+                T.if_then_else(score[h, i] != score[h, i], T.int32(2147483647),
+                               T.if_then_else(T.reinterpret("int32", score[h, i] + T.float32(0)) < 0,
+                                              T.bitwise_xor(T.reinterpret("int32", score[h, i] + T.float32(0)),
+                                                            T.int32(2147483647)),
+                                              T.reinterpret("int32", score[h, i] + T.float32(0)))),
+                T.int32(2147483647))
+        # thr = the E-th smallest key (E = n − keep evictions): bisection over the int32
+        # range, each step one vectorisable counting pass over the candidates
+        lo[0] = T.int64(-2147483648)
+        hi[0] = T.int64(2147483647)
+        for it in T.serial(33):
+            if lo[0] < hi[0]:
+                cnt[0] = 0
+                for i in T.serial(NB):
+                    cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[i]) <= (lo[0] + hi[0]) // 2)
+                if cnt[0] >= n - keep:
+                    hi[0] = (lo[0] + hi[0]) // 2
+                else:
+                    lo[0] = (lo[0] + hi[0]) // 2 + 1
+        # evict every key < thr, then the highest-index ties at thr (topk_keep's rule)
+        cnt[0] = 0
+        for i in T.serial(NB):
+            gone[i] = T.Cast("int32", T.Cast("int64", key[i]) < lo[0])
+            cnt[0] = cnt[0] + gone[i]
+        for i0 in T.serial(NB):
+            if cnt[0] < n - keep:
+                if T.Cast("int64", key[NB - 1 - i0]) == lo[0]:
+                    gone[NB - 1 - i0] = 1
+                    cnt[0] = cnt[0] + 1
+
+    return mark_evicted
+
+
 def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
                                 dtype: str = "float32", with_score: bool = True, num_state: int = 0):
     """In-place kernel ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid[, score]
@@ -42,6 +89,7 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
     S = int(num_state)
     if S < 0:
         raise ValueError("num_state must be >= 0")
+    mark_evicted = evicted_mask_macro(NB)
 
     @T.macro
     def append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, nf, nv):
@@ -60,40 +108,7 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
     @T.macro
     def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
               gone, key, lo, hi, cnt, h, nf, nv):
-        # order-preserving int32 key of each score (NaN → INT32_MAX: never evicted;
-        # −0.0 → +0.0 so they tie as floats do); padding rows get INT32_MAX too
-        for i in T.serial(NB):
-            key[i] = T.if_then_else(
-                i < nf + nv,
-                T.if_then_else(score[h, i] != score[h, i], T.int32(2147483647),
-                               T.if_then_else(T.reinterpret("int32", score[h, i] + T.float32(0)) < 0,
-                                              T.bitwise_xor(T.reinterpret("int32", score[h, i] + T.float32(0)),
-                                                            T.int32(2147483647)),
-                                              T.reinterpret("int32", score[h, i] + T.float32(0)))),
-                T.int32(2147483647))
-        # thr = the E-th smallest key (E = n − N evictions): bisection over the int32
-        # range, each step one vectorisable counting pass over the candidates
-        lo[0] = T.int64(-2147483648)
-        hi[0] = T.int64(2147483647)
-        for it in T.serial(33):
-            if lo[0] < hi[0]:
-                cnt[0] = 0
-                for i in T.serial(NB):
-                    cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[i]) <= (lo[0] + hi[0]) // 2)
-                if cnt[0] >= nf + nv - N:
-                    hi[0] = (lo[0] + hi[0]) // 2
-                else:
-                    lo[0] = (lo[0] + hi[0]) // 2 + 1
-        # evict every key < thr, then the highest-index ties at thr (topk_keep's rule)
-        cnt[0] = 0
-        for i in T.serial(NB):
-            gone[i] = T.Cast("int32", T.Cast("int64", key[i]) < lo[0])
-            cnt[0] = cnt[0] + gone[i]
-        for i0 in T.serial(NB):
-            if cnt[0] < nf + nv - N:
-                if T.Cast("int64", key[NB - 1 - i0]) == lo[0]:
-                    gone[NB - 1 - i0] = 1
-                    cnt[0] = cnt[0] + 1
+        mark_evicted(score, h, nf + nv, N, key, gone, lo, hi, cnt)
         cnt[0] = 0
         for i in T.serial(NB):
             if i < nf + nv:
