@@ -23,7 +23,7 @@ def _d2o_state(H, N, B, D, nf, nv, keep, seed):
     st = _state(H, N, B, D, nf, nv, seed)
     rng = np.random.default_rng(seed + 1)
     st["k_blk"][0, :, : B // 2] = st["k_cache"][:, : B // 2] + 0.05 * rng.standard_normal((H, B // 2, D))
-    st["acc"] = rng.random((H, N)).astype("float32")
+    st["acc"] = rng.random((1, H, N)).astype("float32")  # the generic per-entry state [S=1, H, N]
     st["d2o_budget"] = np.array([keep, keep // 4], "int32")
     return st
 
@@ -70,7 +70,7 @@ def test_d2o_evict(shape, nf, nv, merge, threshold):
     n = int(want["fill"][0])
     assert got["fill"][0] == n
     np.testing.assert_array_equal(got["pos_cache"][:, :n], want["pos_cache"][:, :n])
-    np.testing.assert_array_equal(got["acc"][:, :n], want["acc"][:, :n])
+    np.testing.assert_array_equal(got["acc"][0, :, :n], want["acc"][0, :, :n])
     for k in ("k_cache", "v_cache"):
         np.testing.assert_allclose(got[k][:, :n], want[k][:, :n], rtol=1e-5, atol=1e-5, err_msg=k)
     np.testing.assert_allclose(got["d2o_tau"], want["d2o_tau"], rtol=1e-5, atol=1e-6)

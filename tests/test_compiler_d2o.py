@@ -33,9 +33,9 @@ def _ty(shape, dtype="float32"):
 
 CACHE_TY = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32")]
 BLOCK_TY = [_ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32")]
-EVICT_TY = CACHE_TY + BLOCK_TY + [_ty((H, NB)), _ty((H, NB)), _ty((2,), "int32"), _ty((H, N)), _ty((2,))]
+EVICT_TY = CACHE_TY + BLOCK_TY + [_ty((H, NB)), _ty((H, NB)), _ty((2,), "int32"), _ty((1, H, N)), _ty((2,))]
 SCORE_TY = [_ty((1, HQ, B, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"), _ty((1, H, B, D)),
-            _ty((B,), "int32"), _ty((1,), "int32"), _ty((H, N)), _ty((2,), "int32")]
+            _ty((B,), "int32"), _ty((1,), "int32"), _ty((1, H, N)), _ty((2,), "int32")]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_score_kernel_matches_observe_and_score(vm, fill, n_valid, keep):
     want_score = policy.score(ctx)
     want_sums = attention_column_sums(ctx.keys, ctx.positions, ctx.queries, ctx.query_positions, SCALE)
     score, acc_cand, col_sums = _run(vm, "score", [q, kc, pc, np.array([fill], "int32"), kb, pb,
-                                                   np.array([n_valid], "int32"), acc,
+                                                   np.array([n_valid], "int32"), acc[None],
                                                    np.array([keep, policy.recent_size(keep)], "int32")])
     np.testing.assert_allclose(col_sums[:, :n], want_sums.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(acc_cand[:, :n], ctx.state[STATE].numpy(), rtol=1e-5, atol=1e-6)
@@ -150,10 +150,10 @@ def test_evict_kernel_matches_select_and_compaction(vm, merge, threshold, fill, 
     acc[:, :fill] = acc_cand[:, :fill]
     k_cache, v_cache, pos_cache, fill_out, acc_out, tau_out = _run(vm, f"evict_{merge}_{threshold}", [
         kc, vc, pc, np.array([fill], "int32"), kb, vb, pb, np.array([n_valid], "int32"), score, acc_cand,
-        np.array([keep, policy.recent_size(keep)], "int32"), acc, tau_state])
+        np.array([keep, policy.recent_size(keep)], "int32"), acc[None], tau_state])
     assert fill_out.tolist() == [keep]
     np.testing.assert_array_equal(pos_cache[:, :keep], ctx.positions[rows, sel.kept].numpy())
-    np.testing.assert_array_equal(acc_out[:, :keep], acc_cand[:, :n][rows.numpy(), sel.kept.numpy()])
+    np.testing.assert_array_equal(acc_out[0, :, :keep], acc_cand[:, :n][rows.numpy(), sel.kept.numpy()])
     np.testing.assert_allclose(k_cache[:, :keep], want_k.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v_cache[:, :keep], want_v.numpy(), rtol=1e-5, atol=1e-5)
     if merge == "none":  # plain top-N_l: τ is never touched
@@ -169,13 +169,13 @@ def test_evict_kernel_appends_below_the_layer_budget(vm):
     acc_cand = rng.random((H, NB)).astype("float32")
     k_cache, v_cache, pos_cache, fill_out, acc_out, tau_out = _run(vm, "evict_weighted_ema", [
         kc, vc, pc, np.array([10], "int32"), kb, vb, pb, np.array([4], "int32"), np.zeros((H, NB), "float32"),
-        acc_cand, np.array([14, 3], "int32"), np.zeros((H, N), "float32"), np.array([0.5, 1.0], "float32")])
+        acc_cand, np.array([14, 3], "int32"), np.zeros((1, H, N), "float32"), np.array([0.5, 1.0], "float32")])
     assert fill_out.tolist() == [14]
     np.testing.assert_array_equal(k_cache[:, :10], kc[:, :10])
     np.testing.assert_array_equal(k_cache[:, 10:14], kb[0, :, :4])
     np.testing.assert_array_equal(v_cache[:, 10:14], vb[0, :, :4])
     np.testing.assert_array_equal(pos_cache[:, 10:14], np.tile(pb[:4], (H, 1)))
-    np.testing.assert_array_equal(acc_out[:, :14], acc_cand[:, :14])
+    np.testing.assert_array_equal(acc_out[0, :, :14], acc_cand[:, :14])
     np.testing.assert_array_equal(tau_out, [0.5, 1.0])
 
 

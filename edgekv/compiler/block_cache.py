@@ -6,8 +6,8 @@ imported from ``torch.export`` (see ``export.py``), with ``num_input`` = 2.
 Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights)`` returning
 ``(logits[V] of token n_valid − 1, *caches[, *extra])`` where ``caches`` is, per attention site (layer)
 in graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` followed by the policy's
-state (``cache_layout``): for a policy with ``entry_state`` (S names) ``state[S, H, N] float32``;
-for a policy that wires its own site kernels, its ``compiled_state``. For decode
+state (``cache_layout``): for a policy with ``entry_state`` (S names) ``state[S, H, N] float32``,
+then the per-layer ``compiled_state`` of a policy that wires its own site kernels. For decode
 (``fixed_n_valid=1``) the ``n_valid`` input is dropped. A policy class with
 ``emit_site_eviction`` (D2O) places its own kernels at each site instead of observe + score +
 select, and may add per-site outputs (``extra``, after the caches).
@@ -75,11 +75,10 @@ def substitute(expr, vmap: dict):
 
 def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32"):
     """One layer's cache tensors in argument order: [(field, shape, dtype)] — k, v, pos, fill, then
-    the policy's state. Generic (``Policy.entry_state`` with an observe kernel): one
-    ``state [S, H, N] float32``. A policy that wires its own site kernels (``emit_site_eviction``)
-    lists its own ``compiled_state`` instead: ``(name, "entry" | length, dtype)`` triples, an
-    "entry" tensor being [H, N] (D2O: accumulated attention [H, N], layer budget [2], τ [2]). The
-    pass, the manifest, the memory plan and the runtimes all read this one layout."""
+    the policy's state: for ``Policy.entry_state`` one ``state [S, H, N] float32``, then the
+    policy's own per-layer ``compiled_state`` (``(name, "entry" | length, dtype)`` triples, an
+    "entry" tensor being [H, N]; D2O: layer budget [2], τ [2]). The pass, the manifest, the
+    memory plan and the runtimes all read this one layout."""
     H, N, D = num_kv_heads, budget, head_dim
     fields = [("k", (H, N, D), dtype), ("v", (H, N, D), dtype), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
     cls = REGISTRY.get(policy)
@@ -88,7 +87,7 @@ def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dty
     S = kernel_spec(policy).num_state
     if S:
         fields.append((STATE_FIELD, (S, H, N), "float32"))
-    for name, length, dt in getattr(cls, "compiled_state", ()):
+    for name, length, dt in cls.compiled_state:
         fields.append((name, (H, N) if length == "entry" else (int(length),), dt))
     return fields
 
@@ -134,7 +133,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     S = kspec.num_state
     fields = [f for f, _, _ in cache_layout(1, 1, spec.budget, spec.policy, spec.dtype)]
     cache_vars = []
-    site_eviction = getattr(REGISTRY.get(spec.policy), "emit_site_eviction", None)
+    site_eviction = REGISTRY[spec.policy].emit_site_eviction
     extra_outputs = []
     for s in sites:
         layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype)
@@ -180,14 +179,15 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
+                # the policy's extra inputs (Policy.kernel_inputs), in its declared order
+                inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
                 if site_eviction is not None:  # a policy that wires its own kernels (D2O)
-                    new, extra = site_eviction(bb, kernel, site, spec, T, cache_vars[site.index], q, kb, vb, pos32, nv)
+                    new, extra = site_eviction(bb, kernel, site, spec, T, cache_vars[site.index], inputs,
+                                               kb, vb, pos32, nv)
                     new_caches.append(new)
                     extra_outputs.extend(extra)
                     continue
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
-                # the policy's extra inputs (Policy.kernel_inputs), in its declared order
-                inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
                 params_ = dict(spec.policy_params)
                 params_.update(site_params(spec.policy, Hq, site.sm_scale))
                 tag = policy_tag(spec.policy) + (f"_h{Hq}_{H}_d{D}" if kspec.needs_site else f"_h{H}_d{D}")

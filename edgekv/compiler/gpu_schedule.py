@@ -110,7 +110,7 @@ class ReplaceKernels:
         self.policy_params = dict(policy_params or {})
         self.sm_scales = dict(sm_scales or {})
         self.replaced: dict[str, str] = {}
-        self.policy_kernel = getattr(REGISTRY.get(policy), "gpu_kernel", None)
+        self.policy_kernel = REGISTRY[policy].gpu_kernel if policy in REGISTRY else None
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         updates = {}

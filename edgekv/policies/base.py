@@ -78,7 +78,7 @@ class Selection:
 
 
 # Compiled kernels beyond K/V — the one mechanism for policies that need the block's queries
-# and/or per-entry state (SnapKV, SnapKV++, TOVA, H2O; DapQ and D2O build on it).
+# and/or per-entry state (SnapKV, SnapKV++, TOVA, H2O, DapQ and D2O).
 #
 # ``kernel_inputs`` names extra graph tensors the block-cache pass hands to the policy's kernels
 # (``edgekv/compiler/block_cache.py`` knows how to get each one at an attention site):
@@ -109,6 +109,24 @@ KERNEL_INPUTS: dict[str, str] = {
 #
 # The GPU versions (``edgekv/compiler/gpu_kernels.py``: GPU_SCORE_KERNELS / GPU_OBSERVE_KERNELS,
 # keyed by policy name) take the same arguments.
+#
+# Two further extension points, for what the generic observe → score → select cannot express:
+#
+# Pseudo rows (DapQ). ``max_extra_tokens`` = w > 0 (with ``prepare`` / ``extra_tokens``, the same
+# methods the engine calls) makes the compiled prefill step B + w rows long: the last w rows are
+# the policy's pseudo tokens, filled by the host runtime every step; the block attention hides
+# them from the real rows, select never stores them, the score kernel reads their queries through
+# ``kernel_inputs`` (``edgekv/compiler/pseudo_rows.py``).
+#
+# Per-layer site hooks (D2O: per-layer budgets, merge-on-evict). ``emit_site_eviction(bb, kernel,
+# site, spec, block, caches, inputs, k_blk, v_blk, pos_blk, n_valid) -> (new caches, extra
+# outputs)`` replaces observe + score + select at every attention site; ``caches`` are the layer's
+# tensors of ``block_cache.cache_layout`` — k, v, pos, fill, the generic ``state`` (if
+# ``entry_state``) and then ``compiled_state``: per-layer tensors ``(name, "entry" | length,
+# dtype)`` allocated by the runtime and listed in the manifest's ``cache_fields``. ``gpu_kernel(name,
+# func, policy_params, sm_scales) -> (kind, PrimFunc) | None`` gives the GPU versions of the
+# kernels the hook emitted. Per-layer values that depend on the prompt are set by the host runtime
+# in ``HostRuntime.prepare`` (D2O's first-block probe writes ``d2o_budget``).
 
 
 class PolicyError(ValueError):
@@ -142,6 +160,11 @@ class Policy:
     # Builder of the per-step state-update kernel (required when ``entry_state`` is non-empty):
     # ``build(num_kv_heads, budget, block, head_dim, dtype, **kernel_params, **site)``.
     observe_kernel: ClassVar[Callable[..., Any] | None] = None
+    # Per-layer site hooks (see "Per-layer site hooks" above; D2O): the pass's per-site emitter,
+    # the per-layer cache tensors after k, v, pos, fill (and state), and the GPU kernel lookup.
+    emit_site_eviction: ClassVar[Callable[..., Any] | None] = None
+    compiled_state: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
+    gpu_kernel: ClassVar[Callable[..., Any] | None] = None
 
     def check_budget(self, budget: int, block: int) -> None:
         """Raise PolicyError if this policy cannot run with budget N and block B."""

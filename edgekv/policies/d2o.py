@@ -44,8 +44,8 @@ expands K/V to the query heads); the merge decision is per (head, evicted entry)
 evicts its own entries (the code averages m over heads).
 
 Compiled (``build_d2o_score_kernel``, ``build_d2o_evict_kernel`` and their ``_gpu`` versions, wired per
-attention site by ``emit_d2o_site``): each layer carries ``COMPILED_STATE`` beside its cache — the
-accumulated sums (compacted with the cache), (N_l, M_l) and τ. The budgets are state, set per prompt by
+attention site by ``emit_d2o_site``): each layer carries the accumulated sums as the generic per-entry
+``state`` tensor (compacted with the cache) and ``COMPILED_STATE`` — (N_l, M_l) and τ. The budgets are state, set per prompt by
 the host runtime with ``prompt_budgets`` from the compiled first block's column sums (docs/COMPILER.md).
 """
 
@@ -202,10 +202,13 @@ def merge_into(kept: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, 
 # ---- compiled kernels --------------------------------------------------------------------------
 MERGE_MODES = ("weighted", "code", "average")
 # What the compiled model carries per layer beside k, v, pos, fill (one tensor each, in this order):
-#   d2o_acc     [H, N] float32  accumulated column sums of the cached entries (compacted with them)
+#   state       [1, H, N] float32  the generic per-entry state of ``entry_state`` (Policy, "Compiled
+#                                  kernels beyond K/V"): the accumulated column sums of the cached
+#                                  entries, compacted with them
+# and D2O's own per-layer tensors (``compiled_state``):
 #   d2o_budget  [2] int32       N_l and M_l = ⌊N_l·recent_ratio⌋, set by the host per prompt
 #   d2o_tau     [2] float32     τ, and 1.0 once the layer's first eviction has set it
-COMPILED_STATE = (("d2o_acc", "entry", "float32"), ("d2o_budget", 2, "int32"), ("d2o_tau", 2, "float32"))
+COMPILED_STATE = (("d2o_budget", 2, "int32"), ("d2o_tau", 2, "float32"))
 
 
 def _merge_weight_fn(merge: str):
@@ -247,7 +250,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
                            sm_scale: float, dtype: str = "float32", sinks: int = 4):
     """TIR kernel: ``D2OPolicy.observe`` + ``D2OPolicy.score`` of one layer, on every step.
 
-    ``(q[1, Hq, B, d], k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc[H, N], d2o_budget[2])
+    ``(q[1, Hq, B, d], k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc[1, H, N], d2o_budget[2])
     -> (score[H, N+B], acc_cand[H, N+B], col_sums[Hq, N+B])``
 
     col_sums: per query head, Σ over the block's valid query rows of their attention probabilities
@@ -279,7 +282,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
         k_blk: T.Buffer((1, H, B, D), "float32"),
         pos_blk: T.Buffer((B,), "int32"),
         n_valid: T.Buffer((1,), "int32"),
-        acc: T.Buffer((H, N), "float32"),
+        acc: T.Buffer((1, H, N), "float32"),
         d2o_budget: T.Buffer((2,), "int32"),
         score: T.Buffer((H, NB), "float32"),
         acc_cand: T.Buffer((H, NB), "float32"),
@@ -320,7 +323,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
                             col_sums[hq, j] = col_sums[hq, j] + logit[j] / red[2]
         for h in T.parallel(H):
             with T.sblock("d2o_acc_score"):
-                T.reads(col_sums[h * G:h * G + G, 0:NB], acc[h, 0:N], pos_cache[h, 0:N], pos_blk[0:B], fill[0:1],
+                T.reads(col_sums[h * G:h * G + G, 0:NB], acc[0, h, 0:N], pos_cache[h, 0:N], pos_blk[0:B], fill[0:1],
                         n_valid[0:1], d2o_budget[0:2])
                 T.writes(acc_cand[h, 0:NB], score[h, 0:NB])
                 inc = T.sblock_alloc_buffer((1,), "float32")
@@ -330,7 +333,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
                     inc[0] = T.float32(0)
                     for g in T.serial(G):
                         inc[0] = inc[0] + col_sums[h * G + g, j]
-                    acc_cand[h, j] = T.if_then_else(j < nf2, acc[h, T.min(j, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
+                    acc_cand[h, j] = T.if_then_else(j < nf2, acc[0, h, T.min(j, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
                     score[h, j] = T.float32("-inf")
                     if j < n:
                         score[h, j] = acc_cand[h, j]
@@ -348,7 +351,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     ``update_threshold``, ``merge_into``) and the engine's compaction, in place.
 
     ``(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score[H, N+B],
-    acc_cand[H, N+B], d2o_budget[2], acc[H, N], d2o_tau[2])``; in place (``call_tir_inplace``):
+    acc_cand[H, N+B], d2o_budget[2], acc[1, H, N], d2o_tau[2])``; in place (``call_tir_inplace``):
     k_cache, v_cache, pos_cache, fill, acc, d2o_tau (indices 0, 1, 2, 3, 11, 12).
 
     When fill + n_valid ≤ N_l = ``d2o_budget[0]`` the block is appended (acc ← acc_cand). Otherwise
@@ -393,7 +396,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
         score: T.Buffer((H, NB), "float32"),
         acc_cand: T.Buffer((H, NB), "float32"),
         d2o_budget: T.Buffer((2,), "int32"),
-        acc: T.Buffer((H, N), "float32"),
+        acc: T.Buffer((1, H, N), "float32"),
         d2o_tau: T.Buffer((2,), "float32"),
     ):
         T.func_attr({"tirx.noalias": True})
@@ -513,7 +516,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
             with T.sblock("d2o_compact"):
                 T.reads(gone[h, 0:NB], k_new[h, 0:B, 0:D], v_new[h, 0:B, 0:D], acc_cand[h, 0:NB], pos_blk[0:B],
                         fill[0:1], n_valid[0:1], d2o_budget[0:2])
-                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], pos_cache[h, 0:N], acc[h, 0:N])
+                T.writes(k_cache[h, 0:N, 0:D], v_cache[h, 0:N, 0:D], pos_cache[h, 0:N], acc[0, h, 0:N])
                 cnt4 = T.sblock_alloc_buffer((1,), "int32")
                 nf4: T.let[T.int32] = fill[0]
                 # kept[j] ≥ j: writing row j from candidate kept[j] in ascending j never overwrites a
@@ -534,7 +537,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
                                         k_cache[h, cnt4[0], c] = k_new[h, i - nf4, c]
                                         v_cache[h, cnt4[0], c] = v_new[h, i - nf4, c]
                                     pos_cache[h, cnt4[0]] = pos_blk[i - nf4]
-                                acc[h, cnt4[0]] = acc_cand[h, i]
+                                acc[0, h, cnt4[0]] = acc_cand[h, i]
                                 cnt4[0] = cnt4[0] + 1
         with T.sblock("d2o_fill"):
             fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
@@ -578,7 +581,7 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
         k_blk: T.Buffer((1, H, B, D), "float32"),
         pos_blk: T.Buffer((B,), "int32"),
         n_valid: T.Buffer((1,), "int32"),
-        acc: T.Buffer((H, N), "float32"),
+        acc: T.Buffer((1, H, N), "float32"),
         d2o_budget: T.Buffer((2,), "int32"),
         score: T.Buffer((H, NB), "float32"),
         acc_cand: T.Buffer((H, NB), "float32"),
@@ -654,7 +657,7 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
                             for g in T.serial(G):
                                 inc[0] = inc[0] + col_sums[h * G + g, T.min(u * NT + tx, NB - 1)]
                             acc_cand[h, T.min(u * NT + tx, NB - 1)] = T.if_then_else(
-                                u * NT + tx < nf2, acc[h, T.min(u * NT + tx, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
+                                u * NT + tx < nf2, acc[0, h, T.min(u * NT + tx, N - 1)], T.float32(0)) + inc[0] / T.float32(G)
                             score[h, T.min(u * NT + tx, NB - 1)] = T.float32("-inf")
                             if u * NT + tx < n:
                                 score[h, T.min(u * NT + tx, NB - 1)] = acc_cand[h, T.min(u * NT + tx, NB - 1)]
@@ -713,7 +716,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
         score: T.Buffer((H, NB), "float32"),
         acc_cand: T.Buffer((H, NB), "float32"),
         d2o_budget: T.Buffer((2,), "int32"),
-        acc: T.Buffer((H, N), "float32"),
+        acc: T.Buffer((1, H, N), "float32"),
         d2o_tau: T.Buffer((2,), "float32"),
     ):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
@@ -867,7 +870,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                                         if c == 0:
                                             pos_cache[h, cnt4[0]] = pos_blk[T.min(i - nf4, B - 1)]
                                     if c == 0:
-                                        acc[h, cnt4[0]] = acc_cand[h, i]
+                                        acc[0, h, cnt4[0]] = acc_cand[h, i]
                                     cnt4[0] = cnt4[0] + 1
         for _b in T.thread_binding(1, thread="blockIdx.x"):
             for _t in T.thread_binding(1, thread="threadIdx.x"):
@@ -902,10 +905,11 @@ def d2o_gpu_kernel(name: str, func, policy_params: dict, sm_scales: dict):
     return None
 
 
-def emit_d2o_site(bb, kernel, site, spec, block, caches, q, k_blk, v_blk, pos_blk, n_valid):
+def emit_d2o_site(bb, kernel, site, spec, block, caches, inputs, k_blk, v_blk, pos_blk, n_valid):
     """The block-cache pass's hook (``D2OPolicy.emit_site_eviction``): at one attention site emit
     the score kernel and the in-place eviction kernel over the site's caches
-    (k, v, pos, fill, d2o_acc, d2o_budget, d2o_tau). Returns (the site's new caches, [col_sums]):
+    (k, v, pos, fill, state = the accumulated sums [1, H, N], d2o_budget, d2o_tau); ``inputs`` are
+    the policy's ``kernel_inputs`` tensors (the block's queries). Returns (the site's new caches, [col_sums]):
     the per-query-head column sums of the step leave the function as an extra output, for the
     host's layer-budget probe (``d2o_layer_budgets``)."""
     from tvm import relax  # lazy: tvm is the optional `compile` extra
@@ -914,6 +918,7 @@ def emit_d2o_site(bb, kernel, site, spec, block, caches, q, k_blk, v_blk, pos_bl
     params = dict(spec.policy_params)
     sinks = int(params.pop("sinks"))
     kc, vc, pc, fc, acc, layer_budget, tau = caches
+    (q,) = inputs
     score_gv = kernel(f"d2o_score_h{Hq}_{H}_d{D}_s{sinks}",
                       lambda: build_d2o_score_kernel(Hq, H, N, T_, D, site.sm_scale, spec.dtype, sinks))
     evict_gv = kernel(f"d2o_evict_h{H}_d{D}",
@@ -935,6 +940,7 @@ class D2OPolicy(Policy):
     needs_queries = True
     observes_every_step = True
     entry_state = (STATE,)
+    kernel_inputs = ("queries",)
     # compiled: the eviction kernel (the score kernel needs the queries, so the pass asks
     # ``emit_site_eviction`` to wire both), and the per-layer state the compiled model carries
     evict_kernel = staticmethod(build_d2o_evict_kernel)

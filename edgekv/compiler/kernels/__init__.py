@@ -64,10 +64,10 @@ def kernel_spec(policy: str) -> KernelSpec:
     unknown = [i for i in cls.kernel_inputs if i not in KERNEL_INPUTS]
     if unknown:
         raise ValueError(f"policy '{policy}' asks for kernel inputs {unknown}; known: {', '.join(KERNEL_INPUTS)}")
-    if getattr(cls, "emit_site_eviction", None) is not None:
-        # the policy wires its own site kernels and declares its own cache state (D2O:
-        # ``compiled_state``); the generic inputs / state tensor / observe kernel are not used
-        return KernelSpec(policy, (), (), False)
+    if cls.emit_site_eviction is not None:
+        # the policy wires its own site kernels (D2O): it gets the inputs and the generic state
+        # tensor in its cache, but no generic observe / score / select, so needs no observe kernel
+        return KernelSpec(policy, tuple(cls.kernel_inputs), tuple(cls.entry_state), False)
     if cls.entry_state and cls.evict_kernel is not None and cls.observe_kernel is None:
         raise UnsupportedPolicyError(f"policy '{policy}' keeps per-entry state but has no observe kernel")
     return KernelSpec(policy, tuple(cls.kernel_inputs), tuple(cls.entry_state), cls.observe_kernel is not None)
