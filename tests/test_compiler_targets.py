@@ -154,7 +154,7 @@ def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
     if target == "hexagon":
         with tarfile.open(out / "model.tar") as tf:
             blob = b"".join(tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".o"))
-        for k in (b"prefill_block_score_dapq_h2_d16", b"decode_score_dapq_h2_d16", b"prefill_block_attention_h4_2_d16_x4",
+        for k in (b"prefill_block_score_dapq_h4_2_d16", b"decode_score_dapq_h4_2_d16", b"prefill_block_attention_h4_2_d16_x4",
                   b"prefill_block_select_h2_d16_score"):
             assert k in blob
         assert dev["elf_machine"] == [164]
@@ -164,7 +164,7 @@ def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
         assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
     assert host_functions_on_host(res.executable) == []
     assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
-    for name in ("prefill_block_score_dapq_h2_d16", "decode_score_dapq_h2_d16", "prefill_block_attention_h4_2_d16_x4",
+    for name in ("prefill_block_score_dapq_h4_2_d16", "decode_score_dapq_h4_2_d16", "prefill_block_attention_h4_2_d16_x4",
                  "decode_attention_h4_2_d16", "prefill_block_select_h2_d16_score"):
         assert re.search(rf"\b{name}_kernel\w*\(", src), name
     assert dev["symbolic_shapes"] == {}
