@@ -36,10 +36,14 @@ def vexp(x):
     """exp(x) for fp32 as plain arithmetic, so LLVM vectorises it (``T.exp`` becomes one libm
     call per lane): x = n·ln2 + r with |r| ≤ ln2/2 (two-constant reduction), a degree-7
     polynomial for e^r, 2^n built in the exponent bits. Max rel. error ~2e-7; x ≤ −88.38
-    (including −inf) gives exactly 0."""
+    (including −inf) gives exactly 0. ``x`` may be a vector (``float32xL``, as an intrinsic
+    lowering sees it after vectorisation): the constants take its lanes."""
     from tvm import tirx
 
-    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    dt = str(getattr(x, "ty", "float32"))
+    lanes = dt[len("float32"):]  # "" or "x16"
+    f32 = lambda v: tirx.const(v, dt)  # noqa: E731
+    i32 = lambda v: tirx.const(v, "int32" + lanes)  # noqa: E731
     xc = tirx.max(tirx.min(x, f32(88.3762626647949)), f32(-88.3762626647949))
     n = tirx.floor(xc * f32(1.44269504088896341) + f32(0.5))
     r = xc - n * f32(0.693359375) + n * f32(2.12194440e-4)
@@ -47,8 +51,8 @@ def vexp(x):
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         p = p * r + f32(c)
     p = p * r * r + r + f32(1.0)
-    bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))
-    return p * tirx.reinterpret("float32", bits)
+    bits = tirx.shift_left(tirx.Cast("int32" + lanes, n) + i32(127), i32(23))
+    return p * tirx.reinterpret(dt, bits)
 
 
 def _largest_divisor(n: int, candidates) -> int:
