@@ -47,6 +47,7 @@ def _lower_sigmoid(call):
 # 99 takes precedence over TVM's default rule
 tirx.op.register_intrin_lowering("tirx.sigmoid", "llvm", f=_lower_sigmoid, level=99)
 JTILE = 32
+MIN_PARALLEL_WORK = 1 << 14  # loop iterations below which an elementwise kernel stays serial
 ITILE = 4
 
 
@@ -143,15 +144,22 @@ def schedule_elementwise(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         reduce_ = [l for l, k in zip(loops, kinds) if k != tirx.IterVar.DataPar]
         if not spatial or (reduce_ and loops.index(reduce_[0]) < len(spatial)):
             return None  # a reduction loop outside a spatial one: leave the function alone
+        work = 1
+        for l in loops:
+            work *= _int(sch.get(l).extent) or 0
         fused = sch.fuse(*spatial)
         extent = _int(sch.get(fused).extent)
         if extent is None:
             return None
+        # a parallel region costs a few µs to wake the pool: not worth it for decode's
+        # one-row kernels (hundreds of them per token)
+        parallel = work >= MIN_PARALLEL_WORK
         if not reduce_ and extent % VEC == 0 and extent >= 2 * VEC:
             outer, inner = sch.split(fused, factors=[None, VEC])
-            sch.parallel(outer)
+            if parallel:
+                sch.parallel(outer)
             sch.vectorize(inner)
-        elif extent > 1:
+        elif extent > 1 and parallel:
             sch.parallel(fused)
     return sch.mod["main"]
 
