@@ -176,6 +176,25 @@ def test_block_attention_matches_oracle(case):
     np.testing.assert_allclose(t[-1].numpy(), ref, rtol=2e-5, atol=2e-5)
 
 
+def _scheduled_vs_default(mod, inputs, pre=()):
+    """(the rules ScheduleCPU applied, [output of the edgekv CPU pipeline, output of TVM's
+    default unscheduled lowering]) for ``mod``'s ``main`` on ``inputs``; ``pre``: Relax passes
+    the pipeline runs before legalization (FuseTransposeMatmul)."""
+    from tvm.relax.backend.cpu_generic import pipeline as P
+
+    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
+
+    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    with tgt:
+        rules = ScheduleCPU()
+        rules(tvm.transform.Sequential(list(pre) + P.legalize_passes(tgt))(mod))
+    outs = []
+    for pipe in (cpu_pipeline(tgt), None):
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in inputs]).numpy())
+    return rules.scheduled, outs
+
+
 # ---- GEMM / GEMV rules (cpu_schedule.ScheduleCPU) against TVM's unscheduled lowering ----
 
 # (lead dims, M, K, N): SmolLM2's prefill GEMMs and decode GEMVs, and odd sizes (prime M/K,
@@ -186,10 +205,6 @@ GEMM_CASES = [((1,), 128, 576, 192), ((), 128, 1536, 576), ((1,), 1, 576, 1536),
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[str(c) for c in GEMM_CASES])
 def test_scheduled_gemm_equals_unscheduled(case):
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
-
     lead, M, K, Nn = case
     bb = relax.BlockBuilder()
     x = relax.Var("x", _ty(lead + (M, K)))
@@ -198,19 +213,11 @@ def test_scheduled_gemm_equals_unscheduled(case):
         with bb.dataflow():
             y = bb.emit_output(relax.op.matmul(x, w))
         bb.emit_func_output(y)
-    mod = bb.get()
-    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    with tgt:
-        rules = ScheduleCPU()
-        rules(tvm.transform.Sequential(P.legalize_passes(tgt))(mod))
-    if Nn % 16 == 0:
-        assert rules.scheduled and rules.scheduled[0][1] == "dense", rules.scheduled
     rng = np.random.default_rng(M * K + Nn)
     a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((K, Nn)).astype("float32")]
-    outs = []
-    for pipe in (cpu_pipeline(tgt), None):  # scheduled, and TVM's default (unscheduled) lowering
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    scheduled, outs = _scheduled_vs_default(bb.get(), a)
+    if Nn % 16 == 0:
+        assert scheduled and scheduled[0][1] == "dense", scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
     np.testing.assert_allclose(outs[0], a[0] @ a[1], rtol=1e-4, atol=1e-4)
 
@@ -247,10 +254,6 @@ NT_CASES = [((), 1, 576, 4096), ((1,), 1, 64, 256), ((), 3, 32, 12), ((), 2, 24,
 
 @pytest.mark.parametrize("case", NT_CASES, ids=[str(c) for c in NT_CASES])
 def test_scheduled_nt_gemm_equals_unscheduled(case):
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
-
     lead, M, K, Nn = case
     bb = relax.BlockBuilder()
     x = relax.Var("x", _ty(lead + (M, K)))
@@ -259,18 +262,10 @@ def test_scheduled_nt_gemm_equals_unscheduled(case):
         with bb.dataflow():
             y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
         bb.emit_func_output(y)
-    mod = bb.get()
-    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    with tgt:
-        rules = ScheduleCPU()
-        rules(tvm.transform.Sequential([relax.transform.FuseTransposeMatmul()] + P.legalize_passes(tgt))(mod))
-    assert rules.scheduled and rules.scheduled[0][1] == ("dense" if K % 16 == 0 else "nt_matmul"), rules.scheduled
     rng = np.random.default_rng(K + Nn)
     a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((Nn, K)).astype("float32")]
-    outs = []
-    for pipe in (cpu_pipeline(tgt), None):
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    scheduled, outs = _scheduled_vs_default(bb.get(), a, [relax.transform.FuseTransposeMatmul()])
+    assert scheduled and scheduled[0][1] == ("dense" if K % 16 == 0 else "nt_matmul"), scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
 
 
@@ -304,10 +299,6 @@ EW_CASES = [("silu_mul", [(128, 1536), (128, 1536)]), ("silu_mul", [(1, 1536), (
 
 @pytest.mark.parametrize("case", EW_CASES, ids=[f"{n}-{s}" for n, s in EW_CASES])
 def test_elementwise_rule_equals_unscheduled(case):
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
-
     kind, shapes = case
     bb = relax.BlockBuilder()
     vs = [relax.Var(f"a{i}", _ty(s)) for i, s in enumerate(shapes)]
@@ -316,18 +307,10 @@ def test_elementwise_rule_equals_unscheduled(case):
             out = {"silu_mul": _silu_mul, "rmsnorm": _rmsnorm, "rope": _rope}[kind](bb, *vs, shapes)
             out = bb.emit_output(out)
         bb.emit_func_output(out)
-    mod = bb.get()
-    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    with tgt:
-        rules = ScheduleCPU()
-        rules(tvm.transform.Sequential(P.legalize_passes(tgt))(mod))
-    assert any(r == "elementwise" for _, r in rules.scheduled), rules.scheduled
     rng = np.random.default_rng(sum(map(sum, shapes)))
     a = [rng.standard_normal(s).astype("float32") * 3 for s in shapes]
-    outs = []
-    for pipe in (cpu_pipeline(tgt), None):  # scheduled, and TVM's default (unscheduled) lowering
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    scheduled, outs = _scheduled_vs_default(bb.get(), a)
+    assert any(r == "elementwise" for _, r in scheduled), scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     x = a[0].astype(np.float64)
     if kind == "silu_mul":  # and both against float64 numpy (the sigmoid is the polynomial one)

@@ -17,7 +17,10 @@ i-j-k loop nest (~1 GFLOP/s here). The rules, in order:
   W[.., k, j]`` (odd sizes) → parallel(fused outer, j-outer) → k → i-inner (unrolled) →
   j-inner (vectorized);
 * ``NTMatmulRule``: other ``NT_matmul`` functions (K not a multiple of 16) → scalar dot
-  products, parallel over the output.
+  products, parallel over the output;
+* ``ElementwiseRule``: everything else FuseOps/FuseTIR made (reshapes, RoPE, RMSNorm, SiLU·mul)
+  → inline every block that can be, parallel + 16-lane vectorised over the spatial loops
+  (``schedule_elementwise``); ``T.sigmoid`` is lowered with a polynomial exp (below).
 
 The hand-written TIR kernels (block attention, eviction score/select) carry their schedule in
 their own code (parallel outer loops, vector lanes) and are not touched here.
