@@ -266,16 +266,17 @@ def bench_compiled_run(rt, ids, decode_tokens: int) -> dict:
     rt.reset()
     rt.step_block(ids[: rt.block])  # warm-up
     rt.reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = rt.prefill(ids)
-    pre = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    pre, pre_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(decode_tokens):
         logits = rt.decode(int(np.argmax(logits)))
-    dec = time.perf_counter() - t0
+    dec, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
     blocks = rt.stats.block_seconds
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
-            "decode_tok_s": decode_tokens / dec, "block_seconds_median": statistics.median(blocks)}
+            "decode_tok_s": decode_tokens / dec, "block_seconds_median": statistics.median(blocks),
+            "prefill_cpu_seconds": pre_cpu, "decode_cpu_seconds": dec_cpu}
 
 
 def bench_eager_run(model, policy, budget, block, ids, decode_tokens: int) -> dict:
@@ -287,15 +288,15 @@ def bench_eager_run(model, policy, budget, block, ids, decode_tokens: int) -> di
     with torch.no_grad():
         BlockEngine(model, policy, budget, block).prefill(ids_t[:block])
         eng = BlockEngine(model, policy, budget, block)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = eng.prefill(ids_t)
-        pre = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        pre, pre_cpu = time.perf_counter() - t0, time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(decode_tokens):
             logits = eng.decode(int(logits.argmax()))
-        dec = time.perf_counter() - t0
+        dec, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
-            "decode_tok_s": decode_tokens / dec}
+            "decode_tok_s": decode_tokens / dec, "prefill_cpu_seconds": pre_cpu, "decode_cpu_seconds": dec_cpu}
 
 
 def bench_hf_run(hf, ids, decode_tokens: int) -> dict:
@@ -305,8 +306,10 @@ def bench_hf_run(hf, ids, decode_tokens: int) -> dict:
 
     ids_t = torch.from_numpy(ids)
     _hf_generate(hf, ids_t[:128], 1)
+    c0 = time.process_time()
     pre, dec = _hf_generate(hf, ids_t, decode_tokens)
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
+            "prefill_decode_cpu_seconds": time.process_time() - c0,
             "decode_tok_s": decode_tokens / dec, "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
 
 
@@ -360,14 +363,17 @@ def write_markdown(r: dict, path: Path) -> None:
         L.append("")
     if "e2e" in r:
         L.append("## Whole model: prefill and decode\n")
-        L.append("| prompt | system | prefill tok/s | decode tok/s | prefill s |\n|---|---|---|---|---|")
+        L.append("| prompt | system | prefill tok/s | decode tok/s | prefill s | CPU s (prefill + decode) |\n"
+                 "|---|---|---|---|---|---|")
         for plen, rows in r["e2e"].items():
             for sysname, v in rows.items():
                 if "error" in v:
-                    L.append(f"| {plen} | {sysname} | — | — | {v['error']} |")
+                    L.append(f"| {plen} | {sysname} | — | — | {v['error']} | |")
                 else:
+                    cpu = v.get("prefill_decode_cpu_seconds",
+                                v.get("prefill_cpu_seconds", float("nan")) + v.get("decode_cpu_seconds", float("nan")))
                     L.append(f"| {plen} | {sysname} | {v['prefill_tok_s']:.0f} | {v['decode_tok_s']:.1f} | "
-                             f"{v['prefill_seconds']:.1f} |")
+                             f"{v['prefill_seconds']:.1f} | {cpu:.1f} |")
         L.append("")
         L.append(f"Decode: {a['decode_tokens']} greedy tokens after the prompt (compiled and eager engine: N = "
                  f"{a['budget']} cache; HF: full cache at the prompt's length). Each system ran "
