@@ -190,6 +190,25 @@ def test_block_attention_matches_oracle(case):
     np.testing.assert_allclose(t[-1].numpy(), ref, rtol=2e-5, atol=2e-5)
 
 
+def _scheduled_vs_default(mod, inputs, pre=()):
+    """(the rules ScheduleCPU applied, [output of the edgekv CPU pipeline, output of TVM's
+    default unscheduled lowering]) for ``mod``'s ``main`` on ``inputs``; ``pre``: Relax passes
+    the pipeline runs before legalization (FuseTransposeMatmul)."""
+    from tvm.relax.backend.cpu_generic import pipeline as P
+
+    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
+
+    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    with tgt:
+        rules = ScheduleCPU()
+        rules(tvm.transform.Sequential(list(pre) + P.legalize_passes(tgt))(mod))
+    outs = []
+    for pipe in (cpu_pipeline(tgt), None):
+        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
+        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in inputs]).numpy())
+    return rules.scheduled, outs
+
+
 # ---- GEMM / GEMV rules (cpu_schedule.ScheduleCPU) against TVM's unscheduled lowering ----
 
 # (lead dims, M, K, N): SmolLM2's prefill GEMMs and decode GEMVs, and odd sizes (prime M/K,
@@ -200,10 +219,6 @@ GEMM_CASES = [((1,), 128, 576, 192), ((), 128, 1536, 576), ((1,), 1, 576, 1536),
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[str(c) for c in GEMM_CASES])
 def test_scheduled_gemm_equals_unscheduled(case):
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
-
     lead, M, K, Nn = case
     bb = relax.BlockBuilder()
     x = relax.Var("x", _ty(lead + (M, K)))
@@ -212,19 +227,11 @@ def test_scheduled_gemm_equals_unscheduled(case):
         with bb.dataflow():
             y = bb.emit_output(relax.op.matmul(x, w))
         bb.emit_func_output(y)
-    mod = bb.get()
-    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    with tgt:
-        rules = ScheduleCPU()
-        rules(tvm.transform.Sequential(P.legalize_passes(tgt))(mod))
-    if Nn % 16 == 0:
-        assert rules.scheduled and rules.scheduled[0][1] == "dense", rules.scheduled
     rng = np.random.default_rng(M * K + Nn)
     a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((K, Nn)).astype("float32")]
-    outs = []
-    for pipe in (cpu_pipeline(tgt), None):  # scheduled, and TVM's default (unscheduled) lowering
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    scheduled, outs = _scheduled_vs_default(bb.get(), a)
+    if Nn % 16 == 0:
+        assert scheduled and scheduled[0][1] == "dense", scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
     np.testing.assert_allclose(outs[0], a[0] @ a[1], rtol=1e-4, atol=1e-4)
 
@@ -261,10 +268,6 @@ NT_CASES = [((), 1, 576, 4096), ((1,), 1, 64, 256), ((), 3, 32, 12), ((), 2, 24,
 
 @pytest.mark.parametrize("case", NT_CASES, ids=[str(c) for c in NT_CASES])
 def test_scheduled_nt_gemm_equals_unscheduled(case):
-    from tvm.relax.backend.cpu_generic import pipeline as P
-
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
-
     lead, M, K, Nn = case
     bb = relax.BlockBuilder()
     x = relax.Var("x", _ty(lead + (M, K)))
@@ -273,18 +276,10 @@ def test_scheduled_nt_gemm_equals_unscheduled(case):
         with bb.dataflow():
             y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
         bb.emit_func_output(y)
-    mod = bb.get()
-    tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    with tgt:
-        rules = ScheduleCPU()
-        rules(tvm.transform.Sequential([relax.transform.FuseTransposeMatmul()] + P.legalize_passes(tgt))(mod))
-    assert rules.scheduled and rules.scheduled[0][1] == ("dense" if K % 16 == 0 else "nt_matmul"), rules.scheduled
     rng = np.random.default_rng(K + Nn)
     a = [rng.standard_normal(lead + (M, K)).astype("float32"), rng.standard_normal((Nn, K)).astype("float32")]
-    outs = []
-    for pipe in (cpu_pipeline(tgt), None):
-        ex = tvm.compile(mod, target=tgt, relax_pipeline=pipe) if pipe else tvm.compile(mod, target=tgt)
-        outs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(v) for v in a]).numpy())
+    scheduled, outs = _scheduled_vs_default(bb.get(), a, [relax.transform.FuseTransposeMatmul()])
+    assert scheduled and scheduled[0][1] == ("dense" if K % 16 == 0 else "nt_matmul"), scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
 
 
@@ -402,3 +397,78 @@ def test_query_policy_kernels_match_reference(qvm, name, fill, n_valid):
     np.testing.assert_allclose(score[finite], ref[finite], rtol=1e-5, atol=1e-6)
     kept = topk_keep(torch.from_numpy(score), N).numpy()
     np.testing.assert_array_equal(kept, pol.select(ctx).kept.numpy())
+
+# ---- ElementwiseRule (fused elementwise / norm / RoPE kernels) and the sigmoid lowering ----
+
+def _rmsnorm(bb, x, w, shapes):
+    ms = bb.emit(relax.op.mean(relax.op.multiply(x, x), axis=[-1], keepdims=True))
+    return bb.emit(relax.op.multiply(relax.op.multiply(x, relax.op.rsqrt(relax.op.add(ms, relax.const(1e-5)))), w))
+
+
+def _silu_mul(bb, x, y, shapes):
+    return bb.emit(relax.op.multiply(relax.op.multiply(x, relax.op.sigmoid(x)), y))
+
+
+def _rope(bb, x, cos, shapes):
+    # [1, T, H*d] → [1, H, T, d], rotate halves, scale: the reshape/transpose/slice/concat chain
+    (_, Tn, HD), (_, d) = shapes
+    h = bb.emit(relax.op.permute_dims(relax.op.reshape(x, (1, Tn, HD // d, d)), [0, 2, 1, 3]))
+    a = relax.op.strided_slice(h, axes=[3], begin=[0], end=[d // 2])
+    b = relax.op.strided_slice(h, axes=[3], begin=[d // 2], end=[d])
+    rot = relax.op.concat([relax.op.negative(b), a], axis=3)
+    return bb.emit(relax.op.add(relax.op.multiply(h, cos), relax.op.multiply(rot, cos)))
+
+
+# (name, input shapes): SmolLM2's prefill and decode shapes, and odd sizes (prime rows and
+# widths not a multiple of the 16 vector lanes)
+EW_CASES = [("silu_mul", [(128, 1536), (128, 1536)]), ("silu_mul", [(1, 1536), (1, 1536)]),
+            ("silu_mul", [(13, 37), (13, 37)]), ("rmsnorm", [(1, 128, 576), (576,)]),
+            ("rmsnorm", [(1, 7, 29), (29,)]), ("rope", [(1, 128, 576), (128, 64)]), ("rope", [(1, 11, 30), (11, 10)])]
+
+
+@pytest.mark.parametrize("case", EW_CASES, ids=[f"{n}-{s}" for n, s in EW_CASES])
+def test_elementwise_rule_equals_unscheduled(case):
+    kind, shapes = case
+    bb = relax.BlockBuilder()
+    vs = [relax.Var(f"a{i}", _ty(s)) for i, s in enumerate(shapes)]
+    with bb.function("main", vs):
+        with bb.dataflow():
+            out = {"silu_mul": _silu_mul, "rmsnorm": _rmsnorm, "rope": _rope}[kind](bb, *vs, shapes)
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    rng = np.random.default_rng(sum(map(sum, shapes)))
+    a = [rng.standard_normal(s).astype("float32") * 3 for s in shapes]
+    scheduled, outs = _scheduled_vs_default(bb.get(), a)
+    assert any(r == "elementwise" for _, r in scheduled), scheduled
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    x = a[0].astype(np.float64)
+    if kind == "silu_mul":  # and both against float64 numpy (the sigmoid is the polynomial one)
+        np.testing.assert_allclose(outs[0], x / (1 + np.exp(-x)) * a[1], rtol=1e-5, atol=1e-5)
+    elif kind == "rmsnorm":
+        np.testing.assert_allclose(outs[0], x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * a[1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_sigmoid_lowering_matches_numpy_at_extremes():
+    """``T.sigmoid`` lowered through the polynomial exp (cpu_schedule registers it for llvm):
+    vectorised and scalar, over the whole float range including ±inf."""
+    import edgekv.compiler.cpu_schedule  # noqa: F401 - registers the lowering
+    from tvm.script import tirx as T
+
+    n = 4096
+
+    @T.prim_func
+    def sig(a: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), c: T.Buffer((n,), "float32")):
+        for i in T.serial(n // 16):
+            for l in T.vectorized(16):
+                b[i * 16 + l] = T.sigmoid(a[i * 16 + l])
+        for i in T.serial(n):
+            c[i] = T.sigmoid(a[i])
+
+    lib = tvm.compile(tvm.IRModule({"main": sig}), target=tvm.target.Target({"kind": "llvm"}))
+    x = np.concatenate([np.linspace(-120, 120, n - 6), [-np.inf, np.inf, -88.5, 88.5, 0.0, -0.0]]).astype("float32")
+    t = [tvm.runtime.tensor(v) for v in (x, np.zeros(n, "float32"), np.zeros(n, "float32"))]
+    lib["main"](*t)
+    ref = 1 / (1 + np.exp(-x.astype(np.float64)))
+    for got in (t[1].numpy(), t[2].numpy()):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)

@@ -59,19 +59,24 @@ def profile_block(rt, reps: int = 3) -> dict:
     B, N = rt.block, rt.budget
     rng = np.random.default_rng(0)
     per: dict[str, list[float]] = collections.defaultdict(list)
+    per_cpu: dict[str, list[float]] = collections.defaultdict(list)  # process CPU time (all threads)
     totals = []
     for rep in range(reps):
         rt.reset()
         for s in range(0, N, B):
             rt.step_block(rng.integers(0, 1000, B))
         agg: dict[str, float] = collections.defaultdict(float)
+        cpu_agg: dict[str, float] = collections.defaultdict(float)
         start: dict[str, float] = {}
+
+        cpu_start: dict[str, float] = {}
 
         def instr(func, name, before, ret, *args):
             if before:
-                start[name] = time.perf_counter()
+                start[name], cpu_start[name] = time.perf_counter(), time.process_time()
             else:
                 agg[name] += time.perf_counter() - start.pop(name, time.perf_counter())
+                cpu_agg[name] += time.process_time() - cpu_start.pop(name, time.process_time())
             return 0
 
         tok = tvm.runtime.tensor(rng.integers(0, 1000, B).astype("int64"))
@@ -84,18 +89,23 @@ def profile_block(rt, reps: int = 3) -> dict:
         rt.vm.set_instrument(None) if hasattr(rt.vm, "set_instrument") else None
         for k, v in agg.items():
             per[k].append(v)
+            per_cpu[k].append(cpu_agg[k])
     rt.reset()
     med = {k: statistics.median(v) for k, v in per.items()}
+    med_cpu = {k: statistics.median(v) for k, v in per_cpu.items()}
     kinds: dict[str, float] = collections.defaultdict(float)
+    kinds_cpu: dict[str, float] = collections.defaultdict(float)
     for k, v in med.items():
         kinds[kind_of(k)] += v
+        kinds_cpu[kind_of(k)] += med_cpu[k]
     tot = sum(kinds.values())
     evict = kinds.get("eviction: score", 0.0) + kinds.get("eviction: select+compact", 0.0)
     return {
         "block_seconds_instrumented": statistics.median(totals),
         "kernels_seconds": tot,
-        "by_kind": {k: {"seconds": v, "share": v / tot} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": k, "seconds": v, "kind": kind_of(k)} for k, v in
+        "by_kind": {k: {"seconds": v, "share": v / tot, "cpu_seconds": kinds_cpu[k]}
+                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": k, "seconds": v, "cpu_seconds": med_cpu[k], "kind": kind_of(k)} for k, v in
                         sorted(med.items(), key=lambda kv: -kv[1])[:15]],
         "eviction_share": evict / tot,
     }
@@ -112,7 +122,24 @@ def gemm_shapes(cfg, block: int) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def bench_gemm(shapes, target_obj, threads: int, reps: int = 20) -> list[dict]:
+def _time_pair(f_tvm, f_torch, reps: int) -> dict:
+    """Interleaved timing of two callables (TVM, torch): per rep, 5 calls each; wall (min) and
+    process CPU time (median) per call. At one thread CPU time is the figure that survives a
+    loaded box (a lost timeslice costs wall time, not CPU time)."""
+    f_tvm(), f_torch()
+    out = {"tvm_wall": [], "torch_wall": [], "tvm_cpu": [], "torch_cpu": []}
+    for _ in range(reps):
+        for key, f in (("tvm", f_tvm), ("torch", f_torch)):
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(5):
+                f()
+            out[f"{key}_wall"].append((time.perf_counter() - w0) / 5)
+            out[f"{key}_cpu"].append((time.process_time() - c0) / 5)
+    return {"tvm_wall_s": min(out["tvm_wall"]), "torch_wall_s": min(out["torch_wall"]),
+            "tvm_cpu_s": statistics.median(out["tvm_cpu"]), "torch_cpu_s": statistics.median(out["torch_cpu"])}
+
+
+def bench_gemm(shapes, target_obj, reps: int = 7) -> list[dict]:
     """Each shape through the same Relax CPU pipeline as the model (legalize + edgekv's GEMM
     rules), weights [K, N] as the pretransposed model stores them, vs torch.matmul."""
     import torch
@@ -121,7 +148,6 @@ def bench_gemm(shapes, target_obj, threads: int, reps: int = 20) -> list[dict]:
 
     from edgekv.compiler.cpu_schedule import cpu_pipeline
 
-    torch.set_num_threads(threads)
     res = []
     for name, M, K, Nn in shapes:
         bb = relax.BlockBuilder()
@@ -136,27 +162,92 @@ def bench_gemm(shapes, target_obj, threads: int, reps: int = 20) -> list[dict]:
         rng = np.random.default_rng(0)
         xa, wa = rng.standard_normal((M, K)).astype("float32"), rng.standard_normal((K, Nn)).astype("float32")
         xt, wt = tvm.runtime.tensor(xa), tvm.runtime.tensor(wa)
-        time.sleep(QUIESCE_S)
         got = vm["main"](xt, wt).numpy()
         err = float(np.abs(got - xa @ wa).max() / np.abs(xa @ wa).max())
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            vm["main"](xt, wt)
-            ts.append(time.perf_counter() - t0)
         xtt, wtt = torch.from_numpy(xa), torch.from_numpy(wa)
-        time.sleep(QUIESCE_S)  # let TVM's pool workers stop spinning before torch's threads run
-        torch.matmul(xtt, wtt)
-        tt = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.matmul(xtt, wtt)
-            tt.append(time.perf_counter() - t0)
+        t = _time_pair(lambda: vm["main"](xt, wt), lambda: torch.matmul(xtt, wtt), reps)
         flop = 2.0 * M * K * Nn
-        res.append({"name": name, "M": M, "K": K, "N": Nn, "tvm_ms": 1e3 * min(ts), "torch_ms": 1e3 * min(tt),
-                    "tvm_gflops": flop / min(ts) / 1e9, "torch_gflops": flop / min(tt) / 1e9, "max_rel_err": err})
+        res.append({"name": name, "M": M, "K": K, "N": Nn, **t, "max_rel_err": err,
+                    "tvm_gflops": flop / t["tvm_cpu_s"] / 1e9, "torch_gflops": flop / t["torch_cpu_s"] / 1e9,
+                    "tvm_gflops_wall": flop / t["tvm_wall_s"] / 1e9, "torch_gflops_wall": flop / t["torch_wall_s"] / 1e9})
         print(f"  gemm {name}: tvm {res[-1]['tvm_gflops']:.1f} GFLOP/s, torch {res[-1]['torch_gflops']:.1f}", flush=True)
     return res
+
+
+def bench_attention(cfg, budget: int, block: int, target_obj, reps: int = 7) -> list[dict]:
+    """The block attention kernel (cache full, whole block valid) and the decode one (B = 1) at
+    the model's shapes vs torch's scaled_dot_product_attention on the same tensors (GQA heads
+    repeated, causal mask over the block part)."""
+    import torch
+    import tvm
+
+    from edgekv.compiler.kernels import build_attention
+
+    Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    G, scale = Hq // H, 1.0 / np.sqrt(D)
+    res = []
+    for name, Bq in ((f"prefill block (B={block})", block), ("decode (B=1)", 1)):
+        f = build_attention(Hq, H, budget, Bq, D, scale).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": f}), target=target_obj)
+        rng = np.random.default_rng(0)
+        q, kb, vb = (rng.standard_normal(s).astype("float32") for s in [(1, Hq, Bq, D), (1, H, Bq, D), (1, H, Bq, D)])
+        kc, vc = (rng.standard_normal((H, budget, D)).astype("float32") for _ in range(2))
+        args = [tvm.runtime.tensor(x) for x in (q, kb, vb, kc, vc, np.array([budget], "int32"),
+                                                np.array([Bq], "int32"), np.zeros((1, Hq, Bq, D), "float32"))]
+        keys = torch.from_numpy(np.repeat(np.concatenate([kc, kb[0]], 1), G, 0))[None]
+        vals = torch.from_numpy(np.repeat(np.concatenate([vc, vb[0]], 1), G, 0))[None]
+        mask = torch.zeros(Bq, budget + Bq)
+        mask[:, budget:] = torch.triu(torch.full((Bq, Bq), float("-inf")), 1)
+        qt = torch.from_numpy(q)
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(qt, keys, vals, attn_mask=mask, scale=scale)
+
+        lib["main"](*args)
+        err = float(np.abs(args[-1].numpy() - sdpa().numpy()).max())
+        t = _time_pair(lambda: lib["main"](*args), sdpa, reps)
+        flop = 4.0 * Hq * Bq * (budget + (Bq + 1) / 2) * D
+        res.append({"name": name, "Hq": Hq, "H": H, "N": budget, "B": Bq, "D": D, **t, "max_abs_err": err,
+                    "tvm_gflops": flop / t["tvm_cpu_s"] / 1e9, "torch_gflops": flop / t["torch_cpu_s"] / 1e9})
+        print(f"  attention {name}: tvm {res[-1]['tvm_gflops']:.1f} GFLOP/s, torch sdpa {res[-1]['torch_gflops']:.1f}",
+              flush=True)
+    return res
+
+
+def kernels_child(args) -> int:
+    """``--kernels-child``: the per-kernel comparisons in a process of its own, so TVM's pool
+    (sized when first used, from TVM_NUM_THREADS) and torch run the same thread count."""
+    import torch
+    import tvm
+
+    from edgekv.compiler.build import resolve_target
+    from edgekv.models import load_model
+
+    torch.set_num_threads(args.kernel_threads)
+    _, tgt = resolve_target(args.target)
+    tgt = dict(tgt, **{"num-cores": args.kernel_threads})
+    cfg = load_model(args.model).config
+    target_obj = tvm.target.Target(tgt)
+    out = {"threads": args.kernel_threads, "tvm_pool_threads": int(tvm.get_global_func("runtime.NumThreads")()),
+           "torch_threads": torch.get_num_threads(), "load_before": load_avg(),
+           "gemm": bench_gemm(gemm_shapes(cfg, args.block), target_obj),
+           "attention": bench_attention(cfg, args.budget, args.block, target_obj)}
+    out["load_after"] = load_avg()
+    Path(args.kernels_child).write_text(json.dumps(out))
+    return 0
+
+
+def run_kernels(args) -> dict:
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "kernels.json"
+        env = dict(os.environ, TVM_NUM_THREADS=str(args.kernel_threads), OMP_NUM_THREADS=str(args.kernel_threads))
+        subprocess.run([sys.executable, __file__, "--kernels-child", str(out), "--kernel-threads", str(args.kernel_threads),
+                        "--model", args.model, "--budget", str(args.budget), "--block", str(args.block),
+                        "--target", args.target], check=True, env=env)
+        return json.loads(out.read_text())
 
 
 def prompt_ids(model, length: int) -> np.ndarray:
@@ -175,16 +266,17 @@ def bench_compiled_run(rt, ids, decode_tokens: int) -> dict:
     rt.reset()
     rt.step_block(ids[: rt.block])  # warm-up
     rt.reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits = rt.prefill(ids)
-    pre = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    pre, pre_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(decode_tokens):
         logits = rt.decode(int(np.argmax(logits)))
-    dec = time.perf_counter() - t0
+    dec, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
     blocks = rt.stats.block_seconds
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
-            "decode_tok_s": decode_tokens / dec, "block_seconds_median": statistics.median(blocks)}
+            "decode_tok_s": decode_tokens / dec, "block_seconds_median": statistics.median(blocks),
+            "prefill_cpu_seconds": pre_cpu, "decode_cpu_seconds": dec_cpu}
 
 
 def bench_eager_run(model, policy, budget, block, ids, decode_tokens: int) -> dict:
@@ -196,15 +288,15 @@ def bench_eager_run(model, policy, budget, block, ids, decode_tokens: int) -> di
     with torch.no_grad():
         BlockEngine(model, policy, budget, block).prefill(ids_t[:block])
         eng = BlockEngine(model, policy, budget, block)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = eng.prefill(ids_t)
-        pre = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        pre, pre_cpu = time.perf_counter() - t0, time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(decode_tokens):
             logits = eng.decode(int(logits.argmax()))
-        dec = time.perf_counter() - t0
+        dec, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
-            "decode_tok_s": decode_tokens / dec}
+            "decode_tok_s": decode_tokens / dec, "prefill_cpu_seconds": pre_cpu, "decode_cpu_seconds": dec_cpu}
 
 
 def bench_hf_run(hf, ids, decode_tokens: int) -> dict:
@@ -214,8 +306,10 @@ def bench_hf_run(hf, ids, decode_tokens: int) -> dict:
 
     ids_t = torch.from_numpy(ids)
     _hf_generate(hf, ids_t[:128], 1)
+    c0 = time.process_time()
     pre, dec = _hf_generate(hf, ids_t, decode_tokens)
     return {"prefill_seconds": pre, "prefill_tok_s": len(ids) / pre, "decode_seconds": dec,
+            "prefill_decode_cpu_seconds": time.process_time() - c0,
             "decode_tok_s": decode_tokens / dec, "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
 
 
@@ -225,7 +319,8 @@ def write_markdown(r: dict, path: Path) -> None:
     L.append("# Compiled host path: speed (issue 8)\n")
     L.append(f"Generated by `tools/bench_compiled.py` on {r['date']} — {a['model']}, policy {a['policy']}, "
              f"N = {a['budget']}, B = {a['block']}, fp32, target `{a['target']}` ({a['threads']} threads for TVM "
-             f"and torch alike). CPU: {a['cpu']}.\n")
+             f"and torch alike; TVM_NUM_THREADS={a.get('tvm_num_threads_env')}, this process may run on "
+             f"{a.get('cpus_allowed')} CPUs). CPU: {a['cpu']}.\n")
     L.append(f"**The machine is shared**: 1/5/15-min load average {r['load_before']} before and {r['load_after']} "
              "after the run on 2 cores, so every time here includes other tenants' work; numbers move 2–3× between "
              "runs. Compare rows of one run, not runs.\n")
@@ -241,31 +336,44 @@ def write_markdown(r: dict, path: Path) -> None:
         L.append("## Where an evicting block's time goes (cache full, B tokens in, per-kernel wall time)\n")
         L.append(f"Instrumented block: {p['block_seconds_instrumented']*1e3:.0f} ms (sum of kernels "
                  f"{p['kernels_seconds']*1e3:.0f} ms; median of {p.get('reps', 3)} blocks).\n")
-        L.append("| kernel kind | ms per block | share |\n|---|---|---|")
+        L.append("CPU ms: process CPU time over all threads (at one TVM thread, the kernel's own time without "
+                 "the timeslices other tenants took).\n")
+        L.append("| kernel kind | ms per block | share | CPU ms |\n|---|---|---|---|")
         for k, v in p["by_kind"].items():
-            L.append(f"| {k} | {v['seconds']*1e3:.1f} | {100*v['share']:.1f} % |")
+            L.append(f"| {k} | {v['seconds']*1e3:.1f} | {100*v['share']:.1f} % | {v.get('cpu_seconds', 0)*1e3:.1f} |")
         L.append(f"\n**Eviction share (score + select/compaction): {100*p['eviction_share']:.2f} %** (goal ≤ 2 %).\n")
-        L.append("Largest kernels:\n\n| kernel | kind | ms |\n|---|---|---|")
+        L.append("Largest kernels:\n\n| kernel | kind | ms | CPU ms |\n|---|---|---|---|")
         for k in p["top_kernels"][:10]:
-            L.append(f"| `{k['name']}` | {k['kind']} | {k['seconds']*1e3:.1f} |")
+            L.append(f"| `{k['name']}` | {k['kind']} | {k['seconds']*1e3:.1f} | {k.get('cpu_seconds', 0)*1e3:.1f} |")
         L.append("")
-    if "gemm" in r:
-        L.append("## GEMM / GEMV: TVM (edgekv schedule) vs torch on the same shape\n")
-        L.append("| shape | M×K×N | TVM GFLOP/s | torch GFLOP/s | TVM / torch |\n|---|---|---|---|---|")
-        for g in r["gemm"]:
-            L.append(f"| {g['name']} | {g['M']}×{g['K']}×{g['N']} | {g['tvm_gflops']:.1f} | {g['torch_gflops']:.1f} | "
+    if "kernels" in r:
+        k = r["kernels"]
+        L.append(f"## Kernels vs torch on the same shape ({k['threads']} thread: TVM pool {k['tvm_pool_threads']}, "
+                 f"torch {k['torch_threads']}, one process, interleaved)\n")
+        L.append(f"GFLOP/s from the median *CPU time* per call (at one thread it does not count the timeslices "
+                 f"other tenants take; best wall time in brackets). Load {k['load_before']} → {k['load_after']}.\n")
+        L.append("| kernel | shape | TVM GFLOP/s | torch GFLOP/s | TVM / torch |\n|---|---|---|---|---|")
+        for g in k["gemm"]:
+            L.append(f"| GEMM {g['name']} | {g['M']}×{g['K']}×{g['N']} | {g['tvm_gflops']:.1f} "
+                     f"({g['tvm_gflops_wall']:.1f}) | {g['torch_gflops']:.1f} ({g['torch_gflops_wall']:.1f}) | "
                      f"{g['tvm_gflops']/g['torch_gflops']:.2f} |")
+        for g in k["attention"]:
+            L.append(f"| attention {g['name']} vs SDPA | Hq {g['Hq']}, H {g['H']}, N {g['N']}, d {g['D']} | "
+                     f"{g['tvm_gflops']:.1f} | {g['torch_gflops']:.1f} | {g['tvm_gflops']/g['torch_gflops']:.2f} |")
         L.append("")
     if "e2e" in r:
         L.append("## Whole model: prefill and decode\n")
-        L.append("| prompt | system | prefill tok/s | decode tok/s | prefill s |\n|---|---|---|---|---|")
+        L.append("| prompt | system | prefill tok/s | decode tok/s | prefill s | CPU s (prefill + decode) |\n"
+                 "|---|---|---|---|---|---|")
         for plen, rows in r["e2e"].items():
             for sysname, v in rows.items():
                 if "error" in v:
-                    L.append(f"| {plen} | {sysname} | — | — | {v['error']} |")
+                    L.append(f"| {plen} | {sysname} | — | — | {v['error']} | |")
                 else:
+                    cpu = v.get("prefill_decode_cpu_seconds",
+                                v.get("prefill_cpu_seconds", float("nan")) + v.get("decode_cpu_seconds", float("nan")))
                     L.append(f"| {plen} | {sysname} | {v['prefill_tok_s']:.0f} | {v['decode_tok_s']:.1f} | "
-                             f"{v['prefill_seconds']:.1f} |")
+                             f"{v['prefill_seconds']:.1f} | {cpu:.1f} |")
         L.append("")
         L.append(f"Decode: {a['decode_tokens']} greedy tokens after the prompt (compiled and eager engine: N = "
                  f"{a['budget']} cache; HF: full cache at the prompt's length). Each system ran "
@@ -299,11 +407,15 @@ def main(argv=None) -> int:
     ap.add_argument("--artifact", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "edgekv_bench_compiled"))
     ap.add_argument("--reuse-artifact", action="store_true", help="skip compiling when --artifact exists")
     ap.add_argument("--skip", default="", help="comma list of: compile-time,profile,gemm,e2e,eager,hf")
+    ap.add_argument("--kernel-threads", type=int, default=1, help="threads for the kernel-vs-torch comparison")
+    ap.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=str(REPO / "docs" / "results" / "compiled.json"))
     ap.add_argument("--md", default=str(REPO / "docs" / "results" / "compiled.md"))
     ap.add_argument("--note", action="append", default=[], help="a line for the Notes section")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if args.kernels_child:
+        return kernels_child(args)
 
     import torch
 
@@ -313,8 +425,14 @@ def main(argv=None) -> int:
     from edgekv.runtime import HostRuntime
 
     _, tgt = resolve_target(args.target)
-    threads = int(tgt.get("num-cores", os.cpu_count() or 1))
+    # the target's cores, but no more than this process may run on (a pinned shell on a shared
+    # box: two threads on one CPU make every parallel region wait for a descheduled thread)
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = min(int(tgt.get("num-cores", os.cpu_count() or 1)), allowed)
     torch.set_num_threads(threads)
+    # TVM sizes its pool on first use from TVM_NUM_THREADS, else from the CPUs this process may
+    # run on; pin it to the target's cores so TVM and torch run the same count
+    os.environ.setdefault("TVM_NUM_THREADS", str(threads))
     r: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load_avg()}
     cpu = platform.processor() or platform.machine()
     try:
@@ -323,7 +441,9 @@ def main(argv=None) -> int:
         pass
     r["setup"] = {"model": args.model, "policy": args.policy, "budget": args.budget, "block": args.block,
                   "target": json.dumps(tgt), "threads": threads, "cpu": f"{cpu} ({os.cpu_count()} cores visible)",
-                  "decode_tokens": args.decode_tokens, "repeats": args.repeats}
+                  "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+                  "tvm_num_threads_env": os.environ.get("TVM_NUM_THREADS"),
+                  "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
     model = load_model(args.model)
     policy = make_policy(args.policy)
     art = Path(args.artifact)
@@ -345,8 +465,8 @@ def main(argv=None) -> int:
     if "gemm" not in skip:
         import tvm
 
-        print("GEMM shapes …", flush=True)
-        r["gemm"] = bench_gemm(gemm_shapes(model.config, args.block), tvm.target.Target(tgt), threads)
+        print(f"kernels vs torch at {args.kernel_threads} thread(s) …", flush=True)
+        r["kernels"] = run_kernels(args)
     if "e2e" not in skip:
         r["e2e"] = {}
         hf = None

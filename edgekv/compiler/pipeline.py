@@ -9,7 +9,7 @@
   3b. ``pretranspose.py``     PretransposeWeights: linear weights stored as Wᵀ (no per-call transposes)
   4. ``build.py``             tvm.compile: TVM's Relax CPU pipeline with ``cpu_schedule.py``
                               (ScheduleCPU: one rule per kernel kind — register-blocked dense
-                              GEMM/GEMV, generic matmul, NT matmul) after FuseTIR, LLVM codegen,
+                              GEMM/GEMV, generic matmul, NT matmul, fused elementwise) after FuseTIR, LLVM codegen,
                               and the artifact
 
 ``lower(model, ...)`` runs 0–3 and returns the IRModule plus what the artifact records.

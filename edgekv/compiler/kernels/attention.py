@@ -12,11 +12,14 @@ Schedule (written into the kernel; the CPU analogue of a flash-attention tile lo
 
 * the G = Hq / H query heads that share a KV head are one row space of G·B rows; it is cut
   into tiles of QT rows, and the loop over (KV head, row tile) is the parallel outer loop;
-* per tile the keys are visited in tiles of KT keys (cache tiles up to ``fill``, then block
-  tiles up to the tile's last causal row). A key tile is transposed once into a local
-  [d, KT] buffer, so S = Q·Kᵀ runs vectorised over keys with RB query rows register-blocked;
-  the softmax is online (running max m, sum l, rescaled accumulator O), and P·V runs
-  vectorised over d with RB rows sharing each V row load;
+* per tile the keys are visited in tiles of KT keys — one loop: cache tiles up to ``fill``,
+  then block tiles up to the tile's last causal row; a key is visible iff its index in the tile
+  is ≤ a per-(tile, row) limit (fill, or causality). A key tile is transposed once into a local
+  [d, KT] buffer (and its V rows copied to [KT, d]), so S = Q·Kᵀ runs vectorised over keys
+  with RB query rows register-blocked; the softmax is online (running max m, sum l, rescaled
+  accumulator O) with its row max / sum reduced across the 16 lanes as a halving tree (a chain
+  of 16 dependent scalar ops per row and tile cost ~30 % of the kernel); P·V runs vectorised
+  over d with RB rows sharing each V row load;
 * memory per task: QT·d (queries, pre-scaled) + d·KT + QT·KT + QT·d floats — never a full
   score matrix (the old kernel kept N + B scores per row).
 
@@ -40,10 +43,14 @@ def vexp(x):
     """exp(x) for fp32 as plain arithmetic, so LLVM vectorises it (``T.exp`` becomes one libm
     call per lane): x = n·ln2 + r with |r| ≤ ln2/2 (two-constant reduction), a degree-7
     polynomial for e^r, 2^n built in the exponent bits. Max rel. error ~2e-7; x ≤ −88.38
-    (including −inf) gives exactly 0."""
+    (including −inf) gives exactly 0. ``x`` may be a vector (``float32xL``, as an intrinsic
+    lowering sees it after vectorisation): the constants take its lanes."""
     from tvm import tirx
 
-    f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
+    dt = str(getattr(x, "ty", "float32"))
+    lanes = dt[len("float32"):]  # "" or "x16"
+    f32 = lambda v: tirx.const(v, dt)  # noqa: E731
+    i32 = lambda v: tirx.const(v, "int32" + lanes)  # noqa: E731
     xc = tirx.max(tirx.min(x, f32(88.3762626647949)), f32(-88.3762626647949))
     n = tirx.floor(xc * f32(1.44269504088896341) + f32(0.5))
     r = xc - n * f32(0.693359375) + n * f32(2.12194440e-4)
@@ -51,8 +58,8 @@ def vexp(x):
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
         p = p * r + f32(c)
     p = p * r * r + r + f32(1.0)
-    bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))
-    return p * tirx.reinterpret("float32", bits)
+    bits = tirx.shift_left(tirx.Cast("int32" + lanes, n) + i32(127), i32(23))
+    return p * tirx.reinterpret(dt, bits)
 
 
 def _largest_divisor(n: int, candidates) -> int:
@@ -91,6 +98,8 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     """``block`` rows in all; with ``extra_rows`` = w > 0 the last w of them are pseudo rows (DapQ):
     they see every valid cache row, the real rows [0, n_valid) and the pseudo rows up to their own
     (causal), and their output is kept; real rows never see them (they come last)."""
+    from tvm import tirx
+
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
     if Hq % H:
@@ -99,11 +108,20 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     if not 0 <= W < B:
         raise ValueError(f"{W} pseudo rows do not fit a step of {B} rows")
     BR = B - W  # real rows
+
+    def tile_key_visible(j, lim, t, ncache, row, nv):
+        # j ≤ lim: the cache's fill or causality; with pseudo rows, a block key in the padding
+        # [n_valid, BR) is hidden from them too (the cache tiles t < ncache have no padding)
+        if not W:
+            return j <= lim
+        key = (t - ncache) * KT + j
+        return tirx.all(j <= lim, tirx.any(t < ncache, block_key_visible(key, row, nv, BR, W)))
     G = Hq // H
     scale = float(sm_scale)
     t = attention_tiles(Hq, H, B, D)
     QT, KT, RB = t["QT"], t["KT"], t["RB"]
     KL = 16  # lanes of the softmax partials (KT is a multiple)
+    LOG_KL = 4
     ROWS = G * B
     NQT = ROWS // QT  # QT divides B (or equals ROWS), so it divides ROWS
     NRB = QT // RB
@@ -131,6 +149,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                 T.writes(out[0, 0:Hq, 0:B, 0:D])
                 qs = T.sblock_alloc_buffer((QT, D), "float32")
                 kt = T.sblock_alloc_buffer((D, KT), "float32")
+                vt = T.sblock_alloc_buffer((KT, D), "float32")
                 s = T.sblock_alloc_buffer((QT, KT), "float32")
                 o = T.sblock_alloc_buffer((QT, D), "float32")
                 m = T.sblock_alloc_buffer((QT,), "float32")
@@ -143,6 +162,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                 r0: T.let[T.int32] = (task % NQT) * QT
                 nf: T.let[T.int32] = fill[0]
                 nv: T.let[T.int32] = n_valid[0]
+                ncache: T.let[T.int32] = (nf + KT - 1) // KT  # key tiles over the cache
                 # last block key any row of this tile can see
                 jmax: T.let[T.int32] = T.if_then_else(IN_HEAD, (r0 % B) + QT - 1, B - 1)
                 for r, c in T.grid(QT, D):
@@ -151,12 +171,19 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                 for r in T.serial(QT):
                     m[r] = T.float32(NEG_BIG)
                     lsum[r] = T.float32(0)
-                # ---- cache keys [0, fill), no causal mask ----
-                for kt_i in T.serial((nf + KT - 1) // KT):
+                # key tiles: cache rows [0, fill) (no mask), then block rows [0, jmax] (causal)
+                for t in T.serial(ncache + (jmax + KT) // KT):
+                    # K tile transposed to [d, KT] (keys on the vector lanes), V tile copied, both
+                    # from the cache or the block; rows past the end are clamped (read, masked)
                     for j, c in T.grid(KT, D):
-                        kt[c, j] = k_cache[kh, T.min(kt_i * KT + j, N - 1), c]
+                        kt[c, j] = T.if_then_else(t < ncache, k_cache[kh, T.min(t * KT + j, N - 1), c],
+                                                  k_blk[0, kh, T.min((t - ncache) * KT + j, B - 1), c])
+                    for j in T.serial(KT):
+                        for c in T.vectorized(D):
+                            vt[j, c] = T.if_then_else(t < ncache, v_cache[kh, T.min(t * KT + j, N - 1), c],
+                                                      v_blk[0, kh, T.min((t - ncache) * KT + j, B - 1), c])
                     for rb in T.serial(NRB):
-                        # RB x KT accumulators in registers (a small local buffer LLVM promotes)
+                        # S = Q·Kᵀ: RB x KT accumulators in registers (a local buffer LLVM promotes)
                         for r in T.unroll(RB):
                             for j in T.vectorized(KT):
                                 accs[r, j] = T.float32(0)
@@ -168,86 +195,45 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                             for j in T.vectorized(KT):
                                 s[rb * RB + r, j] = accs[r, j]
                     for r in T.serial(QT):
-                        # masked row max / exp / sum as KL-lane partials (vectorised)
+                        # key j of the tile is visible iff j <= lim: the cache's fill, or causality
+                        lim: T.let[T.int32] = T.if_then_else(t < ncache, nf - 1 - t * KT,
+                                                             (r0 + r) % B - (t - ncache) * KT)
+                        # masked row max, exp and sum as KL-lane partials, then a halving tree
+                        # across the lanes (vector ops, not a chain of KL dependent scalar ones)
                         for l in T.vectorized(KL):
                             part[l] = T.float32(NEG_BIG)
                         for j0 in T.serial(KT // KL):
                             for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = T.if_then_else(kt_i * KT + j0 * KL + l < nf, s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                s[r, j0 * KL + l] = T.if_then_else(tile_key_visible(j0 * KL + l, lim, t, ncache, (r0 + r) % B, nv), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
                                 part[l] = T.max(part[l], s[r, j0 * KL + l])
-                        alpha[r] = m[r]
-                        for l in T.serial(KL):
-                            m[r] = T.max(m[r], part[l])
-                        alpha[r] = vexp(alpha[r] - m[r])
+                        # step w folds lanes [h, 2h) onto [0, h), h = KL >> (w + 1); the lanes it
+                        # also writes past h are never read again for the result (part[0])
+                        for w in T.unroll(LOG_KL):
+                            for l in T.vectorized(KL // 2):
+                                part[l] = T.max(part[l], part[l + (KL >> (w + 1))])
+                        alpha[r] = vexp(m[r] - T.max(m[r], part[0]))
+                        m[r] = T.max(m[r], part[0])
                         for l in T.vectorized(KL):
                             part[l] = T.float32(0)
                         for j0 in T.serial(KT // KL):
                             for l in T.vectorized(KL):
                                 s[r, j0 * KL + l] = vexp(s[r, j0 * KL + l] - m[r])
                                 part[l] = part[l] + s[r, j0 * KL + l]
-                        lsum[r] = lsum[r] * alpha[r]
-                        for l in T.serial(KL):
-                            lsum[r] = lsum[r] + part[l]
+                        for w in T.unroll(LOG_KL):
+                            for l in T.vectorized(KL // 2):
+                                part[l] = part[l] + part[l + (KL >> (w + 1))]
+                        lsum[r] = lsum[r] * alpha[r] + part[0]
                         for c in T.vectorized(D):
                             o[r, c] = o[r, c] * alpha[r]
                     for rb in T.serial(NRB):
+                        # O += P·V: RB x D accumulators, each V row loaded once for RB rows
                         for r in T.unroll(RB):
                             for c in T.vectorized(D):
                                 acco[r, c] = T.float32(0)
                         for j in T.serial(KT):
                             for r in T.unroll(RB):
                                 for c in T.vectorized(D):
-                                    acco[r, c] = acco[r, c] + s[rb * RB + r, j] * v_cache[kh, T.min(kt_i * KT + j, N - 1), c]
-                        for r in T.unroll(RB):
-                            for c in T.vectorized(D):
-                                o[rb * RB + r, c] = o[rb * RB + r, c] + acco[r, c]
-                # ---- block keys [0, jmax], causal: key j visible to row i iff j <= i ----
-                for kt_i in T.serial((jmax + KT) // KT):
-                    for j, c in T.grid(KT, D):
-                        kt[c, j] = k_blk[0, kh, T.min(kt_i * KT + j, B - 1), c]
-                    for rb in T.serial(NRB):
-                        # RB x KT accumulators in registers (a small local buffer LLVM promotes)
-                        for r in T.unroll(RB):
-                            for j in T.vectorized(KT):
-                                accs[r, j] = T.float32(0)
-                        for c in T.serial(D):
-                            for r in T.unroll(RB):
-                                for j in T.vectorized(KT):
-                                    accs[r, j] = accs[r, j] + qs[rb * RB + r, c] * kt[c, j]
-                        for r in T.unroll(RB):
-                            for j in T.vectorized(KT):
-                                s[rb * RB + r, j] = accs[r, j]
-                    for r in T.serial(QT):
-                        # masked row max / exp / sum as KL-lane partials (vectorised)
-                        for l in T.vectorized(KL):
-                            part[l] = T.float32(NEG_BIG)
-                        for j0 in T.serial(KT // KL):
-                            for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = T.if_then_else(block_key_visible(kt_i * KT + j0 * KL + l, (r0 + r) % B, nv, BR, W), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
-                                part[l] = T.max(part[l], s[r, j0 * KL + l])
-                        alpha[r] = m[r]
-                        for l in T.serial(KL):
-                            m[r] = T.max(m[r], part[l])
-                        alpha[r] = vexp(alpha[r] - m[r])
-                        for l in T.vectorized(KL):
-                            part[l] = T.float32(0)
-                        for j0 in T.serial(KT // KL):
-                            for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = vexp(s[r, j0 * KL + l] - m[r])
-                                part[l] = part[l] + s[r, j0 * KL + l]
-                        lsum[r] = lsum[r] * alpha[r]
-                        for l in T.serial(KL):
-                            lsum[r] = lsum[r] + part[l]
-                        for c in T.vectorized(D):
-                            o[r, c] = o[r, c] * alpha[r]
-                    for rb in T.serial(NRB):
-                        for r in T.unroll(RB):
-                            for c in T.vectorized(D):
-                                acco[r, c] = T.float32(0)
-                        for j in T.serial(KT):
-                            for r in T.unroll(RB):
-                                for c in T.vectorized(D):
-                                    acco[r, c] = acco[r, c] + s[rb * RB + r, j] * v_blk[0, kh, T.min(kt_i * KT + j, B - 1), c]
+                                    acco[r, c] = acco[r, c] + s[rb * RB + r, j] * vt[j, c]
                         for r in T.unroll(RB):
                             for c in T.vectorized(D):
                                 o[rb * RB + r, c] = o[rb * RB + r, c] + acco[r, c]
