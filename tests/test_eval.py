@@ -138,6 +138,10 @@ def test_prompt_builders(smol):
     assert 0.4 < p.needle_positions[0] / p.tokens < 0.6
     mk = build_passkey(tok, 2048, 0.1, 0, keys=4)
     assert len(mk.needle_positions) == 4 and mk.task == "multikey"
+    text = tok.decode(mk.ids)
+    # the asked needle is the pass key, the others are distractors of other kinds with other values
+    assert text.count("The pass key is") == 2 and f"The pass key is {mk.answer}." in text
+    assert len(set(mk.distractors) | {mk.answer}) == 4 and all(d in text for d in mk.distractors)
     assert build_passkey(tok, 2048, 0.5, 3).ids.tolist() == p.ids.tolist()  # deterministic
     f = build_fidelity(tok, 1024, 0, 256)
     assert f.tokens == 1024 and f.eval_start == 768

@@ -38,7 +38,7 @@ class EvalSpec:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    keys: int = 4  # needles in the multi-key variant
+    keys: int = 2  # needles in the multi-key variant (pass key + distractors)
     haystack: str = "repeat"
     max_new_tokens: int = 10
     fidelity_lengths: list[int] = field(default_factory=lambda: [2048])
@@ -130,6 +130,8 @@ def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: d
         out = Outcome(0.0, engine.stats.prefill_seconds, engine.stats.eviction_events, passkey={
             "output_ids": generated, "output_text": text, "predicted": predicted,
             "correct": predicted == prompt.answer, "needle_retention": retention,
+            # multikey: the model answered with a distractor needle's value
+            "answered_distractor": predicted is not None and predicted in prompt.distractors,
         })
     out.seconds = time.perf_counter() - t0
     return out
