@@ -265,6 +265,7 @@ def eval_(
     model: Annotated[Optional[str], typer.Option(help="model name, GGUF file or HF directory")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (1 is fastest on a busy 2-core box)")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
+    resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --out finished")] = False,
 ):
     """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
     from .evaluation.command import build_spec, run_eval
@@ -272,7 +273,8 @@ def eval_(
     try:
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
                           max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg)
-        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]])
+        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]],
+                        resume=resume)
         out.print((out_dir / "results.md").read_text())
         err.print("written: " + ", ".join(data["_files"]))
     except USER_ERRORS as exc:
