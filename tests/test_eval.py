@@ -156,12 +156,15 @@ def test_resume_reuses_finished_prompts_and_reruns_changed_ones(sweep, tmp_path,
     data, out = sweep
     spec = EvalSpec(**{k: v for k, v in data["config"].items() if k in EvalSpec.__dataclass_fields__})
     earlier = json.loads((out / "results.json").read_text())
-    (tmp_path / "results.json").write_text(json.dumps(earlier))
     ran: list[str] = []
     real_run_one = runner_mod.run_one
     monkeypatch.setattr(runner_mod, "run_one", lambda m, prompt, *a, **k: ran.append(prompt.id) or real_run_one(m, prompt, *a, **k))
+    for meta in earlier["prompts"]:  # a record written before a field was added is still reusable
+        meta.pop("distractors", None)
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
     again = run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, resume=True)
     assert ran == [] and again["complete"] is True
+    assert json.loads((tmp_path / "results.earlier.json").read_text())["results"] == earlier["results"]
     key = lambda r: (r["prompt_id"], r["policy"], r["budget"], r["mode"])  # noqa: E731
     assert sorted(map(key, again["results"])) == sorted(map(key, earlier["results"]))
     assert again["summary"] == earlier["summary"]

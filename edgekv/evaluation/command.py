@@ -182,6 +182,8 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
     data = {"schema": report.SCHEMA, "meta": report.meta(model, argv or sys.argv), "config": spec.to_dict()}
     json_path = out_dir / "results.json"
     prior = earlier_results(json_path, model.model_id) if resume else None
+    if prior is not None:  # this run rewrites results.json as it goes: keep the earlier file
+        write_json_atomic(out_dir / "results.earlier.json", prior)
 
     def save_partial(partial: dict) -> None:
         write_json_atomic(json_path, report.finish({**data, **partial}))

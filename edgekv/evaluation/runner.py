@@ -146,6 +146,10 @@ def score(prompt: Prompt, ref: Outcome, out: Outcome) -> dict:
     return p
 
 
+PROMPT_IDENTITY = ("task", "tokens", "seed", "length_target", "depth", "answer", "needle_positions", "asked",
+                   "haystack", "eval_start")
+
+
 class Runner:
     """Runs a spec; ``on_prompt_done`` is called with the partial result after each prompt."""
 
@@ -180,7 +184,10 @@ class Runner:
         if not prior or prompt.id not in prior.get("references", {}):
             return None
         meta = next((m for m in prior.get("prompts", []) if m.get("id") == prompt.id), None)
-        if meta != json.loads(json.dumps(prompt.meta())):
+        now = json.loads(json.dumps(prompt.meta()))
+        # the fields that define what the model saw and what is scored (fields added to the
+        # record later, e.g. multikey distractors, do not make an older run unusable)
+        if meta is None or any(meta.get(k) != now.get(k) for k in PROMPT_IDENTITY):
             return None
         rows = [r for r in prior.get("results", []) if r.get("prompt_id") == prompt.id]
         by_key = {(r["policy"], r["budget"], r["mode"]): r for r in rows}
