@@ -83,3 +83,25 @@ def export_onnx(model: Any, out_dir: str | Path, form: str = "plain") -> Path:
     if getattr(model, "tokenizer", None) is not None:
         model.tokenizer.save_pretrained(str(out))
     return path
+
+
+def onnxruntime_logits(path: str | Path, token_ids) -> Any:
+    """ONNX Runtime on the exported file over the whole prompt in one call: logits [T, V] (numpy).
+    The reference for the compiled artifact at full budget; the past form gets an empty cache."""
+    import numpy as np
+    import onnxruntime as ort
+
+    ids = np.asarray(token_ids, dtype=np.int64)[None]
+    T = ids.shape[1]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {}
+    for inp in sess.get_inputs():
+        if inp.name == "input_ids":
+            feeds[inp.name] = ids
+        elif inp.name == "position_ids":
+            feeds[inp.name] = np.arange(T, dtype=np.int64)[None]
+        elif inp.name == "attention_mask":
+            feeds[inp.name] = np.ones((1, T), dtype=np.int64)
+        else:  # past_key_values.*: [1, H, 0, d]
+            feeds[inp.name] = np.zeros((1, inp.shape[1], 0, inp.shape[3]), dtype=np.float32)
+    return sess.run(["logits"], feeds)[0][0]
