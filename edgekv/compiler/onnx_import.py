@@ -142,8 +142,13 @@ def specialise(proto, seq_len: int):
             continue
         dims = _dims(vi)
         if role in ("tokens", "positions"):
-            if len(dims) != 2 or dims[0] not in (1, None) or not (dims[1] == seq_len or not isinstance(dims[1], int)):
-                raise CompileError(f"ONNX input '{vi.name}' has shape {dims}; expected [1, T] with T dynamic or {seq_len}")
+            if len(dims) != 2 or not (dims[0] == 1 or not isinstance(dims[0], int)):
+                raise CompileError(f"ONNX input '{vi.name}' has shape {dims}; expected [batch, T] (batch 1 or dynamic)")
+            if isinstance(dims[1], int) and dims[1] != seq_len:
+                raise CompileError(f"ONNX input '{vi.name}' has a fixed length {dims[1]}, but edgekv imports the graph "
+                                   f"at T = {seq_len} (T = block for prefill, 1 for decode); export with a dynamic "
+                                   "sequence dimension (torch.onnx.export dynamic_shapes / dynamic_axes, or "
+                                   "`edgekv export-onnx`)")
             new = helper.make_tensor_value_info(rename[vi.name], vi.type.tensor_type.elem_type, [1, seq_len])
             keep_inputs.append(new)
         elif role == "mask":
@@ -225,8 +230,10 @@ def to_relax(proto, seq_len: int):
     try:
         mod = from_onnx(model, keep_params_in_input=True)
     except Exception as exc:  # noqa: BLE001 - the frontend raises many kinds for an op it lacks
-        raise CompileError(f"TVM's ONNX frontend cannot import the graph at T = {seq_len}: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CompileError(f"TVM's ONNX frontend cannot import the graph at T = {seq_len}: {type(exc).__name__}: "
+                           f"{first}. Export with plain torch.onnx.export in fp32 (standard ONNX ops; no ONNX "
+                           "Runtime contrib/fused ops such as an optimum --optimize export)") from None
     mod, params = detach_params(mod)
     main = mod["main"]
     num_input = int(main.attrs["num_input"])
