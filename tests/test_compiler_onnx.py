@@ -121,6 +121,21 @@ def test_artifact_weights_come_from_the_onnx_file(model, onnx_dirs):
     assert res.manifest["model"]["weight_hash"] == onnx_model.weight_hash
 
 
+def test_lm_head_runs_on_the_last_row_only(onnx_dirs):
+    """HoistLastTokenGather also takes the ONNX frontend's 3-D LM-head matmul."""
+    from edgekv.compiler.attention_sites import Graph, op_name, shape_of
+    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.pipeline import lower_module
+
+    mod, _, _ = load_onnx_model(onnx_dirs["plain"]).import_graph(B)
+    mod, _, _ = lower_module(mod, BlockCacheSpec(budget=16, policy="full"))
+    graph = Graph(mod["prefill_block"])
+    vocab = 256
+    head_shapes = [shape_of(v) for v in graph.order
+                   if op_name(graph.producer[v]) == "relax.matmul" and (shape_of(v) or (0,))[-1] == vocab]
+    assert head_shapes and all(s[-2] == 1 for s in head_shapes), head_shapes
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 def test_refuses_a_file_that_is_not_onnx(tmp_path):
@@ -229,3 +244,10 @@ def test_cli_refuses_bad_onnx_without_traceback(tmp_path):
     assert "is not a readable ONNX model" in text and str(bad) in text
     assert "Traceback" not in text
     assert not (tmp_path / "a").exists()
+
+
+def test_eager_run_of_an_onnx_file_points_to_compile(onnx_dirs):
+    from edgekv.models import ModelError, load_model
+
+    with pytest.raises(ModelError, match=r"is an ONNX graph: only `edgekv compile .*model.onnx` takes it"):
+        load_model(onnx_dirs["plain"])
