@@ -115,6 +115,10 @@ def main() -> None:
         row["full_budget_vs_ort"] = full_budget_vs_ort(rt_full, path, ids)
         result["forms"][form] = row
         print(form, json.dumps(row, indent=2), flush=True)
+        write(result, args)  # after every form: a long run cut short keeps what it measured
+
+
+def write(result: dict, args) -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result, args))
