@@ -2,7 +2,7 @@
 
 Two ONNX forms are accepted (``onnx_export.py`` writes both with ``torch.onnx.export``):
 
-  * plain:  ``input_ids[1, T] (, position_ids[1, T]) → logits[1, T, V]``;
+  * plain:  ``input_ids[1, T], position_ids[1, T] → logits[1, T, V]``;
   * past:   the HF/optimum form ``input_ids, attention_mask, position_ids,
     past_key_values.{i}.key/value[1, H, P, d] → logits, present.{i}.key/value``.
 
@@ -11,11 +11,12 @@ dimensions are fixed to the block length T (B for ``prefill_src``, 1 for ``decod
 ``attention_mask`` becomes a constant of ones (no padding: the block step masks padding itself);
 each ``past_key_values.*`` input becomes an empty constant [1, H, 0, d] — past length 0 — so
 ``concat(past, present)`` is the block's own K/V, which the rewrite then reads from the cache;
-only the logits output is kept. Small initializers (shape vectors, scalars) become constants so
-the graph's shapes and masks fold; the remaining initializers (the weights) stay function inputs
-and are the artifact's weights. TVM's ``relax.frontend.onnx.from_onnx`` imports the result and
-``relax.transform.FoldConstant`` evaluates the now-constant mask subgraph (HF's mask is built from
-``attention_mask``/``cache_position``), so the attention-site matcher sees a constant causal mask.
+only the logits output is kept. onnxscript's optimizer then folds what is now constant: the shape
+arithmetic and the mask subgraph (HF's mask is built from ``attention_mask``/``cache_position``),
+so the attention-site matcher sees a constant causal mask. Initializers that are not weights
+(shape vectors, scalars, the folded mask) become constants; the file's own floating initializers
+stay function inputs and are the artifact's weights. TVM's ``relax.frontend.onnx.from_onnx``
+imports the result.
 """
 
 from __future__ import annotations
