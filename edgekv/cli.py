@@ -175,7 +175,7 @@ def compiler_errors() -> tuple[type[Exception], ...]:
 
 @app.command("compile")
 def compile_cmd(
-    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file or HF directory")] = None,
+    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file, HF directory or an exported decoder .onnx file")] = None,
     budget: Annotated[str, typer.Option(help="KV budget N per layer and KV head (8k, 1024, 512MiB)")] = "2k",
     block: Annotated[int, typer.Option(help="prompt tokens per block B")] = 128,
     policy: Annotated[str, typer.Option(help="eviction policy compiled into the model")] = "keydiff",
@@ -183,12 +183,12 @@ def compile_cmd(
     target: Annotated[str, typer.Option(help="target profile in compile/ (host, ...) or a JSON file")] = "host",
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("build/edgekv"),
     mem_limit: Annotated[Optional[str], typer.Option(help="refuse if the static memory plan exceeds this (1.5GiB)")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
 
     from .budget import parse_budget, parse_size
-    from .models import load_model
     from .policies import make_policy
 
     try:
@@ -196,7 +196,7 @@ def compile_cmd(
             raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
         pol = make_policy(policy, parse_policy_args(policy_arg))
         limit = parse_size(mem_limit) if mem_limit else None
-        loaded = load_model(model, err)
+        loaded = load_compile_input(model, tokenizer)
         n = parse_budget(budget, loaded.config, block)
         from .compiler import compile_model
 
@@ -223,6 +223,45 @@ def compile_cmd(
                 table.add_row("finish on a machine with it", str(toolchain["finish"]))
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
+        _fail(exc)
+
+
+def load_compile_input(model: str | None, tokenizer: Path | None):
+    """What `edgekv compile` compiles: an ONNX file (graph and weights from the file) or a model."""
+    from .compiler.onnx_import import is_onnx_path
+    from .models import load_model
+
+    if is_onnx_path(model):
+        from .compiler.onnx_model import load_onnx_model
+
+        return load_onnx_model(model, tokenizer)
+    if tokenizer is not None:
+        raise InputError("--tokenizer is for an .onnx model; a model name, GGUF file or HF folder brings its own")
+    return load_model(model, err)
+
+
+@app.command("export-onnx")
+def export_onnx_cmd(
+    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file or HF directory")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="folder to write model.onnx, config.json and the tokenizer to")] = Path("build/onnx"),
+    form: Annotated[str, typer.Option(help="plain: input_ids, position_ids → logits; past: HF/optimum layout with attention_mask and past_key_values inputs")] = "plain",
+):
+    """Export a decoder to ONNX with torch.onnx.export (the input of `edgekv compile model.onnx`)."""
+    from .models import load_model
+
+    try:
+        from .compiler.onnx_export import FORMS, export_onnx
+
+        if form not in FORMS:
+            raise InputError(f"unknown --form {form!r}; one of {', '.join(FORMS)}")
+        loaded = load_model(model, err)
+        with err.status(f"exporting {loaded.model_id} to ONNX ({form})…"):
+            path = export_onnx(loaded, output, form)
+        out.print(f"wrote {path} (+ config.json, tokenizer); compile it with: edgekv compile {path}")
+    except ImportError as exc:
+        _fail(InputError(f"exporting to ONNX needs `onnx` and `onnxscript` ({exc.name} is missing): "
+                         "pip install -e '.[compile]'"))
+    except USER_ERRORS as exc:
         _fail(exc)
 
 
