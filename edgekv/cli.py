@@ -332,14 +332,15 @@ def bench(
     budget: Annotated[str, typer.Option(help="edgekv KV budget N")] = "1k",
     block: Annotated[int, typer.Option(help="block size B")] = 128,
     policy: Annotated[str, typer.Option(help="edgekv eviction policy")] = "keydiff",
-    systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp",
+    systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp,onnxruntime",
     artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled")] = None,
+    onnx: Annotated[Optional[Path], typer.Option(help="ONNX file (past_key_values form, `edgekv export-onnx --form past`) for the onnxruntime peer")] = None,
     decode_tokens: Annotated[int, typer.Option(help="tokens decoded after the prompt")] = 32,
     repeats: Annotated[int, typer.Option(help="runs per point (median reported)")] = 3,
     threads: Annotated[int, typer.Option(help="threads for every system")] = 2,
     out_dir: Annotated[Path, typer.Option("--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
 ):
-    """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress and llama.cpp (one process per run)."""
+    """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress, llama.cpp and ONNX Runtime (one process per run)."""
     from .bench.report import markdown, plot
     from .bench.runner import BenchConfig, run_bench
     from .bench.systems import SYSTEMS
@@ -357,11 +358,13 @@ def bench(
         mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
         out_dir.mkdir(parents=True, exist_ok=True)
         check_writable(out_dir / "bench.json", "--out")
+        if onnx is not None and not onnx.is_file():
+            raise InputError(f"--onnx {onnx} is not a file; export one with `edgekv export-onnx --form past -o DIR`")
         loaded = load_model(model, err)
         cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
                           decode_tokens=decode_tokens, repeats=repeats, threads=threads,
-                          artifact=str(artifact) if artifact else None)
+                          artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
         results["command"] = "edgekv bench " + " ".join(sys.argv[2:])
