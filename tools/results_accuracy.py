@@ -84,8 +84,12 @@ def fmt(v, kind):
 
 
 def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[list[str], dict, dict]:
-    """Mean over budgets for each policy, block-wise vs one block, over budgets present in both."""
-    summary = merge(runs)["summary"]
+    """Mean over budgets for each policy, block-wise vs one block, over the prompts and budgets
+    present in both modes (the block-wise sweep may cover more prompts than the one-block run)."""
+    rows = [r for r in merge(runs)["results"] if r["task"] == task]
+    both = ({r["prompt_id"] for r in rows if r["mode"] == "block"}
+            & {r["prompt_id"] for r in rows if r["mode"] == "one_block"})
+    summary = report.summarize([r for r in rows if r["prompt_id"] in both])
     b_budgets = {s["budget"] for s in summary if s["task"] == task and s["mode"] == "block"}
     o_budgets = {s["budget"] for s in summary if s["task"] == task and s["mode"] == "one_block"}
     common = b_budgets & o_budgets
@@ -93,7 +97,8 @@ def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[l
         return [], {}, {}
     blk = policy_means(summary, task, "block", metric, common)
     one = policy_means(summary, task, "one_block", metric, common)
-    lines = [f"Mean {metric.replace('_', ' ')} over budgets {', '.join(map(str, sorted(common)))}:", "",
+    lines = [f"Mean {metric.replace('_', ' ')} over budgets {', '.join(map(str, sorted(common)))}, on the "
+             f"{len(both)} prompts run both ways ({', '.join(sorted(both))}):", "",
              "| policy | block-wise (B=128) | one block | one block − block-wise |", "|---|---:|---:|---:|"]
     for p in sorted(set(blk) & set(one), key=lambda p: (p != "full", p)):
         delta = one[p] - blk[p]
