@@ -152,6 +152,25 @@ def pair_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+def by_length(merged: dict, task: str = "passkey", metric: str = "correct") -> list[str]:
+    """Block-wise accuracy per policy and prompt length (mean over budgets, depths and seeds)."""
+    rows = [r for r in merged["results"] if r["task"] == task and r["mode"] == "block" and r.get("error") is None]
+    lengths = sorted({r["length_target"] for r in rows})
+    if len(lengths) < 2:
+        return []
+    cell = defaultdict(list)
+    for r in rows:
+        cell[(r["policy"], r["length_target"])].append(float(r[metric]))
+    n = {L: len({r["prompt_id"] for r in rows if r["length_target"] == L}) for L in lengths}
+    out = [f"### {task}, block-wise: accuracy by prompt length (mean over budgets, depths and seeds)", "",
+           "| policy | " + " | ".join(f"{L} tok ({n[L]} prompt{'s' if n[L] > 1 else ''})" for L in lengths) + " |",
+           "|---|" + "---:|" * len(lengths)]
+    for p in sorted({r["policy"] for r in rows}, key=lambda p: (p != "full", p)):
+        vals = [cell.get((p, L)) for L in lengths]
+        out.append(f"| {p} | " + " | ".join(fmt(sum(v) / len(v), "pct") if v else "—" for v in vals) + " |")
+    return out + [""]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", type=Path, help="results.json files written by `edgekv eval`")
@@ -199,6 +218,7 @@ def main(argv=None) -> int:
         md += [args.notes.read_text().strip(), ""]
     # tables and plots over the merged raw results of every run
     merged = merge(runs)
+    md += by_length(merged)
     md += ["### Tables", "", report.markdown(merged, heading="####")]
     for p in report.plot(merged, out_dir, prefix="accuracy_"):
         md.append(f"![{p.stem}]({p.name})")
