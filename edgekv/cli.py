@@ -175,7 +175,7 @@ def compiler_errors() -> tuple[type[Exception], ...]:
 
 @app.command("compile")
 def compile_cmd(
-    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file or HF directory")] = None,
+    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file, HF directory or an exported decoder .onnx file")] = None,
     budget: Annotated[str, typer.Option(help="KV budget N per layer and KV head (8k, 1024, 512MiB)")] = "2k",
     block: Annotated[int, typer.Option(help="prompt tokens per block B")] = 128,
     policy: Annotated[str, typer.Option(help="eviction policy compiled into the model")] = "keydiff",
@@ -183,12 +183,12 @@ def compile_cmd(
     target: Annotated[str, typer.Option(help="target profile in compile/ (host, ...) or a JSON file")] = "host",
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("build/edgekv"),
     mem_limit: Annotated[Optional[str], typer.Option(help="refuse if the static memory plan exceeds this (1.5GiB)")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
 
     from .budget import parse_budget, parse_size
-    from .models import load_model
     from .policies import make_policy
 
     try:
@@ -196,7 +196,7 @@ def compile_cmd(
             raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
         pol = make_policy(policy, parse_policy_args(policy_arg))
         limit = parse_size(mem_limit) if mem_limit else None
-        loaded = load_model(model, err)
+        loaded = load_compile_input(model, tokenizer)
         n = parse_budget(budget, loaded.config, block)
         from .compiler import compile_model
 
@@ -223,6 +223,45 @@ def compile_cmd(
                 table.add_row("finish on a machine with it", str(toolchain["finish"]))
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
+        _fail(exc)
+
+
+def load_compile_input(model: str | None, tokenizer: Path | None):
+    """What `edgekv compile` compiles: an ONNX file (graph and weights from the file) or a model."""
+    from .compiler.onnx_import import is_onnx_path
+    from .models import load_model
+
+    if is_onnx_path(model):
+        from .compiler.onnx_model import load_onnx_model
+
+        return load_onnx_model(model, tokenizer)
+    if tokenizer is not None:
+        raise InputError("--tokenizer is for an .onnx model; a model name, GGUF file or HF folder brings its own")
+    return load_model(model, err)
+
+
+@app.command("export-onnx")
+def export_onnx_cmd(
+    model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file or HF directory")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="folder to write model.onnx, config.json and the tokenizer to")] = Path("build/onnx"),
+    form: Annotated[str, typer.Option(help="plain: input_ids, position_ids → logits; past: HF/optimum layout with attention_mask and past_key_values inputs")] = "plain",
+):
+    """Export a decoder to ONNX with torch.onnx.export (the input of `edgekv compile model.onnx`)."""
+    from .models import load_model
+
+    try:
+        from .compiler.onnx_export import FORMS, export_onnx
+
+        if form not in FORMS:
+            raise InputError(f"unknown --form {form!r}; one of {', '.join(FORMS)}")
+        loaded = load_model(model, err)
+        with err.status(f"exporting {loaded.model_id} to ONNX ({form})…"):
+            path = export_onnx(loaded, output, form)
+        out.print(f"wrote {path} (+ config.json, tokenizer); compile it with: edgekv compile {path}")
+    except ImportError as exc:
+        _fail(InputError(f"exporting to ONNX needs `onnx` and `onnxscript` ({exc.name} is missing): "
+                         "pip install -e '.[compile]'"))
+    except USER_ERRORS as exc:
         _fail(exc)
 
 
@@ -255,7 +294,7 @@ def eval_(
     lengths: Annotated[str, typer.Option(help="passkey prompt lengths in tokens")] = "1k,2k,4k",
     depths: Annotated[str, typer.Option(help="needle depths (0 = start of the haystack, 1 = end)")] = "0.1,0.5,0.9",
     seeds: Annotated[str, typer.Option(help="seeds (haystack offset, key values)")] = "0,1",
-    keys: Annotated[int, typer.Option(help="needles in the multi-key task")] = 4,
+    keys: Annotated[int, typer.Option(help="needles in the multi-key task: the pass key + distractors of other kinds")] = 2,
     haystack: Annotated[str, typer.Option(help="'repeat' (the classic passkey filler) or 'text' (natural text: harder)")] = "repeat",
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated for a passkey answer")] = 10,
     fidelity_lengths: Annotated[str, typer.Option(help="fidelity text lengths in tokens")] = "2k",
@@ -265,6 +304,7 @@ def eval_(
     model: Annotated[Optional[str], typer.Option(help="model name, GGUF file or HF directory")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (1 is fastest on a busy 2-core box)")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
+    resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --out finished")] = False,
 ):
     """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
     from .evaluation.command import build_spec, run_eval
@@ -272,7 +312,8 @@ def eval_(
     try:
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
                           max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg)
-        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]])
+        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]],
+                        resume=resume)
         out.print((out_dir / "results.md").read_text())
         err.print("written: " + ", ".join(data["_files"]))
     except USER_ERRORS as exc:
@@ -291,14 +332,15 @@ def bench(
     budget: Annotated[str, typer.Option(help="edgekv KV budget N")] = "1k",
     block: Annotated[int, typer.Option(help="block size B")] = 128,
     policy: Annotated[str, typer.Option(help="edgekv eviction policy")] = "keydiff",
-    systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp",
+    systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp,onnxruntime",
     artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled")] = None,
+    onnx: Annotated[Optional[Path], typer.Option(help="ONNX file (past_key_values form, `edgekv export-onnx --form past`) for the onnxruntime peer")] = None,
     decode_tokens: Annotated[int, typer.Option(help="tokens decoded after the prompt")] = 32,
     repeats: Annotated[int, typer.Option(help="runs per point (median reported)")] = 3,
     threads: Annotated[int, typer.Option(help="threads for every system")] = 2,
     out_dir: Annotated[Path, typer.Option("--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
 ):
-    """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress and llama.cpp (one process per run)."""
+    """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress, llama.cpp and ONNX Runtime (one process per run)."""
     from .bench.report import markdown, plot
     from .bench.runner import BenchConfig, run_bench
     from .bench.systems import SYSTEMS
@@ -316,11 +358,13 @@ def bench(
         mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
         out_dir.mkdir(parents=True, exist_ok=True)
         check_writable(out_dir / "bench.json", "--out")
+        if onnx is not None and not onnx.is_file():
+            raise InputError(f"--onnx {onnx} is not a file; export one with `edgekv export-onnx --form past -o DIR`")
         loaded = load_model(model, err)
         cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
                           decode_tokens=decode_tokens, repeats=repeats, threads=threads,
-                          artifact=str(artifact) if artifact else None)
+                          artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
         results["command"] = "edgekv bench " + " ".join(sys.argv[2:])

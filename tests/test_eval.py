@@ -138,6 +138,40 @@ def test_prompt_builders(smol):
     assert 0.4 < p.needle_positions[0] / p.tokens < 0.6
     mk = build_passkey(tok, 2048, 0.1, 0, keys=4)
     assert len(mk.needle_positions) == 4 and mk.task == "multikey"
+    text = tok.decode(mk.ids)
+    # the asked needle is the pass key, the others are distractors of other kinds with other values
+    assert text.count("The pass key is") == 2 and f"The pass key is {mk.answer}." in text
+    assert len(set(mk.distractors) | {mk.answer}) == 4 and all(d in text for d in mk.distractors)
     assert build_passkey(tok, 2048, 0.5, 3).ids.tolist() == p.ids.tolist()  # deterministic
     f = build_fidelity(tok, 1024, 0, 256)
     assert f.tokens == 1024 and f.eval_start == 768
+
+
+@pytest.mark.realmodel
+def test_resume_reuses_finished_prompts_and_reruns_changed_ones(sweep, tmp_path, monkeypatch):
+    """--resume takes a finished prompt's rows from the earlier results.json instead of running the
+    engine again; a prompt whose earlier record differs (here: its needle moved) runs again."""
+    import edgekv.evaluation.runner as runner_mod
+
+    data, out = sweep
+    spec = EvalSpec(**{k: v for k, v in data["config"].items() if k in EvalSpec.__dataclass_fields__})
+    earlier = json.loads((out / "results.json").read_text())
+    ran: list[str] = []
+    real_run_one = runner_mod.run_one
+    monkeypatch.setattr(runner_mod, "run_one", lambda m, prompt, *a, **k: ran.append(prompt.id) or real_run_one(m, prompt, *a, **k))
+    for meta in earlier["prompts"]:  # a record written before a field was added is still reusable
+        meta.pop("distractors", None)
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    again = run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, resume=True)
+    assert ran == [] and again["complete"] is True
+    assert json.loads((tmp_path / "results.earlier.json").read_text())["results"] == earlier["results"]
+    key = lambda r: (r["prompt_id"], r["policy"], r["budget"], r["mode"])  # noqa: E731
+    assert sorted(map(key, again["results"])) == sorted(map(key, earlier["results"]))
+    assert again["summary"] == earlier["summary"]
+    # the earlier run's passkey prompt had its needle elsewhere: that prompt is not reusable
+    for meta in earlier["prompts"]:
+        if meta["task"] == "passkey":
+            meta["needle_positions"] = [p + 1 for p in meta["needle_positions"]]
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, resume=True)
+    assert ran and {pid.split("-")[0] for pid in ran} == {"passkey"}

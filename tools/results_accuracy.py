@@ -84,8 +84,12 @@ def fmt(v, kind):
 
 
 def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[list[str], dict, dict]:
-    """Mean over budgets for each policy, block-wise vs one block, over budgets present in both."""
-    summary = merge(runs)["summary"]
+    """Mean over budgets for each policy, block-wise vs one block, over the prompts and budgets
+    present in both modes (the block-wise sweep may cover more prompts than the one-block run)."""
+    rows = [r for r in merge(runs)["results"] if r["task"] == task]
+    both = ({r["prompt_id"] for r in rows if r["mode"] == "block"}
+            & {r["prompt_id"] for r in rows if r["mode"] == "one_block"})
+    summary = report.summarize([r for r in rows if r["prompt_id"] in both])
     b_budgets = {s["budget"] for s in summary if s["task"] == task and s["mode"] == "block"}
     o_budgets = {s["budget"] for s in summary if s["task"] == task and s["mode"] == "one_block"}
     common = b_budgets & o_budgets
@@ -93,7 +97,8 @@ def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[l
         return [], {}, {}
     blk = policy_means(summary, task, "block", metric, common)
     one = policy_means(summary, task, "one_block", metric, common)
-    lines = [f"Mean {metric.replace('_', ' ')} over budgets {', '.join(map(str, sorted(common)))}:", "",
+    lines = [f"Mean {metric.replace('_', ' ')} over budgets {', '.join(map(str, sorted(common)))}, on the "
+             f"{len(both)} prompts run both ways ({', '.join(sorted(both))}):", "",
              "| policy | block-wise (B=128) | one block | one block − block-wise |", "|---|---:|---:|---:|"]
     for p in sorted(set(blk) & set(one), key=lambda p: (p != "full", p)):
         delta = one[p] - blk[p]
@@ -147,6 +152,25 @@ def pair_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+def by_length(merged: dict, task: str = "passkey", metric: str = "correct") -> list[str]:
+    """Block-wise accuracy per policy and prompt length (mean over budgets, depths and seeds)."""
+    rows = [r for r in merged["results"] if r["task"] == task and r["mode"] == "block" and r.get("error") is None]
+    lengths = sorted({r["length_target"] for r in rows})
+    if len(lengths) < 2:
+        return []
+    cell = defaultdict(list)
+    for r in rows:
+        cell[(r["policy"], r["length_target"])].append(float(r[metric]))
+    n = {L: len({r["prompt_id"] for r in rows if r["length_target"] == L}) for L in lengths}
+    out = [f"### {task}, block-wise: accuracy by prompt length (mean over budgets, depths and seeds)", "",
+           "| policy | " + " | ".join(f"{L} tok ({n[L]} prompt{'s' if n[L] > 1 else ''})" for L in lengths) + " |",
+           "|---|" + "---:|" * len(lengths)]
+    for p in sorted({r["policy"] for r in rows}, key=lambda p: (p != "full", p)):
+        vals = [cell.get((p, L)) for L in lengths]
+        out.append(f"| {p} | " + " | ".join(fmt(sum(v) / len(v), "pct") if v else "—" for v in vals) + " |")
+    return out + [""]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", type=Path, help="results.json files written by `edgekv eval`")
@@ -194,6 +218,7 @@ def main(argv=None) -> int:
         md += [args.notes.read_text().strip(), ""]
     # tables and plots over the merged raw results of every run
     merged = merge(runs)
+    md += by_length(merged)
     md += ["### Tables", "", report.markdown(merged, heading="####")]
     for p in report.plot(merged, out_dir, prefix="accuracy_"):
         md.append(f"![{p.stem}]({p.name})")

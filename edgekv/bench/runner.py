@@ -29,6 +29,7 @@ class BenchConfig:
     repeats: int = 3
     threads: int = 2
     artifact: str | None = None
+    onnx: str | None = None  # past_key_values-form ONNX file for the onnxruntime peer
     timeout: int = 900
 
 
@@ -39,7 +40,8 @@ def installed(system: str) -> bool:
 
 def run_once(cfg: BenchConfig, system: str, ids: list[int], decode_tokens: int) -> dict:
     spec = {"system": system, "ids": ids, "model": cfg.model, "budget": cfg.budget, "block": cfg.block,
-            "policy": cfg.policy, "decode_tokens": decode_tokens, "threads": cfg.threads, "artifact": cfg.artifact}
+            "policy": cfg.policy, "decode_tokens": decode_tokens, "threads": cfg.threads, "artifact": cfg.artifact,
+            "onnx": cfg.onnx}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -79,6 +81,9 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
             continue
         if system == "edgekv-compiled" and not cfg.artifact:
             skipped[system] = "no artifact given (--artifact DIR from `edgekv compile`)"
+            continue
+        if system == "onnxruntime" and not cfg.onnx:
+            skipped[system] = "no ONNX file given (--onnx FILE from `edgekv export-onnx --form past`)"
             continue
         for length in cfg.lengths:
             plan.append((system, length, cfg.decode_tokens))

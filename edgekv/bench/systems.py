@@ -14,6 +14,7 @@ import torch
 SYSTEMS: dict[str, Callable] = {}
 NEEDS = {  # the import each peer needs; missing → reported as "not installed"
     "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama_cpp", "edgekv-compiled": "tvm",
+    "onnxruntime": "onnxruntime",
 }
 
 
@@ -138,4 +139,47 @@ def run_llamacpp(ids, args):
         for _ in range(args["decode_tokens"]):
             llm.eval([int(llm.sample(temp=0.0))])
     _, dec = _timed(decode)
+    return {"prefill_seconds": prefill, "decode_seconds": dec}
+
+
+@system("onnxruntime")
+def run_onnxruntime(ids, args):
+    """ONNX Runtime (CPU execution provider) on the model exported by torch in the
+    past_key_values form (``edgekv export-onnx --form past``; the runner exports it once, in
+    its own process, so the export's memory is not in this run's peak RSS): full cache."""
+    import numpy as np
+    import onnxruntime as ort
+
+    if not args.get("onnx"):
+        raise RuntimeError("no ONNX file given (--onnx FILE from `edgekv export-onnx --form past`)")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = args["threads"]
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(args["onnx"], opts, providers=["CPUExecutionProvider"])
+    past_inputs = [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    if not past_inputs:
+        raise RuntimeError(f"{args['onnx']} has no past_key_values inputs; export it with --form past")
+    outputs = [o.name for o in sess.get_outputs()]
+
+    def empty_cache():
+        return {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), dtype=np.float32) for i in past_inputs}
+
+    def forward(tokens, cache):
+        start, n = next(iter(cache.values())).shape[2], len(tokens)
+        feed = {"input_ids": np.asarray([tokens], dtype=np.int64),
+                "attention_mask": np.ones((1, start + n), dtype=np.int64),
+                "position_ids": np.arange(start, start + n, dtype=np.int64)[None], **cache}
+        got = sess.run(outputs, feed)
+        present = {name.replace("present.", "past_key_values."): t for name, t in zip(outputs[1:], got[1:])}
+        return torch.from_numpy(got[0][0, -1]), present
+
+    tokens = ids.tolist()
+    forward(tokens[: args["block"]], empty_cache())  # warm-up
+    (logits, cache), prefill = _timed(lambda: forward(tokens, empty_cache()))
+
+    def step(token):
+        nonlocal cache
+        logits, cache = forward([token], cache)
+        return logits
+    dec = _timed_greedy_decode(step, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec}

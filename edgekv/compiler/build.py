@@ -164,7 +164,8 @@ def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
                   progress=None, imported=None) -> BuildResult:
-    """Compile ``model`` (a ``LoadedModel``) with ``policy`` (a ``Policy`` instance) at budget N
+    """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
+    from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N
     and block B for ``target``; write the artifact to ``out_dir`` when given.
 
     ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
@@ -179,6 +180,9 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     profile, tgt = resolve_target(target)
+    if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
+        (progress or (lambda msg: None))("importing the ONNX graph")
+        imported = model.import_graph(block)
     if profile.get("host") or tgt.get("kind") != "llvm" or "mtriple" in tgt:
         # GPU / NPU / cross-compiled CPU targets (compile/cuda.json, opencl, metal, hexagon, android-cpu)
         from .targets import build_for_target
@@ -231,7 +235,8 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
         "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict(),
-                  "chat": bool(getattr(model, "chat", False))},
+                  "chat": bool(getattr(model, "chat", False)),
+                  **({"source": model.source_info} if hasattr(model, "source_info") else {})},
         "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
         "budget": budget,
         "block": block,

@@ -22,7 +22,8 @@ from .block_cache import without_function, substitute
 
 
 def _match(graph: Graph, take_var):
-    """(h, weight, idx) if take_var = take(reshape(matmul(reshape(h), W)), idx, axis=1)."""
+    """(h, weight, idx) if take_var = take(reshape(matmul(reshape(h), W)), idx, axis=1), or
+    take(matmul(h, W), idx, axis=1) as the ONNX frontend emits a 3-D MatMul."""
     take = graph.producer[take_var]
     if op_name(take) != "relax.take" or int(take.attrs.axis) != 1:
         return None
@@ -34,6 +35,12 @@ def _match(graph: Graph, take_var):
     r1 = graph.producer.get(y)
     while isinstance(r1, relax.Var):  # alias bindings (gv = lv)
         r1 = graph.producer.get(r1)
+    if op_name(r1) == "relax.matmul":  # matmul(h[1, T, H], W[H, V]) without reshapes (ONNX import)
+        h, w = r1.args
+        ws = shape_of(w)
+        if ws is not None and len(ws) == 2 and ws[1] == V and shape_of(h) == (1, T, ws[0]):
+            return h, w, idx, r1.attrs
+        return None
     if op_name(r1) != "relax.reshape":
         return None
     mm_var = r1.args[0]
@@ -76,7 +83,8 @@ def hoist_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
                         H = shape_of(h)[2]
                         row = bb.emit(relax.op.take(vmap.get(h, h), vmap.get(idx, idx), axis=1), "last_hidden")
                         row2 = bb.emit(relax.op.reshape(row, (1, H)))
-                        mm = bb.emit(relax.op.matmul(row2, vmap.get(w, w), out_dtype=str(mm_attrs.out_dtype)))
+                        dt = mm_attrs.out_dtype  # None from the ONNX frontend, "void" = the input dtype
+                        mm = bb.emit(relax.op.matmul(row2, vmap.get(w, w), out_dtype=None if dt is None else str(dt)))
                         vmap[b.var] = bb.emit(relax.op.reshape(mm, shape_of(b.var)), b.var.name)
                     elif isinstance(b.var, relax.DataflowVar):
                         vmap[b.var] = bb.emit(substitute(b.value, vmap), b.var.name)

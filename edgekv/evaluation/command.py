@@ -4,6 +4,7 @@ The CLI command in edgekv/cli.py is a thin wrapper around ``run_eval``."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -136,9 +137,31 @@ class _Bar:
         self.progress.stop()
 
 
+def earlier_results(json_path: Path, model_id: str) -> dict | None:
+    """The earlier run's results in ``json_path`` for ``--resume`` (None when there is none)."""
+    from . import report
+
+    if not json_path.exists():
+        return None
+    try:
+        prior = json.loads(json_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--resume: cannot read the earlier results {json_path} ({exc}); "
+                         f"delete it or choose another --out") from None
+    if prior.get("schema") != report.SCHEMA:
+        raise InputError(f"--resume: {json_path} is not an edgekv eval result; choose another --out")
+    if prior.get("meta", {}).get("model") != model_id:
+        raise InputError(f"--resume: {json_path} was made with model {prior.get('meta', {}).get('model')!r}, "
+                         f"not {model_id!r}; choose another --out or drop --resume")
+    return prior
+
+
 def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, threads: int | None = None,
-             console=None, argv: list[str] | None = None, progress: bool = True) -> dict:
-    """Run the sweep and write DIR/results.json, DIR/results.md and DIR/*.png; returns the data."""
+             console=None, argv: list[str] | None = None, progress: bool = True, resume: bool = False) -> dict:
+    """Run the sweep and write DIR/results.json, DIR/results.md and DIR/*.png; returns the data.
+
+    ``resume``: prompts that DIR/results.json (an earlier, possibly interrupted run) already
+    finished with the same prompt, model and policy parameters are taken from it, not rerun."""
     import torch
 
     from ..job import check_context, write_json_atomic
@@ -158,13 +181,16 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
         check_context(model, p.tokens, spec.greedy_tokens if p.task == "fidelity" else spec.max_new_tokens, False)
     data = {"schema": report.SCHEMA, "meta": report.meta(model, argv or sys.argv), "config": spec.to_dict()}
     json_path = out_dir / "results.json"
+    prior = earlier_results(json_path, model.model_id) if resume else None
+    if prior is not None:  # this run rewrites results.json as it goes: keep the earlier file
+        write_json_atomic(out_dir / "results.earlier.json", prior)
 
     def save_partial(partial: dict) -> None:
         write_json_atomic(json_path, report.finish({**data, **partial}))
 
     runner = Runner(model, spec, progress_factory=(lambda total: _Bar(console, total)) if progress else None,
                     on_prompt_done=save_partial)  # called after every run
-    data.update(runner.run(prompts))
+    data.update(runner.run(prompts, prior))
     report.finish(data)
     write_json_atomic(json_path, data)
     plots = report.plot(data, out_dir)

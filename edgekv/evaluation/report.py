@@ -16,7 +16,8 @@ PASSKEY_TASKS = ("passkey", "multikey")
 ROW_FIELDS = ("task", "prompt_id", "seed", "length_target", "prompt_tokens", "depth", "policy", "policy_params",
               "budget", "block", "mode", "no_eviction", "reused_reference", "error")
 RUN_FIELDS = ("seconds", "prefill_seconds", "eviction_events")
-PASSKEY_FIELDS = ("output_ids", "output_text", "predicted", "correct", "needle_retention", "agrees_with_full")
+PASSKEY_FIELDS = ("output_ids", "output_text", "predicted", "correct", "needle_retention", "answered_distractor",
+                  "agrees_with_full")
 FIDELITY_FIELDS = ("positions", "top1_agreement", "mean_kl", "median_kl", "max_kl", "greedy_tokens",
                    "greedy_prefix_match", "greedy_token_agreement")
 TOP_FIELDS = ("schema", "meta", "config", "prompts", "references", "results", "summary", "complete", "runtime_seconds")
@@ -80,6 +81,8 @@ def summarize(results: list[dict]) -> list[dict]:
             s["accuracy"] = _mean([float(r["correct"]) for r in ok])
             s["agreement_with_full"] = _mean([float(r["agrees_with_full"]) for r in ok])
             s["needle_retention"] = _mean([r.get("needle_retention") for r in ok])
+            if task == "multikey":  # wrong answers that are a distractor needle's value
+                s["answered_distractor"] = _mean([float(r.get("answered_distractor", False)) for r in ok])
         else:
             for k in ("top1_agreement", "mean_kl", "greedy_prefix_match", "greedy_token_agreement"):
                 s[k] = _mean([r[k] for r in ok])
@@ -130,7 +133,7 @@ def sweeps(summary: list[dict]) -> list[tuple[str, str, object]]:
 
 METRICS = {
     "passkey": [("accuracy", "exact-match accuracy", "pct"), ("needle_retention", "needle retention (share of layer×head caches holding the key's digits after prefill)", "pct")],
-    "multikey": [("accuracy", "exact-match accuracy", "pct"), ("needle_retention", "needle retention", "pct")],
+    "multikey": [("accuracy", "exact-match accuracy", "pct"), ("needle_retention", "needle retention", "pct"), ("answered_distractor", "answered with a distractor's value", "pct")],
     "fidelity": [("top1_agreement", "teacher-forced top-1 agreement with the full cache", "pct"),
                  ("mean_kl", "mean KL(full ‖ policy), nats", "kl"),
                  ("greedy_prefix_match", "greedy continuation: matching prefix / tokens", "pct")],

@@ -13,6 +13,7 @@ given the same thread count, a rerun gives identical numbers.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -38,7 +39,7 @@ class EvalSpec:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    keys: int = 4  # needles in the multi-key variant
+    keys: int = 2  # needles in the multi-key variant (pass key + distractors)
     haystack: str = "repeat"
     max_new_tokens: int = 10
     fidelity_lengths: list[int] = field(default_factory=lambda: [2048])
@@ -130,6 +131,8 @@ def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: d
         out = Outcome(0.0, engine.stats.prefill_seconds, engine.stats.eviction_events, passkey={
             "output_ids": generated, "output_text": text, "predicted": predicted,
             "correct": predicted == prompt.answer, "needle_retention": retention,
+            # multikey: the model answered with a distractor needle's value
+            "answered_distractor": predicted is not None and predicted in prompt.distractors,
         })
     out.seconds = time.perf_counter() - t0
     return out
@@ -141,6 +144,10 @@ def score(prompt: Prompt, ref: Outcome, out: Outcome) -> dict:
     p = dict(out.passkey)
     p["agrees_with_full"] = p["output_ids"] == ref.passkey["output_ids"]
     return p
+
+
+PROMPT_IDENTITY = ("task", "tokens", "seed", "length_target", "depth", "answer", "needle_positions", "asked",
+                   "haystack", "eval_start")
 
 
 class Runner:
@@ -170,12 +177,44 @@ class Runner:
             plan.append((prompt, runs))
         return plan
 
-    def run(self, prompts: list[Prompt]) -> dict:
+    def reusable(self, prompt: Prompt, prior: dict | None) -> tuple[dict, list[dict]] | None:
+        """The reference row and result rows of ``prompt`` from an earlier run of the same sweep
+        (``--resume``), if that run finished the prompt: same prompt tokens and needles, same
+        policy parameters, every expected row present. Otherwise None (the prompt runs again)."""
+        if not prior or prompt.id not in prior.get("references", {}):
+            return None
+        meta = next((m for m in prior.get("prompts", []) if m.get("id") == prompt.id), None)
+        now = json.loads(json.dumps(prompt.meta()))
+        # the fields that define what the model saw and what is scored (fields added to the
+        # record later, e.g. multikey distractors, do not make an older run unusable)
+        if meta is None or any(meta.get(k) != now.get(k) for k in PROMPT_IDENTITY):
+            return None
+        rows = [r for r in prior.get("results", []) if r.get("prompt_id") == prompt.id]
+        by_key = {(r["policy"], r["budget"], r["mode"]): r for r in rows}
+        wanted = []
+        for policy in self.spec.policies:
+            params = make_policy(policy, self.spec.policy_args.get(policy, {})).params()
+            for budget in self.spec.budgets:
+                for block in self.spec.blocks:
+                    row = by_key.get((policy, budget, "one_block" if block == ONE_BLOCK else "block"))
+                    if row is None or row["policy_params"] != json.loads(json.dumps(params)) or (
+                            block != ONE_BLOCK and row["block"] != block):
+                        return None
+                    wanted.append(row)
+        return prior["references"][prompt.id], wanted
+
+    def run(self, prompts: list[Prompt], prior: dict | None = None) -> dict:
         spec, model = self.spec, self.model
-        plan = self.plan(prompts)
+        reused = {p.id: r for p in prompts if (r := self.reusable(p, prior)) is not None}
+        if reused:
+            self.log(f"--resume: {len(reused)} of {len(prompts)} prompts reused from the earlier results")
+        plan = [(p, runs) for p, runs in self.plan(prompts) if p.id not in reused]
         total_tokens = sum(p.tokens * (1 + len(runs)) for p, runs in plan)
         bar = self.progress_factory(total_tokens) if self.progress_factory else None
         results, references = [], {}
+        for pid, (ref_row, rows) in reused.items():
+            references[pid] = ref_row
+            results.extend(rows)
         t_start = time.perf_counter()
         try:
             for prompt, runs in plan:

@@ -29,8 +29,14 @@ What made the difference for the full cache: the needle as its own paragraph sta
 filler as the haystack (``haystack="repeat"``, the default). With natural text as the
 haystack (``haystack="text"``) the full cache finds the key at 1K but misses most needles
 in the first half of 2K–4K prompts, so that variant is kept as an option, not the default.
-In the multi-key variant every needle is named ("The pass key for blue is ..."), the
-question names one, and the others are distractors.
+In the multi-key variant the pass key shares the haystack with ``keys − 1`` distractor needles of
+the same shape but another kind ("IMPORTANT: The door code is 40917. ..."), each a 5-digit
+number; the question asks for the pass key. The first design named every needle with a colour
+("The pass key for blue is ...") and asked for one: even the full-cache SmolLM2-135M answered
+with a distractor in 3 of 4 checked 2K prompts, so it could not rank policies. With distractors
+of other kinds the full cache answers correctly (checked before the sweep, see
+docs/results/accuracy_notes.md), and a policy that drops the pass key's needle but keeps a
+distractor shows up as a wrong answer with the distractor's digits (``answered_distractor``).
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ import torch
 
 HAYSTACKS = ("text", "repeat")
 REPEAT_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
-NAMES = ("red", "blue", "green", "yellow", "orange", "purple", "silver", "golden", "black", "white")
+# Kinds of distractor needles in the multi-key variant (the asked needle is always "pass key").
+DISTRACTOR_KINDS = ("door code", "room number", "safe combination", "phone extension", "order number",
+                    "locker number", "zip code", "ticket number", "badge number")
+ASKED_KIND = "pass key"
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Prompt:
     answer: str | None = None  # the key to retrieve (passkey tasks)
     needle_positions: list[int] = field(default_factory=list)  # token index where each needle starts
     asked: int | None = None  # which needle is asked (multikey)
+    distractors: list[str] = field(default_factory=list)  # the other needles' values (multikey)
     haystack: str = "repeat"
     eval_start: int | None = None  # fidelity: first position whose next-token distribution is scored
 
@@ -118,20 +128,13 @@ INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it an
          "I will quiz you about the pass key.\n\n")
 
 
-def _needle(key: str, name: str | None) -> str:
+def _needle(key: str, kind: str = ASKED_KIND) -> str:
     # Set off as its own paragraph with "IMPORTANT:", which SmolLM2-135M needs to find it in natural text.
-    if name is None:
-        return f"\n\nIMPORTANT: The pass key is {key}. Remember it. {key} is the pass key.\n\n"
-    return f"\n\nIMPORTANT: The pass key for {name} is {key}. Remember it. {key} is the pass key for {name}.\n\n"
+    return f"\n\nIMPORTANT: The {kind} is {key}. Remember it. {key} is the {kind}.\n\n"
 
 
-def _question(name: str | None) -> str:
-    return ("What is the pass key mentioned in the text above?" if name is None
-            else f"What is the pass key for {name} mentioned in the text above?")
-
-
-def _answer_prefix(name: str | None) -> str:
-    return "The pass key is" if name is None else f"The pass key for {name} is"
+QUESTION = f"What is the {ASKED_KIND} mentioned in the text above?"
+ANSWER_PREFIX = f"The {ASKED_KIND} is"
 
 
 def _chat_ids(tokenizer, user: str, assistant_prefix: str) -> list[int]:
@@ -152,25 +155,30 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     """A needle-in-a-haystack prompt of about ``length`` tokens (chat template included).
 
     ``keys`` = 1: one pass key at ``depth`` (0 = start of the haystack, 1 = end).
-    ``keys`` > 1 (multi-key): that many named keys spread evenly over the haystack; the
-    one at ``depth`` (nearest) is asked, the others are distractors."""
+    ``keys`` > 1 (multi-key): that many needles spread evenly over the haystack; the one
+    nearest ``depth`` (moved to ``depth``) is the pass key, the others are distractors of
+    other kinds (door code, room number, ...)."""
     if haystack not in HAYSTACKS:
         raise ValueError(f"haystack must be one of {HAYSTACKS}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError("depth must be in [0, 1]")
     rng = _rng(seed, length, depth, keys)
-    names = rng.sample(NAMES, keys) if keys > 1 else [None]
-    values = [str(rng.randrange(10 ** (digits - 1), 10 ** digits)) for _ in names]
     if keys > 1:
         depths = [(i + 0.5) / keys for i in range(keys)]
         asked = min(range(keys), key=lambda i: abs(depths[i] - depth))
         depths[asked] = depth
+        kinds = rng.sample(DISTRACTOR_KINDS, keys - 1)
+        kinds.insert(asked, ASKED_KIND)
     else:
-        depths, asked = [depth], 0
-    name = names[asked]
-    fixed = _chat_ids(tokenizer, INTRO + "\n\n" + _question(name), _answer_prefix(name))
+        depths, asked, kinds = [depth], 0, [ASKED_KIND]
+    values: list[str] = []
+    while len(values) < keys:  # distinct values, so a distractor's digits are never the answer
+        v = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+        if v not in values:
+            values.append(v)
+    fixed = _chat_ids(tokenizer, INTRO + "\n\n" + QUESTION, ANSWER_PREFIX)
     needle_tokens = sum(len(tokenizer(" " + _needle(v, n), add_special_tokens=False)["input_ids"])
-                        for v, n in zip(values, names))
+                        for v, n in zip(values, kinds))
     room = max(length - len(fixed) - needle_tokens, 16)
     if haystack == "repeat":
         filler = REPEAT_FILLER.split(". ")
@@ -205,13 +213,13 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
             i = int(piece[1:])
             body = body.rstrip() + ("\n\n" if body else "")
             starts[i] = len(body)
-            body += _needle(values[i], names[i]).strip() + "\n\n"
+            body += _needle(values[i], kinds[i]).strip() + "\n\n"
         else:
             body += ("" if not body or body.endswith("\n") else " ") + piece
     body = body.strip()
-    user = INTRO + body + "\n\n" + _question(name)
+    user = INTRO + body + "\n\n" + QUESTION
     text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                         tokenize=False) + _answer_prefix(name)
+                                         tokenize=False) + ANSWER_PREFIX
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     base = text.index(INTRO)
@@ -222,7 +230,8 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     task = "passkey" if keys == 1 else "multikey"
     pid = f"{task}-L{length}-d{depth:g}-s{seed}" + (f"-{haystack}" if haystack != "repeat" else "")
     return Prompt(id=pid, task=task, ids=torch.tensor(ids, dtype=torch.long), seed=seed, length_target=length,
-                  depth=depth, answer=values[asked], needle_positions=positions, asked=asked, haystack=haystack)
+                  depth=depth, answer=values[asked], needle_positions=positions, asked=asked, haystack=haystack,
+                  distractors=[v for i, v in enumerate(values) if i != asked])
 
 
 def extract_key(text: str, digits: int = 5) -> str | None:

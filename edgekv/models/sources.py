@@ -131,6 +131,9 @@ def resolve(name_or_path: str | os.PathLike | None, console: Console | None = No
             f"unknown model '{name}': it is neither a known name ({', '.join(KNOWN_MODELS)}) "
             "nor an existing GGUF file or HF model directory"
         )
+    if path.is_file() and path.suffix.lower() == ".onnx":
+        raise ModelError(f"'{path}' is an ONNX graph: only `edgekv compile {path}` takes it (the eager engine runs "
+                         "GGUF / HF weights); run the compiled artifact with `edgekv run <artifact dir>`")
     if path.is_file():
         with open(path, "rb") as fh:
             magic = fh.read(4)
