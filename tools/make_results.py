@@ -6,6 +6,8 @@ section itself):
   bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
   compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
+  compiled_agreement*.md  tools/check_compiled_vs_engine.py (compiled artifact vs eager engine)
+  onnx_agreement.md       tools/check_onnx_path.py          (ONNX input vs torch.export, ONNX Runtime)
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ SECTIONS = [
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
+    ("Compiled model vs the reference engine: KeyDiff", "compiled_agreement.md"),
+    ("Compiled model vs the reference engine: DapQ", "compiled_agreement_dapq.md"),
+    ("Compiled model vs the reference engine: D2O", "compiled_agreement_d2o.md"),
+    ("ONNX input vs the torch.export path", "onnx_agreement.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 

@@ -186,12 +186,14 @@ def main(argv=None) -> int:
           "Passkey prompts use the chat template; haystack and fidelity text are "
           "`pydoc_data.topics` (the Python language reference that ships with CPython), so "
           "everything runs offline. Budget N = KV entries kept per layer and KV head.", "",
-          "### Runs", "", "| run | command | commit | machine | runtime |", "|---|---|---|---|---:|"]
+          "### Runs", "", "| run | raw results | command | commit | machine | runtime |", "|---|---|---|---|---|---:|"]
     for i, r in enumerate(runs, 1):
         m = r["meta"]
         mach = f"{m['machine']['cpu']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}, " \
                f"{m['machine']['torch_threads']} thread(s)"
-        md.append(f"| {i} | `{m['command']}` | {m.get('commit') or 'uncommitted'} | {mach} | "
+        path = Path(r["_path"]).resolve()
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        md.append(f"| {i} | `{shown}` | `{m['command']}` | {m.get('commit') or 'uncommitted'} | {mach} | "
                   f"{r.get('runtime_seconds', 0) / 60:.1f} min{'' if r.get('complete') else ' (incomplete)'} |")
     md.append("")
     # orderings against the papers

@@ -20,7 +20,11 @@ E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1"
   $E --task multikey --keys 2 --block 128 --lengths 2k --depths 0.5 --seeds 0 --out $OUT/multikey_block
 ) &
 wait
-python tools/results_accuracy.py $OUT/passkey_block/results.json $OUT/passkey_block_long/results.json \
-  $OUT/passkey_one/results.json $OUT/fidelity_block/results.json $OUT/multikey_block/results.json \
-  --notes docs/results/accuracy_notes.md
+R=docs/results
+for d in passkey_block passkey_block_long passkey_one fidelity_block multikey_block; do
+  cp $OUT/$d/results.json $R/accuracy_$d.json  # the raw results live beside the section
+done
+python tools/results_accuracy.py $R/accuracy_passkey_block.json $R/accuracy_passkey_block_long.json \
+  $R/accuracy_passkey_one.json $R/accuracy_fidelity_block.json $R/accuracy_multikey_block.json \
+  --notes $R/accuracy_notes.md
 python tools/make_results.py
