@@ -21,6 +21,10 @@ from edgekv.compiler.targets import build_for_target, device_target, elf_machine
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.dapq import DapQPolicy  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
+from edgekv.policies.h2o import H2OPolicy  # noqa: E402
+from edgekv.policies.snapkv import SnapKVPolicy  # noqa: E402
+from edgekv.policies.snapkv_pp import SnapKVPlusPlusPolicy  # noqa: E402
+from edgekv.policies.tova import TOVAPolicy  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
 from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
 from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
@@ -159,6 +163,22 @@ def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
             assert k in blob
         assert dev["elf_machine"] == [164]
         return
+QUERY_POLICIES = {"snapkv": SnapKVPolicy(window=4, kernel=3), "snapkvpp": SnapKVPlusPlusPolicy(window=4),
+                  "tova": TOVAPolicy(), "h2o": H2OPolicy()}
+
+
+@pytest.mark.parametrize("target", GPU)
+@pytest.mark.parametrize("tag", list(QUERY_POLICIES))
+def test_query_policies_on_gpu(model, imported, tmp_path_factory, target, tag):
+    """SnapKV, SnapKV++, TOVA and H2O: complete GPU artifacts, every function on the device, the
+    policy's score (and H2O's observe) kernels and the state-carrying select in the source, static
+    shapes; H2O's state cache is in the manifest and the memory plan."""
+    if target != "opencl" and tag in ("snapkvpp", "tova"):
+        pytest.skip("same kernel builder as snapkv on this target (opencl covers every policy)")
+    policy = QUERY_POLICIES[tag]
+    res, out = _build(model, imported, tmp_path_factory, target, policy, N)
+    m = json.loads((out / "manifest.json").read_text())
+    dev = m["device"]
     src = (out / "device" / SOURCE[target]).read_text()
     for f in dev["device_functions"]:
         assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
@@ -168,6 +188,28 @@ def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
                  "decode_attention_h4_2_d16", "prefill_block_select_h2_d16_score"):
         assert re.search(rf"\b{name}_kernel\w*\(", src), name
     assert dev["symbolic_shapes"] == {}
+    state = tag == "h2o"
+    want = ["attention", "score", "select"] + (["observe"] if state else [])
+    assert sorted(set(dev["edgekv_kernels"].values())) == sorted(want)
+    for fn in ("prefill_block", "decode"):
+        assert re.search(rf"\b{fn}_score_{tag}_h4_2_d16_kernel\w*\(", src)
+        assert re.search(rf"\b{fn}_select_h2_d16_score{'_s1' if state else ''}_kernel\w*\(", src)
+        if state:
+            assert re.search(rf"\b{fn}_observe_h2o_h4_2_d16_kernel\w*\(", src)
+    assert dev["symbolic_shapes"] == {}
+    if state:
+        assert m["entry_state"] == ["h2o_acc"] and all(c["state"] == [1, 2, N] for c in m["cache"])
+        kv = len(m["cache"]) * (2 * 2 * N * 16 * 4 + 2 * N * 4 + 4)
+        assert m["memory_plan"]["cache_bytes"] == kv + len(m["cache"]) * 2 * N * 4
+
+
+def test_query_policy_on_hexagon(model, imported, tmp_path_factory):
+    res, out = _build(model, imported, tmp_path_factory, "hexagon", H2OPolicy(), N)
+    with tarfile.open(out / "model.tar") as tf:
+        blob = b"".join(tf.extractfile(mm).read() for mm in tf.getmembers() if mm.name.endswith(".o"))
+    for fn in ("prefill_block", "decode"):
+        for k in (b"_score_h2o_h4_2_d16", b"_observe_h2o_h4_2_d16", b"_select_h2_d16_score_s1"):
+            assert fn.encode() + k in blob
 
 
 def test_unbound_kernels_are_refused(model, imported):

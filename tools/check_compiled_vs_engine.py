@@ -3,7 +3,8 @@
 Compiles SmolLM2 with a policy (default KeyDiff, N = 512, B = 128), runs the same long
 natural-text prompt through the compiled artifact and through `BlockEngine`, and after
 every block compares, per layer and KV head, the kept positions; at the end it compares
-the last-token logits. Writes docs/results/compiled_agreement.{json,md}.
+the last-token logits. Records the run in docs/results/compiled_agreement.{json,md}, one entry
+per (policy, budget, block, tokens): runs of other policies already recorded there are kept.
 
     python tools/check_compiled_vs_engine.py --policy keydiff --budget 512 --tokens 8000
 """
@@ -91,22 +92,43 @@ def main() -> None:
               "first_mismatch": first_mismatch, "last_logits_max_rel_error": rel, "compile_seconds": compile_s,
               "same_argmax": int(np.argmax(got)) == int(ref.argmax())}
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(
-        f"Compiled `{args.policy}` artifact vs the reference engine on SmolLM2-135M, {result['prompt_tokens']} "
-        f"prompt tokens of natural text, N = {args.budget}, B = {args.block} "
-        f"(`python tools/check_compiled_vs_engine.py --policy {args.policy} --budget {args.budget} "
-        f"--tokens {args.tokens}`):\n\n"
+    runs = load_runs(out.with_suffix(".json"))
+    runs[f"{args.policy} N={args.budget} B={args.block} tokens={args.tokens}"] = dict(result, tokens_arg=args.tokens)
+    out.with_suffix(".json").write_text(json.dumps({"runs": runs}, indent=2))
+    out.with_suffix(".md").write_text("\n".join(run_markdown(r) for r in runs.values()))
+    print(json.dumps(result, indent=2))
+
+
+def load_runs(path: Path) -> dict:
+    """Recorded runs by key (the old one-run file format is read as one run)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if "runs" in data:
+        return data["runs"]
+    tokens = data.get("tokens_arg", data["prompt_tokens"])
+    return {f"{data['policy']} N={data['budget']} B={data['block']} tokens={tokens}": data}
+
+
+def run_markdown(r: dict) -> str:
+    fm = r["first_mismatch"]
+    same, total = r["kept_entries_identical"], r["kept_entries_compared"]
+    tokens = r.get("tokens_arg", r["prompt_tokens"])
+    return (
+        f"Compiled `{r['policy']}` artifact vs the reference engine on SmolLM2-135M, {r['prompt_tokens']} "
+        f"prompt tokens of natural text, N = {r['budget']}, B = {r['block']} "
+        f"(`python tools/check_compiled_vs_engine.py --policy {r['policy']} --budget {r['budget']} "
+        f"--tokens {tokens}`):\n\n"
         f"- kept entries identical after every block, every layer and KV head: {same:,} of {total:,} "
         f"({100 * same / total:.4f} %)\n"
-        f"- first divergence: {json.dumps(first_mismatch)} — "
+        f"- first divergence: {json.dumps(fm)} — "
         + ("an exact or near tie in the reference scores (relative spread < 1e-5), which the two float "
            "summation orders break differently; every later difference follows from it, since the caches "
-           "then hold different entries\n" if first_mismatch and first_mismatch.get("near_tie") else
-           "none\n" if first_mismatch is None else "NOT a near tie: a real disagreement (a bug)\n")
-        + f"- last-token logits: max relative error {rel:.2e}; same argmax: {result['same_argmax']}\n"
-        f"- compile time: {compile_s:.0f} s\n")
-    print(json.dumps(result, indent=2))
+           "then hold different entries\n" if fm and fm.get("near_tie") else
+           "none\n" if fm is None else "NOT a near tie: a real disagreement (a bug)\n")
+        + f"- last-token logits: max relative error {r['last_logits_max_rel_error']:.2e}; same argmax: "
+        f"{r['same_argmax']}\n"
+        f"- compile time: {r['compile_seconds']:.0f} s\n")
 
 
 if __name__ == "__main__":

@@ -484,6 +484,352 @@ def build_gpu_lagkv_score(num_kv_heads: int, budget: int, block: int, head_dim: 
 
 
 # --------------------------------------------------------------------------------------------
+# attention-probability kernels of the query-based policies (SnapKV, SnapKV++, TOVA, H2O);
+# arguments and definitions as kernels/attention_scores.py
+# --------------------------------------------------------------------------------------------
+
+_HEADS = ("group_mean", "group_sum", "layer_mean")
+_POOLS = ("none", "avg", "max")
+
+
+def _gpu_colsum_stages(H, Hq, N, B, D, scale, W, NT):
+    """Stages 1–2 as macros, each its own launch (launch boundaries order the global writes):
+
+    ``row_stats``: one thread block per (query head, window row); the NT threads take strided
+    candidates, keep an online max / sum of exp, and a shared-memory tree combines them into the
+    row's softmax max and denominator (``stats [Hq, W, 2]``).
+    ``column_sums``: one thread block per (query head, tile of NT candidates), one candidate per
+    thread (its key row in registers); every window row's query is staged in shared memory and the
+    thread adds exp(s − max) / sum — the probabilities re-derived from the row statistics, so no
+    row of N + B probabilities is ever stored (``colsum [Hq, N + B]``)."""
+    G = Hq // H
+    NB = N + B
+    SCAN = (NB + NT - 1) // NT
+    CT = SCAN
+    LEVELS = NT.bit_length() - 1
+    assert 1 << LEVELS == NT
+
+    @T.macro
+    def row_stats(q, k_cache, k_blk, fill, n_valid, stats):
+        for bx in T.thread_binding(Hq * W, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("row_stats"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    m_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    l_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, s, m_new
+                    hq: T.let[T.int32] = bx // W
+                    r0: T.let[T.int32] = bx % W
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    w: T.let[T.int32] = T.min(W, nv)
+                    r: T.let[T.int32] = T.max(nv - w + r0, 0)
+                    for u in T.serial((D + NT - 1) // NT):
+                        if u * NT + tx < D:
+                            q_sh[u * NT + tx] = q[0, hq, T.min(r, B - 1), u * NT + tx]
+                    T.tvm_storage_sync("shared")
+                    st[0] = T.float32(NEG_BIG)
+                    st[1] = T.float32(0)
+                    if r0 < w:
+                        for u in T.serial(SCAN):
+                            if u * NT + tx < nf or (u * NT + tx >= nf and u * NT + tx - nf <= r):
+                                st[2] = T.float32(0)
+                                for c in T.serial(D):
+                                    st[2] = st[2] + q_sh[c] * T.if_then_else(
+                                        u * NT + tx < nf, k_cache[hq // G, T.min(u * NT + tx, N - 1), c],
+                                        k_blk[0, hq // G, T.min(T.max(u * NT + tx - nf, 0), B - 1), c])
+                                st[2] = st[2] * T.float32(scale)
+                                st[3] = T.max(st[0], st[2])
+                                st[1] = st[1] * T.exp(st[0] - st[3]) + T.exp(st[2] - st[3])
+                                st[0] = st[3]
+                    m_sh[tx] = st[0]
+                    l_sh[tx] = st[1]
+                    T.tvm_storage_sync("shared")
+                    for lvl in T.unroll(LEVELS):
+                        if tx < T.shift_right(NT // 2, lvl):
+                            st[2] = m_sh[tx + T.shift_right(NT // 2, lvl)]
+                            st[3] = T.max(st[0], st[2])
+                            st[1] = st[1] * T.exp(st[0] - st[3]) + l_sh[tx + T.shift_right(NT // 2, lvl)] * T.exp(
+                                st[2] - st[3])
+                            st[0] = st[3]
+                        T.tvm_storage_sync("shared")
+                        if tx < T.shift_right(NT // 2, lvl):
+                            m_sh[tx] = st[0]
+                            l_sh[tx] = st[1]
+                        T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        stats[hq, r0, 0] = m_sh[0]
+                        stats[hq, r0, 1] = l_sh[0]
+
+    @T.macro
+    def column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum):
+        for bx in T.thread_binding(Hq * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("column_sums"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    kreg = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    hq: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    w: T.let[T.int32] = T.min(W, nv)
+                    for c in T.serial(D):
+                        kreg[c] = T.if_then_else(j < nf, k_cache[hq // G, T.min(j, N - 1), c],
+                                                 k_blk[0, hq // G, T.min(T.max(j - nf, 0), B - 1), c])
+                    acc[0] = T.float32(0)
+                    for r0 in T.serial(W):
+                        if r0 < w:
+                            T.tvm_storage_sync("shared")
+                            for u in T.serial((D + NT - 1) // NT):
+                                if u * NT + tx < D:
+                                    q_sh[u * NT + tx] = q[0, hq, T.min(T.max(nv - w + r0, 0), B - 1), u * NT + tx]
+                            T.tvm_storage_sync("shared")
+                            if j < nf or (j >= nf and j - nf <= nv - w + r0):
+                                acc[1] = T.float32(0)
+                                for c in T.serial(D):
+                                    acc[1] = acc[1] + q_sh[c] * kreg[c]
+                                acc[0] = acc[0] + T.exp(acc[1] * T.float32(scale) - stats[hq, r0, 0]) / stats[hq, r0, 1]
+                    if j < NB:
+                        colsum[hq, T.min(j, NB - 1)] = T.if_then_else(j < nf + nv, acc[0], T.float32(0))
+
+    return row_stats, column_sums
+
+
+def _gpu_head_reduce(H, Hq, heads):
+    G = Hq // H
+    if heads not in _HEADS:
+        raise ValueError(f"heads must be one of {_HEADS}, not {heads!r}")
+    return {"group_mean": (G, G, 1.0 / G), "group_sum": (G, G, 1.0), "layer_mean": (0, Hq, 1.0 / Hq)}[heads]
+
+
+def build_gpu_window_score(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                           sm_scale: float, *, window: int, heads: str, pin_window: bool, pooling: str = "none",
+                           kernel_short: int = 1, kernel_long: int = 1, long_threshold: int = 1 << 30,
+                           dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_window_score_kernel``: row statistics, column sums,
+    then per (KV head, tile of candidates) the head reduction into ``votes [H, N + B]`` (a device
+    workspace), then the pooling / window pin into ``score`` — four launches, each fully parallel."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads cannot be grouped over {H} KV heads")
+    if pooling not in _POOLS:
+        raise ValueError(f"pooling must be one of {_POOLS}, not {pooling!r}")
+    NB = N + B
+    NT = 128
+    CT = (NB + NT - 1) // NT
+    W = max(1, min(int(window), B))
+    PINI = 1 if pin_window else 0
+    POOL = _POOLS.index(pooling)
+    KS, KL, THR = int(kernel_short), int(kernel_long), int(long_threshold)
+    stride, count, factor = _gpu_head_reduce(H, Hq, heads)
+    row_stats, column_sums = _gpu_colsum_stages(H, Hq, N, B, D, float(sm_scale), W, NT)
+
+    @T.prim_func(private=True, s_tir=True)
+    def window_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        stats = T.alloc_buffer((Hq, W, 2), "float32")
+        colsum = T.alloc_buffer((Hq, NB), "float32")
+        votes = T.alloc_buffer((H, NB), "float32")
+        row_stats(q, k_cache, k_blk, fill, n_valid, stats)
+        column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("reduce_heads"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    if j < NB:
+                        acc[0] = T.float32(0)
+                        for g in T.serial(count):
+                            acc[0] = acc[0] + colsum[h * stride + g, T.min(j, NB - 1)]
+                        votes[h, T.min(j, NB - 1)] = acc[0] * T.float32(factor)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("pool"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    m: T.let[T.int32] = n - T.min(W, nv) * PINI
+                    kap: T.let[T.int32] = T.if_then_else(pos_blk[T.max(nv - 1, 0)] + 1 < THR, KS, KL)
+                    if j < NB:
+                        if j < m:
+                            if POOL == 0:
+                                red[0] = votes[h, T.min(j, NB - 1)]
+                            elif POOL == 1:
+                                red[0] = T.float32(0)
+                                for t in T.serial(kap):
+                                    if j - kap // 2 + t >= 0 and j - kap // 2 + t < m:
+                                        red[0] = red[0] + votes[h, T.min(T.max(j - kap // 2 + t, 0), NB - 1)]
+                                red[0] = red[0] / T.Cast("float32", kap)
+                            else:
+                                red[0] = votes[h, T.min(j, NB - 1)]
+                                for t in T.serial(kap):
+                                    if j - kap // 2 + t >= 0 and j - kap // 2 + t < m:
+                                        red[0] = T.max(red[0], votes[h, T.min(T.max(j - kap // 2 + t, 0), NB - 1)])
+                            score[h, T.min(j, NB - 1)] = red[0]
+                        elif j < n:
+                            score[h, T.min(j, NB - 1)] = T.float32("inf")
+                        else:
+                            score[h, T.min(j, NB - 1)] = T.float32("-inf")
+
+    return window_score_gpu
+
+
+def build_gpu_colsum_observe(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                             sm_scale: float, *, heads: str = "group_mean", num_state: int = 1,
+                             dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_colsum_observe_kernel`` (H2O's per-step state update):
+    row statistics and column sums over all n_valid block rows, then per (KV head, candidate) the
+    head reduction added to the old state."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads cannot be grouped over {H} KV heads")
+    S = int(num_state)
+    NB = N + B
+    NT = 128
+    CT = (NB + NT - 1) // NT
+    stride, count, factor = _gpu_head_reduce(H, Hq, heads)
+    row_stats, column_sums = _gpu_colsum_stages(H, Hq, N, B, D, float(sm_scale), B, NT)
+
+    @T.prim_func(private=True, s_tir=True)
+    def colsum_observe_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        state: T.Buffer((S, H, N), "float32"),
+        cand_state: T.Buffer((S, H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        stats = T.alloc_buffer((Hq, B, 2), "float32")
+        colsum = T.alloc_buffer((Hq, NB), "float32")
+        row_stats(q, k_cache, k_blk, fill, n_valid, stats)
+        column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("accumulate"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    if j < NB:
+                        acc[0] = T.float32(0)
+                        for g in T.serial(count):
+                            acc[0] = acc[0] + colsum[h * stride + g, T.min(j, NB - 1)]
+                        for s in T.serial(S):
+                            cand_state[s, h, T.min(j, NB - 1)] = T.if_then_else(
+                                j < nf, state[s, h, T.min(j, N - 1)], T.float32(0)) + T.if_then_else(
+                                s == 0 and j < nf + nv, acc[0] * T.float32(factor), T.float32(0))
+
+    return colsum_observe_gpu
+
+
+def build_gpu_state_score(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                          sm_scale: float, *, recent: int = 0, num_state: int = 1, dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_state_score_kernel``: elementwise, one thread per
+    (KV head, candidate)."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    S = int(num_state)
+    NB = N + B
+    R = int(recent)
+    TPB = 128
+    NBLK = (H * NB + TPB - 1) // TPB
+
+    @T.prim_func(private=True, s_tir=True)
+    def state_score_gpu(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        cand_state: T.Buffer((S, H, NB), "float32"),
+        score: T.Buffer((H, NB), "float32"),
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("score"):
+                    T.reads()
+                    T.writes()
+                    e: T.let[T.int32] = bx * TPB + tx
+                    h: T.let[T.int32] = T.min(e // NB, H - 1)
+                    i: T.let[T.int32] = e % NB
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    if e < H * NB:
+                        score[h, i] = T.if_then_else(
+                            i < n, T.if_then_else(i >= n - R, T.float32("inf"), cand_state[0, h, i]), T.float32("-inf"))
+
+    return state_score_gpu
+
+
+# the policies' GPU entry points: the keyword arguments of their CPU builders (``kernel_params``
+# + ``num_q_heads`` / ``sm_scale``), mapped as the policy files map them
+def build_gpu_snapkv_score(H, N, B, D, dtype="float32", *, window, kernel, pooling, num_q_heads, sm_scale):
+    return build_gpu_window_score(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_mean",
+                                  pin_window=True, pooling=pooling, kernel_short=kernel, kernel_long=kernel,
+                                  dtype=dtype)
+
+
+def build_gpu_snapkvpp_score(H, N, B, D, dtype="float32", *, window, kernel_short, kernel_long, long_threshold,
+                             pooling, num_q_heads, sm_scale):
+    return build_gpu_window_score(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_sum",
+                                  pin_window=True, pooling=pooling, kernel_short=kernel_short,
+                                  kernel_long=kernel_long, long_threshold=long_threshold, dtype=dtype)
+
+
+def build_gpu_tova_score(H, N, B, D, dtype="float32", *, heads="group", num_q_heads, sm_scale):
+    return build_gpu_window_score(H, N, B, D, num_q_heads, sm_scale, window=1,
+                                  heads={"group": "group_mean", "layer": "layer_mean"}[heads], pin_window=False,
+                                  dtype=dtype)
+
+
+def build_gpu_h2o_score(H, N, B, D, dtype="float32", *, recent, num_q_heads, sm_scale):
+    return build_gpu_state_score(H, N, B, D, num_q_heads, sm_scale, recent=recent, dtype=dtype)
+
+
+def build_gpu_h2o_observe(H, N, B, D, dtype="float32", *, recent=0, num_q_heads, sm_scale):
+    return build_gpu_colsum_observe(H, N, B, D, num_q_heads, sm_scale, heads="group_mean", dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # top-N select + in-place compaction (and append-only for ``full``)
 # --------------------------------------------------------------------------------------------
 
@@ -739,6 +1085,12 @@ GPU_SCORE_KERNELS = {
     "streaming": build_gpu_streaming_score,
     "keydiff": build_gpu_keydiff_score,
     "lagkv": build_gpu_lagkv_score,
+    "snapkv": build_gpu_snapkv_score,
+    "snapkv++": build_gpu_snapkvpp_score,
+    "tova": build_gpu_tova_score,
+    "h2o": build_gpu_h2o_score,
 }
 # GPU observe (per-step state update) kernels by policy name: same arguments as ``observe_kernel``.
-GPU_OBSERVE_KERNELS: dict = {}
+GPU_OBSERVE_KERNELS = {
+    "h2o": build_gpu_h2o_observe,
+}
