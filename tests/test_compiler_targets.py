@@ -163,6 +163,17 @@ def test_dapq_on_device_targets(model, imported_dapq, tmp_path_factory, target):
             assert k in blob
         assert dev["elf_machine"] == [164]
         return
+    src = (out / "device" / SOURCE[target]).read_text()
+    for f in dev["device_functions"]:
+        assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
+    assert host_functions_on_host(res.executable) == []
+    assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
+    for name in ("prefill_block_score_dapq_h4_2_d16", "decode_score_dapq_h4_2_d16", "prefill_block_attention_h4_2_d16_x4",
+                 "decode_attention_h4_2_d16", "prefill_block_select_h2_d16_score"):
+        assert re.search(rf"\b{name}_kernel\w*\(", src), name
+    assert dev["symbolic_shapes"] == {}
+
+
 QUERY_POLICIES = {"snapkv": SnapKVPolicy(window=4, kernel=3), "snapkvpp": SnapKVPlusPlusPolicy(window=4),
                   "tova": TOVAPolicy(), "h2o": H2OPolicy()}
 
@@ -183,11 +194,6 @@ def test_query_policies_on_gpu(model, imported, tmp_path_factory, target, tag):
     for f in dev["device_functions"]:
         assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
     assert host_functions_on_host(res.executable) == []
-    assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
-    for name in ("prefill_block_score_dapq_h4_2_d16", "decode_score_dapq_h4_2_d16", "prefill_block_attention_h4_2_d16_x4",
-                 "decode_attention_h4_2_d16", "prefill_block_select_h2_d16_score"):
-        assert re.search(rf"\b{name}_kernel\w*\(", src), name
-    assert dev["symbolic_shapes"] == {}
     state = tag == "h2o"
     want = ["attention", "score", "select"] + (["observe"] if state else [])
     assert sorted(set(dev["edgekv_kernels"].values())) == sorted(want)
