@@ -93,7 +93,8 @@ def main() -> None:
               "same_argmax": int(np.argmax(got)) == int(ref.argmax())}
     out = Path(args.out)
     runs = load_runs(out.with_suffix(".json"))
-    runs[f"{args.policy} N={args.budget} B={args.block} tokens={args.tokens}"] = dict(result, tokens_arg=args.tokens)
+    key = f"{args.policy} N={args.budget} B={args.block} tokens={args.tokens}"
+    runs[key] = dict(result, tokens_arg=args.tokens)  # (a hand-written "note" of an older run is dropped)
     out.with_suffix(".json").write_text(json.dumps({"runs": runs}, indent=2))
     out.with_suffix(".md").write_text("\n".join(run_markdown(r) for r in runs.values()))
     print(json.dumps(result, indent=2))
@@ -128,7 +129,8 @@ def run_markdown(r: dict) -> str:
            "none\n" if fm is None else "NOT a near tie: a real disagreement (a bug)\n")
         + f"- last-token logits: max relative error {r['last_logits_max_rel_error']:.2e}; same argmax: "
         f"{r['same_argmax']}\n"
-        f"- compile time: {r['compile_seconds']:.0f} s\n")
+        f"- compile time: {r['compile_seconds']:.0f} s\n"
+        + (f"- note: {r['note']}\n" if r.get("note") else ""))
 
 
 if __name__ == "__main__":
