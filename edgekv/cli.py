@@ -381,15 +381,13 @@ def machine_info() -> dict:
     """What a results file records about where it was measured."""
     import os
     import platform
-    import subprocess
 
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    from .evaluation.report import _git_commit
+
+    full = _git_commit(Path(__file__).resolve().parent) or ""  # "<hash>[-dirty]", as eval records it
+    commit = full[:7] + ("-dirty" if full.endswith("-dirty") else "")
     cpu = platform.processor()
     try:
         for line in open("/proc/cpuinfo"):

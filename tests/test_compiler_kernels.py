@@ -171,13 +171,14 @@ ATTN_CASES = [(9, 3, 1024, 128, 64, 1024, 128), (9, 3, 1024, 128, 64, 997, 77), 
               (4, 2, 37, 13, 24, 29, 11), (6, 3, 67, 7, 16, 0, 7), (2, 1, 131, 1, 8, 61, 1), (3, 1, 5, 3, 4, 5, 2)]
 
 
+@pytest.mark.parametrize("cores", [1, 2, 4])  # row tiles of 192 / 192 / 96 rows at SmolLM2's shape
 @pytest.mark.parametrize("case", ATTN_CASES, ids=[str(c) for c in ATTN_CASES])
-def test_block_attention_matches_oracle(case):
+def test_block_attention_matches_oracle(case, cores):
     from edgekv.compiler.kernels import build_attention
 
     Hq, H, Nc, Bc, Dc, nf, nv = case
     scale = 1 / np.sqrt(Dc)
-    f = build_attention(Hq, H, Nc, Bc, Dc, scale).with_attr("global_symbol", "main")
+    f = build_attention(Hq, H, Nc, Bc, Dc, scale, "float32", 0, cores).with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "llvm", "num-cores": 2}))
     rng = np.random.default_rng(sum(case))
     a = [rng.standard_normal(s).astype("float32") * 2 for s in
@@ -188,6 +189,16 @@ def test_block_attention_matches_oracle(case):
     lib["main"](*t)
     ref = _attention_oracle(*a[:5], nf, nv, scale)
     np.testing.assert_allclose(t[-1].numpy(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_row_tiles_split_evenly_over_the_cores():
+    from edgekv.compiler.kernels.attention import MAX_QT, attention_tiles
+
+    for cores, qt in ((1, 192), (2, 192), (3, 192), (4, 96)):
+        t = attention_tiles(9, 3, 128, 64, cores)
+        assert t["QT"] == qt and (3 * 9 // 3 * 128 // t["QT"]) % cores == 0, (cores, t)
+    assert attention_tiles(9, 3, 1, 64, 2)["QT"] == 3  # decode: one tile of the G rows
+    assert attention_tiles(4, 2, 13, 24, 2)["QT"] <= MAX_QT
 
 
 def _scheduled_vs_default(mod, inputs, pre=()):
@@ -213,7 +224,7 @@ def _scheduled_vs_default(mod, inputs, pre=()):
 
 # (lead dims, M, K, N): SmolLM2's prefill GEMMs and decode GEMVs, and odd sizes (prime M/K,
 # N without a register tile → the generic rule or no rule at all)
-GEMM_CASES = [((1,), 128, 576, 192), ((), 128, 1536, 576), ((1,), 1, 576, 1536), ((), 1, 1536, 576),
+GEMM_CASES = [((1,), 128, 576, 192), ((), 128, 1536, 576), ((1,), 128, 576, 576), ((1,), 1, 576, 1536), ((), 1, 1536, 576),
               ((), 13, 37, 48), ((1,), 7, 29, 16), ((), 5, 11, 13), ((), 3, 17, 96)]
 
 
@@ -234,6 +245,72 @@ def test_scheduled_gemm_equals_unscheduled(case):
         assert scheduled and scheduled[0][1] == "dense", scheduled
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6 * np.abs(outs[1]).max())
     np.testing.assert_allclose(outs[0], a[0] @ a[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("M,K,N,cores", [(128, 576, 576, 2), (128, 576, 192, 2), (128, 576, 1536, 2),
+                                          (128, 576, 576, 4), (128, 576, 576, 1), (64, 96, 96, 2)])
+def test_dense_tiles_split_panels_evenly_over_the_cores(M, K, N, cores):
+    """The parallel loop runs over N / NR panels: the tile keeps every core busy to the end
+    (a panel count that divides evenly, or ≥ 4 per core), and its accumulators fit the registers."""
+    from edgekv.compiler.kernels.dense import VEC, dense_tiles
+
+    mr, nr = dense_tiles(M, K, N, cores)
+    panels = N // nr
+    assert N % nr == 0 and M % mr == 0
+    assert panels % cores == 0 or panels >= 4 * cores, (mr, nr)
+    assert mr * nr // VEC <= 24
+
+
+# (lead dims, M, K, N, NR): SmolLM2's prefill GEMMs and decode GEMVs on packed panels, odd M / K
+PACKED_CASES = [((1,), 128, 576, 192, 32), ((1,), 128, 1536, 576, 64), ((1,), 1, 576, 1536, 64),
+                ((), 1, 1536, 576, 64), ((), 13, 37, 48, 16), ((1,), 7, 29, 96, 32)]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[str(c) for c in PACKED_CASES])
+def test_packed_dense_and_gemv_equal_the_matmul(case):
+    """The kernels of ``pack_weights.py`` on [N / NR, K, NR] panels (``pack_weight``) give the
+    float64 product of the unpacked weight (sequential k summation: fp32 rounding only)."""
+    from edgekv.compiler.kernels.dense import build_dense_kernel, build_packed_gemv_kernel, pack_weight
+
+    lead, M, K, Nn, nr = case
+    a_shape, c_shape = lead + (M, K), lead + (M, Nn)
+    build = build_packed_gemv_kernel if M == 1 else (lambda a, w, c, r: build_dense_kernel(a, w, c, 2, packed_nr=r))
+    f = build(a_shape, (K, Nn), c_shape, nr).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": f}), target=tvm.target.Target({"kind": "llvm", "num-cores": 2}))
+    rng = np.random.default_rng(M + K + Nn)
+    a = rng.standard_normal(a_shape).astype("float32")
+    w = rng.standard_normal((K, Nn)).astype("float32")
+    out = tvm.runtime.tensor(np.full(c_shape, np.nan, "float32"))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(pack_weight(w, nr)), out)
+    ref = a.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_pack_weights_packs_only_weights_used_by_matmuls_alone():
+    """In a tiny Llama: every projection (and its untied LM head) is packed, its matmuls become
+    the packed kernels; the embedding table — also read by ``take`` — keeps its layout."""
+    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.pack_weights import PackWeights, packed_name
+    from edgekv.compiler.pipeline import FUNCTIONS, import_model, lower_module
+    from edgekv.models.tiny import tiny_random_model
+
+    mod, params, _ = import_model(tiny_random_model(), 8)
+    mod, _, _ = lower_module(mod, BlockCacheSpec(budget=32, policy="full"))
+    packer = PackWeights(list(FUNCTIONS), cores=2)
+    packed_mod = packer(mod)
+    names = {p.name for p in packed_mod["prefill_block"].params}
+    assert packer.packed and all(".T" in n and ("proj" in n or "lm_head" in n) for n in packer.packed)
+    assert all(packed_name(n, r) in names for n, r in packer.packed.items())
+    assert not any("embed" in n for n in packer.packed)
+    assert any(gv.name_hint.startswith("matmul_packed_gemv") for gv in packed_mod.functions)
+    assert any(gv.name_hint.startswith("matmul_packed_gemm") for gv in packed_mod.functions)
+
+
+def test_dense_tiles_without_a_balanced_width_take_the_widest():
+    from edgekv.compiler.kernels.dense import dense_tiles
+
+    assert dense_tiles(64, 96, 48, 2)[1] == 16  # 3 panels of 16: nothing divides evenly
+    assert dense_tiles(64, 96, 40, 2) is None  # no 16-multiple: the generic rule's case
 
 
 @pytest.mark.parametrize("fill,n_valid", [(1024, 128), (1000, 77), (1024, 1)])

@@ -57,6 +57,9 @@ class BlockCacheSpec:
     # Pseudo rows at the end of every prefill step (DapQ: the window w). The prefill graph is then
     # exported at T = B + w; their K/V never enter the cache (see ``pseudo_rows.py``).
     extra_rows: int = 0
+    # Threads of the CPU target (its ``num-cores``): the attention kernel's row tiles are sized
+    # so that its parallel tasks split evenly over them. GPU targets replace that kernel.
+    cores: int = 1
 
 
 def substitute(expr, vmap: dict):
@@ -173,7 +176,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 st = cache_vars[site.index][4] if S else None
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
                 attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
-                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W))
+                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W, spec.cores))
                 out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv],
                                              relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
                 if site.output_layout == "bthd":

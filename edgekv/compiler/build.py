@@ -190,7 +190,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
                                 out_dir, imported=imported, progress=progress, mem_limit=mem_limit)
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
-                          extra_rows=extra_rows(policy))
+                          extra_rows=extra_rows(policy), cores=int(tgt.get("num-cores", 1)))
     say = progress or (lambda msg: None)
     say("exporting and lowering")
     mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
@@ -205,6 +205,13 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
                            f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
                            f"{mem_limit}; lower --budget or --block")
+    # weights as contiguous column panels for the host CPU's GEMM/GEMV kernels (pack_weights.py)
+    from .pack_weights import PackWeights, pack_params
+    from .pipeline import FUNCTIONS
+
+    packer = PackWeights(list(FUNCTIONS), spec.cores)
+    lowered.mod = packer(lowered.mod)
+    lowered.params = pack_params(lowered.params, packer.packed)
     say("compiling with TVM")
     t0 = time.perf_counter()
     target_obj = tvm.target.Target(tgt)

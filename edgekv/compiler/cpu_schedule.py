@@ -245,7 +245,12 @@ class Rule:
 
 
 class DenseRule(Rule):
+    """``cores``: the target's thread count, which the register tile's panel width balances over."""
+
     name = "dense"
+
+    def __init__(self, cores: int = 1):
+        self.cores = max(1, int(cores))
 
     def apply(self, func, name):
         from .kernels.dense import VEC, build_dense_kernel, build_dense_nt_kernel, build_gemv_kernel, dense_tiles
@@ -258,9 +263,9 @@ class DenseRule(Rule):
             return build_dense_nt_kernel(a, w, c) if a[-1] % VEC == 0 and w[0] % 4 == 0 else None
         if a[-2] == 1 and w[1] % VEC == 0:
             return build_gemv_kernel(a, w, c)  # decode: split-K, W streamed row-contiguously
-        if dense_tiles(a[-2], a[-1], w[1]) is None:
+        if dense_tiles(a[-2], a[-1], w[1], self.cores) is None:
             return None
-        return build_dense_kernel(a, w, c)
+        return build_dense_kernel(a, w, c, self.cores)
 
 
 class MatmulRule(Rule):
@@ -290,7 +295,12 @@ class ElementwiseRule(Rule):
         return schedule_elementwise(func)
 
 
-DEFAULT_RULES = (DenseRule(), MatmulRule(), NTMatmulRule(), ElementwiseRule())
+def default_rules(cores: int = 1) -> tuple[Rule, ...]:
+    """The rules in the order they are tried, for a target with ``cores`` threads."""
+    return (DenseRule(cores), MatmulRule(), NTMatmulRule(), ElementwiseRule())
+
+
+DEFAULT_RULES = default_rules()
 
 
 @tvm.ir.transform.module_pass(opt_level=0, name="edgekv.ScheduleCPU")
@@ -330,6 +340,14 @@ class ScheduleCPU:
 ScheduleCPUMatmul = ScheduleCPU  # the first version's name
 
 
+def target_cores(target) -> int:
+    """The thread count an ``llvm`` target was built for (its ``num-cores``; 1 when unset)."""
+    try:
+        return max(1, int(target.attrs.get("num-cores", 1)))
+    except Exception:  # noqa: BLE001 - a target without the attribute
+        return 1
+
+
 def cpu_pipeline(target):
     """The Relax CPU pipeline of TVM 0.27 with ``ScheduleCPU`` (the rules above) after FuseTIR."""
     from tvm.relax.backend.cpu_generic import pipeline as P
@@ -339,7 +357,7 @@ def cpu_pipeline(target):
         with target:
             seq = tvm.transform.Sequential(
                 P.library_dispatch_passes(target) + [relax.transform.FuseTransposeMatmul()]
-                + P.legalize_passes(target) + [ScheduleCPU()]
+                + P.legalize_passes(target) + [ScheduleCPU(default_rules(target_cores(target)))]
                 + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)
 

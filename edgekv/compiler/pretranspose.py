@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
-from .block_cache import without_function, substitute
+from .rebuild import rebuild_function, swap_weight_params
 
 SUFFIX = ".T"
 
@@ -45,33 +45,18 @@ def candidates(mod: tvm.IRModule, functions: list[str]) -> set[str]:
 
 def pretranspose_function(mod: tvm.IRModule, name: str, names: set[str]) -> tvm.IRModule:
     func = mod[name]
-    num_input = int(func.attrs["num_input"])
-    new_params = list(func.params[:num_input])
-    swap: dict = {}
-    for p in func.params[num_input:]:
+    new_weights = {}
+    for p in func.params[int(func.attrs["num_input"]):]:
         if p.name in names:
             s = shape_of(p)
-            np_ = relax.Var(p.name + SUFFIX, relax.TensorType((s[1], s[0]), p.ty.dtype))
-            swap[p] = np_
-            new_params.append(np_)
-        else:
-            new_params.append(p)
-    bb = relax.BlockBuilder(without_function(mod, name))
-    attrs = {k: func.attrs[k] for k in func.attrs.keys() if k != "global_symbol"}
-    with bb.function(name, new_params, attrs=attrs):
-        vmap: dict = {}
-        with bb.dataflow():
-            for block in func.body.blocks:
-                for b in block.bindings:
-                    args = _arg_vars(b.value)
-                    if _is_transpose_2d(b.value) and args and args[0] in swap:
-                        vmap[b.var] = swap[args[0]]
-                    elif isinstance(b.var, relax.DataflowVar):
-                        vmap[b.var] = bb.emit(substitute(b.value, vmap), b.var.name)
-                    else:
-                        vmap[b.var] = bb.emit_output(substitute(b.value, vmap), b.var.name)
-        bb.emit_func_output(substitute(func.body.body, vmap))
-    return bb.get()
+            new_weights[p.name] = relax.Var(p.name + SUFFIX, relax.TensorType((s[1], s[0]), p.ty.dtype))
+    params, swap = swap_weight_params(func, new_weights)
+
+    def drop_transpose(b, vmap, bb):
+        args = _arg_vars(b.value)
+        return swap[args[0]] if _is_transpose_2d(b.value) and args and args[0] in swap else None
+
+    return rebuild_function(mod, name, params, drop_transpose)
 
 
 @tvm.ir.transform.module_pass(opt_level=0, name="edgekv.PretransposeWeights")

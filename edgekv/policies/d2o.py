@@ -700,7 +700,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     NT = GPU_THREADS
     KPT = (NB + NT - 1) // NT
     CP = (B * D + NT - 1) // NT
-    mark_evicted = evicted_mask_macro(NB)
+    mark_evicted = evicted_mask_macro(NB, lanes=1)  # run by one GPU thread: no vector lanes
     update_tau = _update_tau_macro(H, NB, float(beta), threshold == "ema")
 
     @T.prim_func(private=True, s_tir=True)

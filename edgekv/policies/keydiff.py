@@ -61,38 +61,45 @@ def recent_count(recent_window: float, budget: int) -> int:
 
 def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
                                dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
-    """TIR score kernel: the same definition as ``keydiff_scores``. One parallel task per KV
-    head; norms and dot products as 16-lane partial sums (vectorised), cache rows and block rows
-    in separate loops. The summation order differs from torch's, so scores differ in the last
-    bits: on SmolLM2 (2K prompt, N = 1K, 240 eviction events, 737,280 kept entries) one kept
-    entry differed from ``topk_keep`` on the reference scores, a pair whose fp64 scores differ by
-    2.2e-7 relative — a near tie, allowed (< 1e-5 relative; docs/COMPILER.md)."""
+    """TIR score kernel: the same definition as ``keydiff_scores``, in three parallel phases —
+    (1) every candidate's clamped norm, parallel over (head, chunk of rows); (2) the anchor per
+    head (mean of k_i / ‖k_i‖, normalised); (3) the scores, parallel over (head, chunk). With
+    only H = 3 KV heads a per-head split leaves a core idle; the chunks keep two or more busy.
+    Norms and dot products are 16-lane partial sums folded by a halving tree (vector ops, not
+    a chain of 16 dependent scalar adds per row). The summation order differs from torch's, so
+    scores differ in the last bits: on SmolLM2 (2K prompt, N = 1K, 240 eviction events, 737,280
+    kept entries) one kept entry differed from ``topk_keep`` on the reference scores, a pair
+    whose fp64 scores differ by 2.2e-7 relative — a near tie, allowed (< 1e-5 relative;
+    docs/COMPILER.md)."""
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
-    from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.common import check_dtype, lane_tree_sum
 
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
     NB = N + B
     EPS = float(eps)
     W = int(recent)
-
-    # squared norms and dot products as LANES partial sums (vectorisable), cache rows and
-    # block rows in separate loops (no per-element select between the two sources)
     LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
     CH = D // LANES
+    RC = 64  # candidate rows per parallel task
+    NCH = (NB + RC - 1) // RC
+    lane_sum = lane_tree_sum(LANES)
 
     @T.macro
-    def row_norm(src, red, part):
+    def candidate(k_cache, k_blk, h, i, nf, kv):
+        # candidate i: cache row i (i < fill) or block row i − fill
+        for c in T.vectorized(D):
+            kv[c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.max(i - nf, 0), c])
+
+    @T.macro
+    def dot(x, y, part):
         for l in T.vectorized(LANES):
             part[l] = T.float32(0)
         for c0 in T.serial(CH):
             for l in T.vectorized(LANES):
-                part[l] = part[l] + src[c0 * LANES + l] * src[c0 * LANES + l]
-        red[0] = T.float32(0)
-        for l in T.serial(LANES):
-            red[0] = red[0] + part[l]
-        red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                part[l] = part[l] + x[c0 * LANES + l] * y[c0 * LANES + l]
+        lane_sum(part)
 
     @T.prim_func(private=True, s_tir=True)
     def keydiff_score(
@@ -107,76 +114,66 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
         score: T.Buffer((H, NB), "float32"),
     ):
         T.func_attr({"tirx.noalias": True})
-        for h in T.parallel(H):
-            with T.sblock("keydiff"):
-                T.reads(k_cache[h, 0:N, 0:D], pos_cache[h, 0:N], fill[0:1], k_blk[0, h, 0:B, 0:D], pos_blk[0:B],
-                        n_valid[0:1])
-                T.writes(score[h, 0:NB])
-                anchor = T.sblock_alloc_buffer((D,), "float32")
-                kv = T.sblock_alloc_buffer((D,), "float32")
-                part = T.sblock_alloc_buffer((LANES,), "float32")
-                red = T.sblock_alloc_buffer((1,), "float32")
-                newest = T.sblock_alloc_buffer((1,), "int32")
-                nf: T.let[T.int32] = fill[0]
-                nv: T.let[T.int32] = n_valid[0]
-                n: T.let[T.int32] = fill[0] + n_valid[0]
-                if n > N:
+        norm = T.alloc_buffer((H, NB), "float32")
+        anchor = T.alloc_buffer((H, D), "float32")
+        if fill[0] + n_valid[0] > N:
+            for task in T.parallel(H * NCH):
+                with T.sblock("keydiff_norms"):
+                    T.reads(k_cache[0:H, 0:N, 0:D], k_blk[0, 0:H, 0:B, 0:D], fill[0:1], n_valid[0:1])
+                    T.writes(norm[0:H, 0:NB])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    h: T.let[T.int32] = task // NCH
+                    for r in T.serial(RC):
+                        if (task % NCH) * RC + r < fill[0] + n_valid[0]:
+                            candidate(k_cache, k_blk, h, (task % NCH) * RC + r, fill[0], kv)
+                            dot(kv, kv, part)
+                            norm[h, (task % NCH) * RC + r] = T.max(T.sqrt(part[0]), T.float32(EPS))
+            for h in T.parallel(H):
+                with T.sblock("keydiff_anchor"):
+                    T.reads(k_cache[h, 0:N, 0:D], k_blk[0, h, 0:B, 0:D], norm[h, 0:NB], fill[0:1], n_valid[0:1])
+                    T.writes(anchor[h, 0:D])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
                     for c in T.vectorized(D):
-                        anchor[c] = T.float32(0)
-                    for i in T.serial(N):
-                        if i < nf:
-                            for c in T.vectorized(D):
-                                kv[c] = k_cache[h, i, c]
-                            row_norm(kv, red, part)
-                            for c in T.vectorized(D):
-                                anchor[c] = anchor[c] + kv[c] / red[0]
-                    for i in T.serial(B):
-                        if i < nv:
-                            for c in T.vectorized(D):
-                                kv[c] = k_blk[0, h, i, c]
-                            row_norm(kv, red, part)
-                            for c in T.vectorized(D):
-                                anchor[c] = anchor[c] + kv[c] / red[0]
-                    for c in T.vectorized(D):
-                        anchor[c] = anchor[c] / T.Cast("float32", n)
-                    row_norm(anchor, red, part)
-                    for c in T.vectorized(D):
-                        anchor[c] = anchor[c] / red[0]
-                    newest[0] = pos_blk[T.max(nv - 1, 0)]
+                        anchor[h, c] = T.float32(0)
                     for i in T.serial(NB):
-                        score[h, i] = T.float32("-inf")
-                    for i in T.serial(N):
-                        if i < nf:
+                        if i < fill[0] + n_valid[0]:
+                            candidate(k_cache, k_blk, h, i, fill[0], kv)
                             for c in T.vectorized(D):
-                                kv[c] = k_cache[h, i, c]
-                            row_norm(kv, red, part)
-                            for l in T.vectorized(LANES):
-                                part[l] = T.float32(0)
-                            for c0 in T.serial(CH):
-                                for l in T.vectorized(LANES):
-                                    part[l] = part[l] + (kv[c0 * LANES + l] / red[0]) * anchor[c0 * LANES + l]
-                            score[h, i] = T.float32(0)
-                            for l in T.serial(LANES):
-                                score[h, i] = score[h, i] - part[l]
-                            if W > 0:
-                                if pos_cache[h, i] > newest[0] - W:
-                                    score[h, i] = T.float32("inf")
-                    for i in T.serial(B):
-                        if i < nv:
-                            for c in T.vectorized(D):
-                                kv[c] = k_blk[0, h, i, c]
-                            row_norm(kv, red, part)
-                            for l in T.vectorized(LANES):
-                                part[l] = T.float32(0)
-                            for c0 in T.serial(CH):
-                                for l in T.vectorized(LANES):
-                                    part[l] = part[l] + (kv[c0 * LANES + l] / red[0]) * anchor[c0 * LANES + l]
-                            score[h, nf + i] = T.float32(0)
-                            for l in T.serial(LANES):
-                                score[h, nf + i] = score[h, nf + i] - part[l]
-                            if W > 0:
-                                if pos_blk[i] > newest[0] - W:
-                                    score[h, nf + i] = T.float32("inf")
+                                anchor[h, c] = anchor[h, c] + kv[c] / norm[h, i]
+                    for c in T.vectorized(D):
+                        kv[c] = anchor[h, c] / T.Cast("float32", fill[0] + n_valid[0])
+                    dot(kv, kv, part)
+                    for c in T.vectorized(D):
+                        anchor[h, c] = kv[c] / T.max(T.sqrt(part[0]), T.float32(EPS))
+            for task in T.parallel(H * NCH):
+                with T.sblock("keydiff_scores"):
+                    T.reads(k_cache[0:H, 0:N, 0:D], k_blk[0, 0:H, 0:B, 0:D], norm[0:H, 0:NB], anchor[0:H, 0:D],
+                            pos_cache[0:H, 0:N], pos_blk[0:B], fill[0:1], n_valid[0:1])
+                    T.writes(score[0:H, 0:NB])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    av = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    h: T.let[T.int32] = task // NCH
+                    nf: T.let[T.int32] = fill[0]
+                    newest: T.let[T.int32] = pos_blk[T.max(n_valid[0] - 1, 0)]
+                    for c in T.vectorized(D):
+                        av[c] = anchor[h, c]
+                    for r in T.serial(RC):
+                        i: T.let[T.int32] = (task % NCH) * RC + r
+                        if i < NB:
+                            score[h, i] = T.float32("-inf")
+                            if i < nf + n_valid[0]:
+                                candidate(k_cache, k_blk, h, i, nf, kv)
+                                for c in T.vectorized(D):
+                                    kv[c] = kv[c] / norm[h, i]
+                                dot(kv, av, part)
+                                score[h, i] = T.float32(0) - part[0]
+                                if W > 0:
+                                    if T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)],
+                                                      pos_blk[T.max(i - nf, 0)]) > newest - W:
+                                        score[h, i] = T.float32("inf")
 
     return keydiff_score
 

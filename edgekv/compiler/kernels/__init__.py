@@ -81,9 +81,10 @@ def site_params(policy: str, num_q_heads: int, sm_scale: float) -> dict[str, Any
 # Kernels are immutable PrimFuncs and TVMScript parsing costs ~0.1–0.3 s each: build each
 # distinct (shape, parameter) combination once per process.
 @functools.lru_cache(maxsize=256)
-def build_attention(num_q_heads, num_kv_heads, budget, block, head_dim, sm_scale, dtype="float32", extra_rows=0):
+def build_attention(num_q_heads, num_kv_heads, budget, block, head_dim, sm_scale, dtype="float32", extra_rows=0,
+                    cores=1):
     return build_block_attention_kernel(num_q_heads, num_kv_heads, budget, block, head_dim, sm_scale, dtype,
-                                        extra_rows)
+                                        extra_rows, cores)
 
 
 def build_score(policy: str, num_kv_heads, budget, block, head_dim, dtype="float32", params: dict[str, Any] | None = None):

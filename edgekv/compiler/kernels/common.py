@@ -34,3 +34,23 @@ POS_INF = math.inf
 def check_dtype(dtype: str) -> None:
     if dtype != "float32":
         raise NotImplementedError(f"edgekv kernels support float32 only for now, not {dtype}")
+
+
+def lane_tree_sum(lanes: int):
+    """A TIR macro ``lane_sum(part)``: folds the ``lanes`` partial sums of ``part`` into
+    ``part[0]`` as a halving tree (log2(lanes) vector adds; step w folds lanes [h, 2h) onto
+    [0, h), h = lanes >> (w + 1)), instead of a chain of ``lanes`` dependent scalar adds. The
+    other lanes are left as scratch. ``lanes`` must be a power of two."""
+    from tvm.script import tirx as T
+
+    if lanes & (lanes - 1):
+        raise ValueError(f"lanes must be a power of two, not {lanes}")
+    steps = lanes.bit_length() - 1
+
+    @T.macro
+    def lane_sum(part):
+        for w in T.unroll(steps):
+            for l in T.vectorized(lanes // 2):
+                part[l] = part[l] + part[l + (lanes >> (w + 1))]
+
+    return lane_sum

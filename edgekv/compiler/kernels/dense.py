@@ -22,61 +22,81 @@ from tvm.script import tirx as T
 VEC = 16  # fp32 lanes of one AVX-512 register
 
 
-def dense_tiles(M: int, K: int, N: int) -> tuple[int, int] | None:
-    """(MR, NR) for this shape, or None when no tile fits (then the generic rule applies)."""
-    nr = next((c for c in ((256, 128, 64) if M == 1 else (64, 32, 16)) if N % c == 0 and N // c >= 2), None)
+def dense_tiles(M: int, K: int, N: int, cores: int = 1) -> tuple[int, int] | None:
+    """(MR, NR) for this shape on ``cores`` threads, or None when no tile fits (then the generic
+    rule applies). The parallel loop runs over the N / NR column panels, so NR is the widest of
+    64 / 32 / 16 whose panel count splits evenly over the cores or is at least 4 per core: 3
+    panels of 64 on 2 cores (SmolLM2's k/v projections) leave one core idle for a third of the
+    call, so they run as 6 panels of 32; otherwise the wider panel (fewer W loads per FMA)."""
+    widths = (256, 128, 64) if M == 1 else (64, 32, 16)
+    fits = [c for c in widths if N % c == 0 and N // c >= 2]
+    nr = next((c for c in fits if (N // c) % cores == 0 or N // c >= 4 * cores), fits[0] if fits else None)
     if nr is None:
         nr = next((c for c in (64, 32, 16) if N % c == 0), None)
     if nr is None:
         return None
+    return register_rows(M, nr), nr
+
+
+def register_rows(M: int, NR: int) -> int:
+    """MR: the rows of A that share each loaded W vector, as many as the zmm accumulators allow."""
     budget_regs = 24  # accumulators, leaving registers for the W vectors and the broadcast
-    mr = next((c for c in (8, 6, 4, 3, 2, 1) if M % c == 0 and c * nr // VEC <= budget_regs), 1)
-    return mr, nr
+    return next((c for c in (8, 6, 4, 3, 2, 1) if M % c == 0 and c * NR // VEC <= budget_regs), 1)
 
 
-def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):
-    """PrimFunc with exactly these buffer shapes (A and C may carry leading 1-dims)."""
+def packed_shape(K: int, N: int, NR: int) -> tuple[int, int, int]:
+    """The packed layout of a [K, N] weight: N / NR column panels, each K × NR and contiguous."""
+    return (N // NR, K, NR)
+
+
+def pack_weight(w, NR: int):
+    """numpy [K, N] → [N / NR, K, NR] (``packed_shape``), as the artifact stores it."""
+    import numpy as np
+
+    K, N = w.shape
+    return np.ascontiguousarray(w.reshape(K, N // NR, NR).transpose(1, 0, 2))
+
+
+def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...],
+                       cores: int = 1, packed_nr: int | None = None):
+    """PrimFunc with exactly these buffer shapes (A and C may carry one leading 1-dim: the kernel
+    reads and writes them through flat [M·K] / [M·N] views, so one body serves both ranks).
+
+    ``packed_nr``: W arrives packed as [N / NR, K, NR] panels (``pack_weights.py``), so each task
+    streams one contiguous block; unpacked, a panel is K rows of NR floats N·4 bytes apart, which
+    the hardware prefetchers do not follow across pages (``tools/bench_compiled.py`` times both
+    layouts with the weights streamed from memory, as in the model)."""
     *lead, M, K = a_shape
     K2, N = w_shape
     if K2 != K or tuple(c_shape) != (*lead, M, N) or any(d != 1 for d in lead) or len(lead) > 1:
         raise ValueError(f"not a dense shape: {a_shape} x {w_shape} -> {c_shape}")
-    tiles = dense_tiles(M, K, N)
+    if packed_nr:
+        if N % packed_nr or packed_nr % VEC:
+            raise ValueError(f"N = {N} is not a whole number of {packed_nr}-wide panels")
+        tiles = (register_rows(M, packed_nr), packed_nr)
+    else:
+        tiles = dense_tiles(M, K, N, cores)
     if tiles is None:
         raise ValueError(f"no register tile fits N = {N}")
     MR, NR = tiles
     NJ, NI = N // NR, M // MR
-
-    if lead:
-        @T.prim_func(private=True, s_tir=True)
-        def dense3(A: T.Buffer((1, M, K), "float32"), W: T.Buffer((K, N), "float32"),
-                   C: T.Buffer((1, M, N), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            for jo in T.parallel(NJ):
-                with T.sblock("dense"):
-                    T.reads(A[0, 0:M, 0:K], W[0:K, jo * NR:jo * NR + NR])
-                    T.writes(C[0, 0:M, jo * NR:jo * NR + NR])
-                    acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
-                    for io in T.serial(NI):
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NR):
-                                acc[r, j] = T.float32(0)
-                        for k in T.serial(K):
-                            for r in T.unroll(MR):
-                                for j in T.vectorized(NR):
-                                    acc[r, j] = acc[r, j] + A[0, io * MR + r, k] * W[k, jo * NR + j]
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NR):
-                                C[0, io * MR + r, jo * NR + j] = acc[r, j]
-
-        return dense3
+    PACKED = bool(packed_nr)
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+    W_SHAPE = packed_shape(K, N, NR) if PACKED else (K, N)
 
     @T.prim_func(private=True, s_tir=True)
-    def dense2(A: T.Buffer((M, K), "float32"), W: T.Buffer((K, N), "float32"), C: T.Buffer((M, N), "float32")):
+    def dense(a: T.handle, w: T.handle, c: T.handle):
         T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        W0 = T.match_buffer(w, W_SHAPE, "float32")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((M * K,), "float32", data=A0.data)
+        W = T.decl_buffer((K * N,), "float32", data=W0.data)
+        C = T.decl_buffer((M * N,), "float32", data=C0.data)
         for jo in T.parallel(NJ):
             with T.sblock("dense"):
-                T.reads(A[0:M, 0:K], W[0:K, jo * NR:jo * NR + NR])
-                T.writes(C[0:M, jo * NR:jo * NR + NR])
+                T.reads(A[0:M * K], W[0:K * N])
+                T.writes(C[0:M * N])
                 acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
                 for io in T.serial(NI):
                     for r in T.unroll(MR):
@@ -85,12 +105,53 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
                     for k in T.serial(K):
                         for r in T.unroll(MR):
                             for j in T.vectorized(NR):
-                                acc[r, j] = acc[r, j] + A[io * MR + r, k] * W[k, jo * NR + j]
+                                if PACKED:  # panel jo, row k: [N / NR, K, NR]
+                                    acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[(jo * K + k) * NR + j]
+                                else:  # row k, columns of panel jo: [K, N]
+                                    acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[k * N + jo * NR + j]
                     for r in T.unroll(MR):
                         for j in T.vectorized(NR):
-                            C[io * MR + r, jo * NR + j] = acc[r, j]
+                            C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
 
-    return dense2
+    return dense
+
+
+def build_packed_gemv_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...],
+                             packed_nr: int):
+    """``C[(1,) 1, N] = x · W`` with W packed as [N / NR, K, NR] (decode, memory-bound, the same
+    weight parameter as the prefill GEMM): parallel over panels, each streamed once as one
+    contiguous block into NR / 16 vector accumulators. Summation over k is sequential, as in the
+    unscheduled matmul."""
+    *lead, M, K = a_shape
+    K2, N = w_shape
+    NR = int(packed_nr)
+    if M != 1 or K2 != K or tuple(c_shape) != (*lead, M, N) or any(d != 1 for d in lead) or N % NR or NR % VEC:
+        raise ValueError(f"not a packed GEMV shape: {a_shape} x {w_shape} ({NR}-wide panels) -> {c_shape}")
+    NJ = N // NR
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_packed(a: T.handle, w: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        W = T.match_buffer(w, (NJ, K, NR), "float32")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((K,), "float32", data=A0.data)
+        C = T.decl_buffer((N,), "float32", data=C0.data)
+        for jo in T.parallel(NJ):
+            with T.sblock("gemv_panel"):
+                T.reads(A[0:K], W[jo, 0:K, 0:NR])
+                T.writes(C[jo * NR:jo * NR + NR])
+                acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
+                for j in T.vectorized(NR):
+                    acc[j] = T.float32(0)
+                for k in T.serial(K):
+                    for j in T.vectorized(NR):
+                        acc[j] = acc[j] + A[k] * W[jo, k, j]
+                for j in T.vectorized(NR):
+                    C[jo * NR + j] = acc[j]
+
+    return gemv_packed
 
 
 def build_dense_nt_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):

@@ -29,12 +29,15 @@ from tvm.script import tirx as T
 from .common import check_dtype
 
 
-def evicted_mask_macro(NB: int):
+def evicted_mask_macro(NB: int, lanes: int = 16):
     """``mark_evicted(score, h, n, keep, key, gone, lo, hi, cnt)``: sets ``gone[i]`` = 1 for the
     n − keep candidates of head ``h`` (of the n ≤ NB valid ones) with the lowest score — ties evict
     the higher index, the ``topk_keep`` rule — and 0 for the others. ``key`` [NB] int32, ``lo``/``hi``
     [1] int64 and ``cnt`` [1] int32 are scratch. Shared by the select kernel and kernels that must
-    know the evicted set before the compaction (D2O's merge)."""
+    know the evicted set before the compaction (D2O's merge). ``lanes``: the width of the
+    vectorised counting passes (16 int32 = one AVX-512 register; 1 inside one GPU thread)."""
+
+    LANES = int(lanes) if NB >= int(lanes) else 1
 
     @T.macro
     def mark_evicted(score, h, n, keep, key, gone, lo, hi, cnt):
@@ -55,9 +58,20 @@ def evicted_mask_macro(NB: int):
         hi[0] = T.int64(2147483647)
         for it in T.serial(33):
             if lo[0] < hi[0]:
+                # the count as LANES partial sums (one vector compare-and-add per LANES keys),
+                # then summed: a scalar running count is one dependent add per candidate;
+                # gone[0:LANES] holds the partial counts (it is written for real only below)
+                for l in T.vectorized(LANES):
+                    gone[l] = 0
+                for i0 in T.serial(NB // LANES):
+                    for l in T.vectorized(LANES):
+                        gone[l] = gone[l] + T.Cast(
+                            "int32", T.Cast("int64", key[i0 * LANES + l]) <= (lo[0] + hi[0]) // 2)
                 cnt[0] = 0
-                for i in T.serial(NB):
-                    cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[i]) <= (lo[0] + hi[0]) // 2)
+                for l in T.serial(LANES):
+                    cnt[0] = cnt[0] + gone[l]
+                for i in T.serial(NB % LANES):
+                    cnt[0] = cnt[0] + T.Cast("int32", T.Cast("int64", key[NB - NB % LANES + i]) <= (lo[0] + hi[0]) // 2)
                 if cnt[0] >= n - keep:
                     hi[0] = (lo[0] + hi[0]) // 2
                 else:
@@ -96,7 +110,7 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
         for i in T.serial(B):
             if i < nv:
                 if nf + i < N:
-                    for c in T.serial(D):
+                    for c in T.vectorized(D):
                         k_cache[h, nf + i, c] = k_blk[0, h, i, c]
                         v_cache[h, nf + i, c] = v_blk[0, h, i, c]
                     pos_cache[h, nf + i] = pos_blk[i]
@@ -106,46 +120,63 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
                     state[s, h, i] = cand_state[s, h, i]
 
     @T.macro
-    def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
-              gone, key, lo, hi, cnt, h, nf, nv):
-        mark_evicted(score, h, nf + nv, N, key, gone, lo, hi, cnt)
+    def compact(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, gone, cnt, h, part, nf, nv):
+        # survivors in ascending candidate order; part 0 moves the keys, part 1 the values,
+        # positions and state (two tasks per head: the moves are most of the kernel's time)
         cnt[0] = 0
         for i in T.serial(NB):
             if i < nf + nv:
-                if gone[i] == 0:
+                if gone[h, i] == 0:
                     if cnt[0] < N:
                         if i < nf:
                             if cnt[0] != i:
-                                for c in T.serial(D):
-                                    k_cache[h, cnt[0], c] = k_cache[h, i, c]
-                                    v_cache[h, cnt[0], c] = v_cache[h, i, c]
-                                pos_cache[h, cnt[0]] = pos_cache[h, i]
+                                if part == 0:
+                                    for c in T.vectorized(D):
+                                        k_cache[h, cnt[0], c] = k_cache[h, i, c]
+                                else:
+                                    for c in T.vectorized(D):
+                                        v_cache[h, cnt[0], c] = v_cache[h, i, c]
+                                    pos_cache[h, cnt[0]] = pos_cache[h, i]
                         else:
-                            for c in T.serial(D):
-                                k_cache[h, cnt[0], c] = k_blk[0, h, i - nf, c]
-                                v_cache[h, cnt[0], c] = v_blk[0, h, i - nf, c]
-                            pos_cache[h, cnt[0]] = pos_blk[i - nf]
+                            if part == 0:
+                                for c in T.vectorized(D):
+                                    k_cache[h, cnt[0], c] = k_blk[0, h, i - nf, c]
+                            else:
+                                for c in T.vectorized(D):
+                                    v_cache[h, cnt[0], c] = v_blk[0, h, i - nf, c]
+                                pos_cache[h, cnt[0]] = pos_blk[i - nf]
                         if S > 0:
-                            for s in T.serial(S):
-                                state[s, h, cnt[0]] = cand_state[s, h, i]
+                            if part == 1:
+                                for s in T.serial(S):
+                                    state[s, h, cnt[0]] = cand_state[s, h, i]
                         cnt[0] = cnt[0] + 1
 
     @T.macro
     def select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state):
-        for h in T.parallel(H):
-            with T.sblock("select"):
-                gone = T.sblock_alloc_buffer((NB,), "int32")
-                key = T.sblock_alloc_buffer((NB,), "int32")
-                lo = T.sblock_alloc_buffer((1,), "int64")
-                hi = T.sblock_alloc_buffer((1,), "int64")
-                cnt = T.sblock_alloc_buffer((1,), "int32")
-                nf: T.let[T.int32] = fill[0]
-                nv: T.let[T.int32] = n_valid[0]
-                if nf + nv <= N:
-                    append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, nf, nv)
-                else:
-                    evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
-                          gone, key, lo, hi, cnt, h, nf, nv)
+        gone_all = T.alloc_buffer((H, NB), "int32")
+        if fill[0] + n_valid[0] <= N:
+            for h in T.parallel(H):
+                with T.sblock("append"):
+                    append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, fill[0],
+                           n_valid[0])
+        else:
+            for h in T.parallel(H):
+                with T.sblock("select"):
+                    T.reads(score[h, 0:NB], fill[0:1], n_valid[0:1])
+                    T.writes(gone_all[h, 0:NB])
+                    gone = T.sblock_alloc_buffer((NB,), "int32")
+                    key = T.sblock_alloc_buffer((NB,), "int32")
+                    lo = T.sblock_alloc_buffer((1,), "int64")
+                    hi = T.sblock_alloc_buffer((1,), "int64")
+                    cnt = T.sblock_alloc_buffer((1,), "int32")
+                    mark_evicted(score, h, fill[0] + n_valid[0], N, key, gone, lo, hi, cnt)
+                    for i in T.serial(NB):
+                        gone_all[h, i] = gone[i]
+            for task in T.parallel(2 * H):
+                with T.sblock("compact"):
+                    cnt = T.sblock_alloc_buffer((1,), "int32")
+                    compact(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, gone_all, cnt,
+                            task // 2, task % 2, fill[0], n_valid[0])
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
