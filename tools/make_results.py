@@ -5,6 +5,7 @@ section itself):
   accuracy.md   tools/results_accuracy.py        (edgekv eval sweeps)
   bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
   compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
+  compile_time.md  tools/bench_compiled.py --skip profile,gemm,e2e --json/--md docs/results/compile_time.*
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
   compiled_agreement*.md  tools/check_compiled_vs_engine.py (compiled artifact vs eager engine)
   onnx_agreement.md       tools/check_onnx_path.py          (ONNX input vs torch.export, ONNX Runtime)
@@ -19,6 +20,7 @@ SECTIONS = [
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
+    ("Compile time", "compile_time.md"),
     ("Compiled model vs the reference engine: KeyDiff", "compiled_agreement.md"),
     ("Compiled model vs the reference engine: DapQ", "compiled_agreement_dapq.md"),
     ("Compiled model vs the reference engine: D2O", "compiled_agreement_d2o.md"),
