@@ -270,7 +270,7 @@ PACKED_CASES = [((1,), 128, 576, 192, 32), ((1,), 128, 1536, 576, 64), ((1,), 1,
 def test_packed_dense_and_gemv_equal_the_matmul(case):
     """The kernels of ``pack_weights.py`` on [N / NR, K, NR] panels (``pack_weight``) give the
     float64 product of the unpacked weight (sequential k summation: fp32 rounding only)."""
-    from edgekv.compiler.kernels.dense import build_dense_kernel, build_packed_gemv_kernel, pack_weight
+    from edgekv.compiler.kernels.dense import build_dense_kernel, build_packed_gemv_kernel, pack_weight, unpack_weight
 
     lead, M, K, Nn, nr = case
     a_shape, c_shape = lead + (M, K), lead + (M, Nn)
@@ -280,6 +280,7 @@ def test_packed_dense_and_gemv_equal_the_matmul(case):
     rng = np.random.default_rng(M + K + Nn)
     a = rng.standard_normal(a_shape).astype("float32")
     w = rng.standard_normal((K, Nn)).astype("float32")
+    np.testing.assert_array_equal(unpack_weight(pack_weight(w, nr)), w)
     out = tvm.runtime.tensor(np.full(c_shape, np.nan, "float32"))
     lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(pack_weight(w, nr)), out)
     ref = a.astype(np.float64) @ w.astype(np.float64)

@@ -57,6 +57,14 @@ def pack_weight(w, NR: int):
     return np.ascontiguousarray(w.reshape(K, N // NR, NR).transpose(1, 0, 2))
 
 
+def unpack_weight(p):
+    """The inverse of ``pack_weight``: [N / NR, K, NR] → [K, N]."""
+    import numpy as np
+
+    nj, K, nr = p.shape
+    return np.ascontiguousarray(p.transpose(1, 0, 2).reshape(K, nj * nr))
+
+
 def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...],
                        cores: int = 1, packed_nr: int | None = None):
     """PrimFunc with exactly these buffer shapes (A and C may carry one leading 1-dim: the kernel
