@@ -10,6 +10,8 @@ E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1"
 (
   # passkey, block-wise: 1K and 2K prompts, needle at depths 0.1/0.5/0.9 (seed 0), and a 4K prompt (seed 1)
   $E --task passkey --block 128 --lengths 1k,2k --depths 0.1,0.5,0.9 --seeds 0 --out $OUT/passkey_block
+  # a second seed (haystack offset, key values) for the 1K prompts
+  $E --task passkey --block 128 --lengths 1k --depths 0.1,0.5,0.9 --seeds 1 --out $OUT/passkey_block_seed1
   $E --task passkey --block 128 --lengths 4k --depths 0.5 --seeds 1 --out $OUT/passkey_block_long
   # and a 7K prompt (needle at depth 0.5, seed 0): the longest that fits the 8K context with the answer
   $E --task passkey --block 128 --lengths 7k --depths 0.5 --seeds 0 --out $OUT/passkey_block_7k
@@ -23,10 +25,10 @@ E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1"
 ) &
 wait
 R=docs/results
-for d in passkey_block passkey_block_long passkey_block_7k passkey_one fidelity_block multikey_block; do
+for d in passkey_block passkey_block_seed1 passkey_block_long passkey_block_7k passkey_one fidelity_block multikey_block; do
   cp $OUT/$d/results.json $R/accuracy_$d.json  # the raw results live beside the section
 done
-python tools/results_accuracy.py $R/accuracy_passkey_block.json $R/accuracy_passkey_block_long.json \
+python tools/results_accuracy.py $R/accuracy_passkey_block.json $R/accuracy_passkey_block_seed1.json $R/accuracy_passkey_block_long.json \
   $R/accuracy_passkey_block_7k.json $R/accuracy_passkey_one.json $R/accuracy_fidelity_block.json $R/accuracy_multikey_block.json \
   --notes $R/accuracy_notes.md
 python tools/make_results.py
