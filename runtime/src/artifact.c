@@ -1,0 +1,2 @@
+/* placeholder */
+typedef int ekv_placeholder_artifact;
