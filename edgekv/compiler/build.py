@@ -1,19 +1,21 @@
 """Build: lower → ``tvm.compile`` → artifact directory.
 
-An artifact is a directory:
+An artifact is a directory (``edgekv/artifact``: the contract with the runtimes):
 
-    model.so | model.tar     the compiled library (``export_library``); .tar for cross targets
-    params.safetensors        the weights, in the functions' argument order (names in manifest)
-    manifest.json             what was built and how to check it (see ``write_manifest``)
+    model.so | model.tar      the compiled library (``export_library``); .tar for cross targets
+    params.safetensors        the weights in the functions' argument order, 64-byte aligned
+    program.ekv               the entry functions as flat kernel-call lists (``program.py``)
+    tokenizer.ekt, tokenizer/ the tokenizer (binary for the native runtime; HF files for Python)
+    manifest.json             what was built and how to check it (see ``build_manifest``)
 
 ``compile_model(model, policy, budget, block, target="host", out_dir=...)`` is the public entry.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +23,9 @@ from typing import Any
 
 import numpy as np
 
-ARTIFACT_FORMAT = "edgekv-artifact"
-ARTIFACT_VERSION = 1
-MANIFEST = "manifest.json"
-PARAMS_FILE = "params.safetensors"
-TOKENIZER_DIR = "tokenizer"
+from ..artifact import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, PARAMS_FILE, PROGRAM_FILE, TOKENIZER_DIR,
+                        TOKENIZER_FILE, crc32_file, edgekv_version, sha256_file)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE_DIR = REPO_ROOT / "compile"
 
@@ -40,33 +40,14 @@ class BuildResult:
     manifest: dict
     executable: Any  # tvm.relax.VMExecutable (kept for in-process use and tests)
     params: list = None  # [(name, numpy array)] in argument order
-
-
-def edgekv_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("edgekv")
-    except Exception:  # not installed (running from a checkout)
-        import re
-
-        text = (REPO_ROOT / "pyproject.toml").read_text()
-        m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
-        return m.group(1) if m else "unknown"
+    final_module: Any = None  # the Relax module after TVM's pipeline: what program.py exports
+    policy: Any = None
 
 
 def versions() -> dict[str, str]:
     import tvm
 
     return {"edgekv": edgekv_version(), "tvm": str(tvm.__version__)}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _profile_path(target: str) -> Path | None:
@@ -215,16 +196,16 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     say("compiling with TVM")
     t0 = time.perf_counter()
     target_obj = tvm.target.Target(tgt)
-    if tgt.get("kind") == "llvm":
-        from .cpu_schedule import cpu_pipeline
+    from .cpu_schedule import cpu_pipeline
+    from .program import capture_final_module
 
-        ex = tvm.compile(lowered.mod, target=target_obj, relax_pipeline=cpu_pipeline(target_obj))
-    else:
-        ex = tvm.compile(lowered.mod, target=target_obj)
+    final: dict = {}
+    ex = tvm.compile(lowered.mod, target=target_obj,
+                     relax_pipeline=capture_final_module(cpu_pipeline, final)(target_obj))
     lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
     manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan)
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
-                         params=lowered.params)
+                         params=lowered.params, final_module=final.get("mod"), policy=policy)
     if out_dir is not None:
         write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
     return result
@@ -278,21 +259,42 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
 
 
 def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict, tokenizer=None) -> None:
-    from safetensors.numpy import save_file
+    """Write the artifact directory. Every file is written under a temporary name and renamed,
+    the manifest last, so an interrupted compile never leaves a directory that looks complete."""
+    from ..artifact.params_file import write_params
+    from .program import write_program
 
     out = result.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # the directory is not an artifact until it is complete
     host_like = tgt.get("kind") == "llvm" and "mtriple" not in tgt
     lib_name = "model.so" if host_like else "model.tar"
     t0 = time.perf_counter()
     result.executable.export_library(str(out / lib_name))
-    save_file({n: np.ascontiguousarray(a) for n, a in params}, str(out / PARAMS_FILE))
+    offsets = write_params(params, out / PARAMS_FILE, {"format": "edgekv-params"})
     result.manifest["timings"]["export_library_s"] = time.perf_counter() - t0
-    result.manifest["files"] = {
+    files = result.manifest["files"] = {
         "library": {"name": lib_name, "sha256": sha256_file(out / lib_name)},
         "params": {"name": PARAMS_FILE, "sha256": sha256_file(out / PARAMS_FILE)},
     }
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
-        result.manifest["files"]["tokenizer"] = {"name": TOKENIZER_DIR}
-    (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, default=str))
+        tok_dir = out / TOKENIZER_DIR
+        shutil.rmtree(tok_dir, ignore_errors=True)
+        tokenizer.save_pretrained(str(tok_dir))
+        files["tokenizer"] = {"name": TOKENIZER_DIR, "sha256": {p.name: sha256_file(p) for p in
+                                                                 sorted(tok_dir.iterdir()) if p.is_file()}}
+        from .tokenizer_file import write_tokenizer_file
+
+        try:
+            info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
+        except ValueError as exc:  # a tokenizer the native runtime cannot reproduce: Python runs only
+            result.manifest["native_tokenizer"] = f"not written: {exc}"
+        else:
+            files["tokenizer_file"] = {"name": TOKENIZER_FILE, "sha256": sha256_file(out / TOKENIZER_FILE),
+                                       "format_version": info.get("format_version")}
+    if result.final_module is not None:
+        write_program(result, out, offsets, tgt)
+        files["program"] = {"name": PROGRAM_FILE, "sha256": sha256_file(out / PROGRAM_FILE)}
+    tmp = out / (MANIFEST + ".part")
+    tmp.write_text(json.dumps(result.manifest, indent=2, default=str))
+    tmp.replace(out / MANIFEST)

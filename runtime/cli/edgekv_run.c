@@ -1,1 +1,422 @@
-int main(void) { return 0; }
+/* edgekv-run: answer a prompt with a compiled artifact, no Python. The only place in the
+ * runtime that prints or exits.
+ *
+ *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3 [--chat]
+ *              [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--threads N]
+ *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
+ *              [--verify-weights] [--quiet] [--check]
+ *
+ * Exit status: 0 done, 2 bad input or artifact (the message says what to change), 130 cancelled. */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "edgekv.h"
+#include "json.h"
+
+#define MAX_PROMPT_BYTES ((size_t)64 << 20)
+
+typedef struct {
+  const char *artifact, *prompt, *prompt_file, *prompt_ids, *report;
+  int chat, max_new, threads, allow_beyond, verify_weights, quiet, check_only, seed_set;
+  float temperature, top_p;
+  uint64_t seed, mem_limit;
+} options;
+
+static ekv_session *g_session; /* for SIGINT: cancel at the next block or token */
+
+static void on_sigint(int sig) {
+  (void)sig;
+  if (g_session != NULL) ekv_session_cancel(g_session);
+}
+
+static int fail(const char *fmt, const char *a, const char *b) {
+  fprintf(stderr, "error: ");
+  fprintf(stderr, fmt, a, b);
+  fputc('\n', stderr);
+  return 2;
+}
+
+static void usage(FILE *f) {
+  fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3) [--chat]\n"
+        "                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads N]\n"
+        "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--verify-weights]\n"
+        "                  [--quiet] [--check]\n"
+        "Runs an artifact written by `edgekv compile` (program.ekv, model.so, params, tokenizer.ekt).\n"
+        "  --check            open and validate the artifact, then exit\n"
+        "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
+        "  --threads          kernel threads (default: every online core)\n",
+        f);
+}
+
+/* "512MiB", "1.5GiB", "2GB", "1000000" → bytes; 0 on a bad value */
+static uint64_t parse_bytes(const char *s) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno != 0 || end == s || !(v > 0)) return 0;
+  static const struct { const char *suffix; double scale; } UNITS[] = {
+      {"", 1}, {"b", 1}, {"k", 1e3}, {"kb", 1e3}, {"kib", 1024.0}, {"m", 1e6}, {"mb", 1e6}, {"mib", 1048576.0},
+      {"g", 1e9}, {"gb", 1e9}, {"gib", 1073741824.0}};
+  char unit[8] = "";
+  size_t n = strlen(end);
+  if (n >= sizeof unit) return 0;
+  for (size_t i = 0; i <= n; i++) unit[i] = (char)((end[i] >= 'A' && end[i] <= 'Z') ? end[i] - 'A' + 'a' : end[i]);
+  for (size_t i = 0; i < sizeof UNITS / sizeof UNITS[0]; i++)
+    if (strcmp(unit, UNITS[i].suffix) == 0) {
+      double bytes = v * UNITS[i].scale;
+      return bytes >= 1.8e19 ? 0 : (uint64_t)bytes;
+    }
+  return 0;
+}
+
+static int parse_int(const char *s, long lo, long hi, long *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) return 0;
+  *out = v;
+  return 1;
+}
+
+static int parse_float(const char *s, float *out) {
+  char *end;
+  errno = 0;
+  float v = strtof(s, &end);
+  if (errno != 0 || end == s || *end != '\0') return 0;
+  *out = v;
+  return 1;
+}
+
+static int parse_args(int argc, char **argv, options *o) {
+  static const struct option LONG[] = {
+      {"prompt", required_argument, 0, 'p'},       {"prompt-file", required_argument, 0, 'f'},
+      {"prompt-ids", required_argument, 0, 'i'},   {"chat", no_argument, 0, 'c'},
+      {"max-new-tokens", required_argument, 0, 'n'}, {"temperature", required_argument, 0, 't'},
+      {"top-p", required_argument, 0, 'P'},        {"seed", required_argument, 0, 's'},
+      {"threads", required_argument, 0, 'T'},      {"mem-limit", required_argument, 0, 'm'},
+      {"report", required_argument, 0, 'r'},       {"allow-beyond-context", no_argument, 0, 'A'},
+      {"verify-weights", no_argument, 0, 'V'},     {"quiet", no_argument, 0, 'q'},
+      {"check", no_argument, 0, 'C'},              {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  o->max_new = 64;
+  o->top_p = 1.0f;
+  long v;
+  int c;
+  opterr = 0;
+  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqCh", LONG, NULL)) != -1) {
+    switch (c) {
+      case 'p': o->prompt = optarg; break;
+      case 'f': o->prompt_file = optarg; break;
+      case 'i': o->prompt_ids = optarg; break;
+      case 'c': o->chat = 1; break;
+      case 'n':
+        if (!parse_int(optarg, 0, 1 << 24, &v)) return fail("--max-new-tokens %s is not a count of tokens (0 or more)", optarg, "");
+        o->max_new = (int)v;
+        break;
+      case 't':
+        if (!parse_float(optarg, &o->temperature) || !(o->temperature >= 0.0f))
+          return fail("--temperature %s: give 0 (greedy) or a positive number such as 0.7", optarg, "");
+        break;
+      case 'P':
+        if (!parse_float(optarg, &o->top_p) || !(o->top_p > 0.0f && o->top_p <= 1.0f))
+          return fail("--top-p %s: give a number in (0, 1], such as 0.9", optarg, "");
+        break;
+      case 's':
+        if (!parse_int(optarg, 0, LONG_MAX, &v)) return fail("--seed %s is not a non-negative integer", optarg, "");
+        o->seed = (uint64_t)v;
+        break;
+      case 'T':
+        if (!parse_int(optarg, 1, 1024, &v)) return fail("--threads %s: give a count from 1 to 1024", optarg, "");
+        o->threads = (int)v;
+        break;
+      case 'm':
+        o->mem_limit = parse_bytes(optarg);
+        if (o->mem_limit == 0) return fail("--mem-limit %s: give bytes such as 512MiB, 1.5GiB or 2000000000", optarg, "");
+        break;
+      case 'r': o->report = optarg; break;
+      case 'A': o->allow_beyond = 1; break;
+      case 'V': o->verify_weights = 1; break;
+      case 'q': o->quiet = 1; break;
+      case 'C': o->check_only = 1; break;
+      case 'h': usage(stdout); exit(0);
+      default:
+        usage(stderr);
+        return fail("unknown or incomplete option %s", argv[optind - 1], "");
+    }
+  }
+  if (optind != argc - 1) {
+    usage(stderr);
+    return fail("give exactly one artifact directory%s%s", "", "");
+  }
+  o->artifact = argv[optind];
+  int sources = (o->prompt != NULL) + (o->prompt_file != NULL) + (o->prompt_ids != NULL);
+  if (!o->check_only && sources != 1) return fail("give one of --prompt, --prompt-file or --prompt-ids%s%s", "", "");
+  return 0;
+}
+
+/* The report path is checked before any work, so a run never ends by losing its result. */
+static int check_report_path(const char *path) {
+  if (path == NULL) return 0;
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash == NULL) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = '\0';
+  else *slash = '\0';
+  if (access(dir, W_OK) != 0) return fail("--report %s: the folder %s does not exist or is not writable", path, dir);
+  if (access(path, F_OK) == 0 && access(path, W_OK) != 0) return fail("--report %s is not writable%s", path, "");
+  FILE *probe = fopen(path, "r");
+  if (probe != NULL) {
+    char c;
+    int is_dir = fread(&c, 1, 1, probe) == 0 && ferror(probe);
+    fclose(probe);
+    if (is_dir) return fail("--report %s is a directory; give a file path%s", path, "");
+  }
+  return 0;
+}
+
+static int read_prompt_file(const char *path, char **out, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return fail("cannot read --prompt-file %s: %s", path, strerror(errno));
+  char *buf = malloc(MAX_PROMPT_BYTES + 1);
+  if (buf == NULL) {
+    fclose(f);
+    return fail("out of memory reading %s%s", path, "");
+  }
+  size_t n = fread(buf, 1, MAX_PROMPT_BYTES + 1, f);
+  int bad = ferror(f);
+  fclose(f);
+  if (bad || n > MAX_PROMPT_BYTES) {
+    free(buf);
+    return fail("cannot read --prompt-file %s (unreadable, a directory, or over 64 MiB)%s", path, "");
+  }
+  buf[n] = '\0';
+  *out = buf;
+  *len = n;
+  return 0;
+}
+
+static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size_t *n) {
+  *ids = NULL;
+  *n = 0;
+  if (o->prompt_ids != NULL) {
+    size_t cap = strlen(o->prompt_ids) / 2 + 2;
+    int32_t *out = malloc(sizeof(int32_t) * cap);
+    if (out == NULL) return fail("out of memory%s%s", "", "");
+    const char *p = o->prompt_ids;
+    while (*p != '\0') {
+      char *end;
+      long v = strtol(p, &end, 10);
+      if (end == p || v < 0 || v > INT32_MAX || (*end != ',' && *end != '\0') || *n >= cap) {
+        free(out);
+        return fail("--prompt-ids %s: give comma-separated token ids%s", o->prompt_ids, "");
+      }
+      out[(*n)++] = (int32_t)v;
+      p = *end == ',' ? end + 1 : end;
+    }
+    *ids = out;
+    return 0;
+  }
+  char *text = (char *)o->prompt;
+  size_t len = text != NULL ? strlen(text) : 0;
+  if (o->prompt_file != NULL && read_prompt_file(o->prompt_file, &text, &len) != 0) return 2;
+  int only_space = 1;
+  for (size_t i = 0; i < len && only_space; i++) only_space = text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r';
+  int rc = 0;
+  ekv_tokenizer *tok = ekv_model_tokenizer(model);
+  if (only_space) rc = fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
+  else if (tok == NULL) rc = fail("this artifact has no tokenizer; pass --prompt-ids%s%s", "", "");
+  else if (o->chat && !ekv_tokenizer_has_chat_template(tok))
+    rc = fail("--chat: the model has no chat template; run without --chat%s%s", "", "");
+  if (rc == 0) {
+    ekv_status (*encode)(ekv_tokenizer *, const char *, size_t, int32_t *, size_t, size_t *) =
+        o->chat ? ekv_tokenizer_encode_chat : ekv_tokenizer_encode;
+    size_t count = 0;
+    ekv_status st = encode(tok, text, len, NULL, 0, &count);
+    *ids = st == EKV_OK ? malloc(sizeof(int32_t) * (count + 1)) : NULL;
+    if (st == EKV_OK && *ids != NULL) st = encode(tok, text, len, *ids, count, n);
+    if (st != EKV_OK || *ids == NULL) rc = fail("cannot tokenize the prompt: %s%s", ekv_tokenizer_last_error(tok), "");
+  }
+  if (text != o->prompt) free(text);
+  return rc;
+}
+
+typedef struct {
+  const options *o;
+  int tty;
+  char *text;
+  size_t text_len, text_cap;
+  int32_t *out_ids;
+  size_t n_out, out_cap;
+  size_t block;
+} run_state;
+
+static int on_progress(void *user, size_t done, size_t total) {
+  run_state *r = user;
+  if (r->o->quiet) return 0;
+  if (r->tty) {
+    fprintf(stderr, "\rprefill %zu/%zu tokens (%zu%%)", done, total, total ? 100 * done / total : 100);
+    if (done == total) fputc('\n', stderr);
+  } else if (done == total) {
+    fprintf(stderr, "prefill: %zu tokens in %zu blocks\n", total, (total + r->block - 1) / r->block);
+  }
+  return 0;
+}
+
+static int on_token(void *user, int32_t id, const char *text, size_t len) {
+  run_state *r = user;
+  if (r->n_out < r->out_cap) r->out_ids[r->n_out++] = id;
+  if (len > 0) {
+    if (r->text_len + len + 1 > r->text_cap) {
+      size_t cap = (r->text_cap + len + 1) * 2;
+      char *grown = realloc(r->text, cap);
+      if (grown == NULL) return 1;
+      r->text = grown;
+      r->text_cap = cap;
+    }
+    memcpy(r->text + r->text_len, text, len);
+    r->text_len += len;
+    r->text[r->text_len] = '\0';
+    if (!r->o->quiet) {
+      fwrite(text, 1, len, stdout);
+      fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+static void write_report(const options *o, ekv_model *model, ekv_session *s, const run_state *r, size_t n_prompt,
+                         const char *status, const char *error) {
+  char tmp[PATH_MAX];
+  snprintf(tmp, sizeof tmp, "%s.part", o->report);
+  FILE *f = fopen(tmp, "w");
+  if (f == NULL) {
+    fprintf(stderr, "error: cannot write the report %s: %s\n", o->report, strerror(errno));
+    return;
+  }
+  ekv_model_info info;
+  ekv_model_get_info(model, &info);
+  ekv_stats st;
+  ekv_session_get_stats(s, &st);
+  json_writer w;
+  json_begin(&w, f);
+  json_object(&w, NULL);
+  json_string(&w, "engine", "native");
+  json_string(&w, "status", status);
+  if (error != NULL) json_string(&w, "error", error);
+  json_string(&w, "artifact", o->artifact);
+  json_string(&w, "model", info.model_id);
+  json_string(&w, "policy", info.policy);
+  json_string(&w, "policy_params", info.policy_params);
+  json_int(&w, "budget_tokens", info.budget);
+  json_int(&w, "block", info.block);
+  json_string(&w, "target", info.target_profile);
+  json_int(&w, "threads", info.threads);
+  json_uint(&w, "prompt_tokens", n_prompt);
+  json_uint(&w, "generated_tokens", r->n_out);
+  json_array(&w, "generated_ids");
+  for (size_t i = 0; i < r->n_out; i++) json_int(&w, NULL, r->out_ids[i]);
+  json_end_array(&w);
+  json_string_n(&w, "text", r->text != NULL ? r->text : "", r->text_len);
+  json_double(&w, "load_seconds", st.load_seconds);
+  json_double(&w, "first_block_seconds", st.first_block_seconds);
+  json_double(&w, "prepare_seconds", st.prepare_seconds);
+  json_double(&w, "prefill_seconds", st.prefill_seconds);
+  json_double(&w, "decode_seconds", st.decode_seconds);
+  json_double(&w, "prefill_tok_s", st.prefill_seconds > 0 ? (double)st.prefill_tokens / st.prefill_seconds : 0.0 / 0.0);
+  json_double(&w, "decode_tok_s", st.decode_seconds > 0 ? (double)st.decode_tokens / st.decode_seconds : 0.0 / 0.0);
+  json_object(&w, "memory");
+  json_object(&w, "plan");
+  json_uint(&w, "weights_bytes", info.weights_bytes);
+  json_uint(&w, "cache_bytes", info.cache_bytes);
+  json_uint(&w, "arena_bytes", info.arena_bytes);
+  json_uint(&w, "total_bytes", info.plan_bytes);
+  json_end_object(&w);
+  json_uint(&w, "peak_rss_bytes", st.peak_rss_bytes);
+  json_uint(&w, "runtime_alloc_peak_bytes", st.runtime_bytes_peak);
+  json_uint(&w, "workspace_peak_bytes", st.workspace_bytes_peak);
+  json_uint(&w, "weights_mapped_bytes", st.mapped_bytes);
+  json_end_object(&w);
+  json_array(&w, "cache_lengths");
+  for (int32_t l = 0; l < info.num_layers; l++) {
+    int32_t heads = 0, fill = 0;
+    ekv_session_kept_positions(s, l, NULL, 0, &heads, &fill);
+    json_int(&w, NULL, fill);
+  }
+  json_end_array(&w);
+  json_end_object(&w);
+  int bad = ferror(f);
+  if (fclose(f) != 0 || bad || rename(tmp, o->report) != 0) {
+    remove(tmp);
+    fprintf(stderr, "error: cannot write the report %s: %s\n", o->report, strerror(errno));
+  }
+}
+
+int main(int argc, char **argv) {
+  options o;
+  memset(&o, 0, sizeof o);
+  int rc = parse_args(argc, argv, &o);
+  if (rc != 0) return rc;
+  if (check_report_path(o.report) != 0) return 2;
+  ekv_model_options mo;
+  ekv_model_options_init(&mo);
+  mo.threads = o.threads;
+  mo.mem_limit_bytes = o.mem_limit;
+  mo.verify_weights = o.verify_weights;
+  ekv_model *model = NULL;
+  if (ekv_model_open(o.artifact, &mo, &model) != EKV_OK) {
+    rc = fail("%s%s", ekv_model_last_error(model), "");
+    ekv_model_close(model);
+    return rc;
+  }
+  if (o.check_only) {
+    ekv_model_info info;
+    ekv_model_get_info(model, &info);
+    printf("ok: %s, policy %s, N = %d, B = %d, %d kernels, plan %.1f MiB\n", info.model_id, info.policy, info.budget,
+           info.block, info.n_kernels, (double)info.plan_bytes / 1048576.0);
+    ekv_model_close(model);
+    return 0;
+  }
+  int32_t *ids = NULL;
+  size_t n = 0;
+  ekv_session *s = NULL;
+  ekv_sampler *sampler = NULL;
+  run_state r = {.o = &o, .tty = isatty(2)};
+  rc = encode_prompt(&o, model, &ids, &n);
+  if (rc == 0 && ekv_session_new(model, &s) != EKV_OK) rc = fail("%s%s", ekv_session_last_error(s), "");
+  if (rc == 0 && ekv_sampler_new(o.temperature, o.top_p, o.seed, &sampler) != EKV_OK) rc = fail("bad sampling settings%s%s", "", "");
+  if (rc == 0) {
+    ekv_model_info info;
+    ekv_model_get_info(model, &info);
+    r.block = (size_t)info.block;
+    r.out_cap = (size_t)o.max_new;
+    r.out_ids = malloc(sizeof(int32_t) * (r.out_cap + 1));
+    ekv_session_allow_beyond_context(s, o.allow_beyond);
+    g_session = s;
+    signal(SIGINT, on_sigint);
+    if (!o.quiet)
+      fprintf(stderr, "edgekv-run: %s, policy %s, N = %d, B = %d, %d threads; prompt %zu tokens\n", info.model_id,
+              info.policy, info.budget, info.block, info.threads, n);
+    size_t n_out = 0;
+    ekv_status st = ekv_session_generate(s, ids, n, o.max_new, sampler, on_progress, on_token, &r, NULL, 0, &n_out);
+    if (!o.quiet && r.text_len > 0) fputc('\n', stdout);
+    const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
+    if (o.report != NULL) write_report(&o, model, s, &r, n, st == EKV_OK ? "ok" : ekv_status_string(st), err);
+    if (st == EKV_ERR_CANCELLED) rc = 130;
+    else if (st != EKV_OK) rc = fail("%s%s", err, "");
+    g_session = NULL;
+  }
+  free(r.out_ids);
+  free(r.text);
+  free(ids);
+  ekv_sampler_free(sampler);
+  ekv_session_free(s);
+  ekv_model_close(model);
+  return rc;
+}

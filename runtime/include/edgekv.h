@@ -95,6 +95,105 @@ size_t ekv_utf8_stream_push(ekv_utf8_stream *s, const char *in, size_t n, char *
 /* Whatever is still held, as U+FFFD replacement(s); returns the bytes written. */
 size_t ekv_utf8_stream_flush(ekv_utf8_stream *s, char *out, size_t cap);
 
+
+/* ------------------------------------------------------------------------------------------
+ * Model: the immutable, validated artifact
+ * ------------------------------------------------------------------------------------------ */
+typedef struct ekv_model ekv_model;
+
+typedef struct ekv_model_options {
+  int threads;               /* worker threads for the kernels; 0 = every online core */
+  uint64_t mem_limit_bytes;  /* 0 = none; refuse (EKV_ERR_NO_MEMORY) before allocating when the
+                                plan (weights + caches + arena) is above it */
+  int verify_weights;        /* 1: CRC-32 of the whole params file at open (reads every page) */
+} ekv_model_options;
+
+void ekv_model_options_init(ekv_model_options *opts);
+/* Open an artifact directory: program.ekv (validated whole: every index, offset and size),
+ * the library (CPU features and architecture checked before dlopen, every kernel resolved),
+ * the weights mapped read-only, the tokenizer. *out is set even on failure. */
+ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opts, ekv_model **out);
+void ekv_model_close(ekv_model *model);
+const char *ekv_model_last_error(const ekv_model *model);
+/* The artifact's tokenizer (NULL when it has none); owned by the model. */
+ekv_tokenizer *ekv_model_tokenizer(ekv_model *model);
+
+typedef struct ekv_model_info {
+  const char *model_id, *policy, *policy_params, *target_profile, *target_arch, *edgekv_version, *weight_hash;
+  int32_t num_layers, vocab_size, max_position, budget, block, pseudo_rows, threads, chat;
+  uint64_t weights_bytes;   /* the mapped params file */
+  uint64_t cache_bytes;     /* one session's caches (all layers, all fields) */
+  uint64_t arena_bytes;     /* one session's planned intermediates */
+  uint64_t plan_bytes;      /* weights + caches + arena + inputs */
+  int32_t n_kernels, n_calls_prefill, n_calls_decode;
+} ekv_model_info;
+/* Strings point into the model; valid until ekv_model_close. */
+void ekv_model_get_info(const ekv_model *model, ekv_model_info *info);
+
+/* ------------------------------------------------------------------------------------------
+ * Session: one sequence — caches, arena, position
+ * ------------------------------------------------------------------------------------------ */
+typedef struct ekv_session ekv_session;
+
+/* Allocates the caches and the arena once (nothing is allocated per block or token). */
+ekv_status ekv_session_new(ekv_model *model, ekv_session **out);
+void ekv_session_free(ekv_session *session);
+const char *ekv_session_last_error(const ekv_session *session);
+/* Empty the caches (restores every cache field's initial contents) and the position. */
+void ekv_session_reset(ekv_session *session);
+
+/* Called after each block: tokens done so far and in all; return nonzero to cancel. */
+typedef int (*ekv_progress_fn)(void *user, size_t done, size_t total);
+
+/* Block-wise prefill of a prompt (after reset; or continuing the sequence). Runs the program's
+ * per-prompt preparation when it has one, then ceil(n / B) prefill calls. */
+ekv_status ekv_session_prefill(ekv_session *session, const int32_t *ids, size_t n, ekv_progress_fn progress,
+                               void *user);
+/* One decode step: token at the next position. */
+ekv_status ekv_session_decode(ekv_session *session, int32_t token);
+/* The last step's logits (vocab_size floats; valid until the next step). */
+const float *ekv_session_logits(const ekv_session *session);
+/* Next position (= tokens in the sequence so far). */
+size_t ekv_session_position(const ekv_session *session);
+/* Let the sequence run past the model's trained context (refused by default: quality degrades). */
+void ekv_session_allow_beyond_context(ekv_session *session, int allow);
+/* Ask a running prefill/generate to stop at the next block or token (any thread). */
+void ekv_session_cancel(ekv_session *session);
+
+/* Layer `layer`'s kept entries: the cache's fill count and per KV head its original positions
+ * ([heads][fill], head-major, into out with room for cap). */
+ekv_status ekv_session_kept_positions(const ekv_session *session, int32_t layer, int32_t *out, size_t cap,
+                                      int32_t *heads, int32_t *fill);
+
+typedef struct ekv_stats {
+  uint64_t prefill_tokens, prefill_blocks, decode_tokens;
+  double prefill_seconds, decode_seconds, prepare_seconds, load_seconds, first_block_seconds;
+  uint64_t runtime_bytes_peak;   /* the runtime's own allocations (caches, arena, workspaces, ...) */
+  uint64_t workspace_bytes_peak; /* kernel workspaces at their peak */
+  uint64_t peak_rss_bytes;       /* the process's peak resident set (VmHWM) */
+  uint64_t mapped_bytes;         /* the params file mapping */
+} ekv_stats;
+void ekv_session_get_stats(const ekv_session *session, ekv_stats *stats);
+
+/* ------------------------------------------------------------------------------------------
+ * Sampling and generation
+ * ------------------------------------------------------------------------------------------ */
+typedef struct ekv_sampler ekv_sampler;
+/* temperature 0 = greedy (argmax, lowest id on ties); top_p in (0, 1]; seed fixes the RNG. */
+ekv_status ekv_sampler_new(float temperature, float top_p, uint64_t seed, ekv_sampler **out);
+void ekv_sampler_free(ekv_sampler *sampler);
+int32_t ekv_sampler_sample(ekv_sampler *sampler, const float *logits, int32_t n);
+
+/* Called with each generated token and its complete UTF-8 text so far held back at character
+ * boundaries (special tokens give empty text); return nonzero to stop. */
+typedef int (*ekv_token_fn)(void *user, int32_t id, const char *text, size_t len);
+
+/* Prefill `prompt`, then sample up to max_new tokens (a stop id ends it and is included).
+ * out_ids (cap entries, may be NULL) receives the generated ids, *n_out their count. */
+ekv_status ekv_session_generate(ekv_session *session, const int32_t *prompt, size_t n, int32_t max_new,
+                                ekv_sampler *sampler, ekv_progress_fn progress, ekv_token_fn on_token, void *user,
+                                int32_t *out_ids, size_t cap, size_t *n_out);
+
 #ifdef __cplusplus
 }
 #endif

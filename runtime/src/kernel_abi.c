@@ -1,2 +1,152 @@
-/* placeholder */
-typedef int ekv_placeholder_kernel_abi;
+#include "kernel_abi.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "alloc.h"
+
+/* ---- what TVM-generated code imports ---------------------------------------------------- */
+
+/* The signatures of TVM's c_backend_api.h (apache-tvm's include/tvm/runtime/c_backend_api.h):
+ * the two types the parallel-launch slot uses, declared here so the runtime needs no header
+ * from the 300 MB apache-tvm wheel. */
+typedef struct {
+  void *sync_handle;
+  int32_t num_task;
+} tvm_parallel_group_env;
+typedef int (*tvm_parallel_lambda)(int task_id, tvm_parallel_group_env *penv, void *cdata);
+
+static _Thread_local char t_error[1024];
+static _Thread_local ekv_threadpool *t_pool;
+static _Thread_local int t_in_parallel;
+
+/* TVM-FFI: a kernel reports an error (wrong shapes, ...) in parts, then returns -1. */
+TVM_FFI_DLL void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char **parts, int32_t num_parts) {
+  size_t used = 0;
+  int n = snprintf(t_error, sizeof t_error, "%s: ", kind != NULL ? kind : "Error");
+  used = n > 0 ? (size_t)n : 0;
+  for (int32_t i = 0; i < num_parts && used + 1 < sizeof t_error; i++) {
+    if (parts[i] == NULL) continue;
+    size_t len = strlen(parts[i]);
+    if (len > sizeof t_error - 1 - used) len = sizeof t_error - 1 - used;
+    memcpy(t_error + used, parts[i], len);
+    used += len;
+  }
+  t_error[used < sizeof t_error ? used : sizeof t_error - 1] = '\0';
+}
+
+const char *ekv_kernel_error(void) { return t_error; }
+void ekv_kernel_error_clear(void) { t_error[0] = '\0'; }
+void ekv_set_current_pool(ekv_threadpool *pool) { t_pool = pool; }
+
+static void *alloc_workspace(int device_type, int device_id, uint64_t nbytes, int code_hint, int bits_hint) {
+  if (device_type != kDLCPU || nbytes > SIZE_MAX / 2) return NULL;
+  return ekv_alloc((size_t)nbytes, EKV_MEM_WORKSPACE);
+}
+
+static int free_workspace(int device_type, int device_id, void *ptr) {
+  ekv_free(ptr);
+  return 0;
+}
+
+typedef struct {
+  tvm_parallel_lambda fn;
+  void *cdata;
+} launch_ctx;
+
+static int run_lambda(int task_id, int n_tasks, void *p) {
+  launch_ctx *ctx = p;
+  tvm_parallel_group_env env = {NULL, n_tasks};
+  t_in_parallel = 1;
+  int rc = ctx->fn(task_id, &env, ctx->cdata);
+  t_in_parallel = 0;
+  return rc;
+}
+
+static int parallel_launch(tvm_parallel_lambda fn, void *cdata, int num_task) {
+  launch_ctx ctx = {fn, cdata};
+  if (t_pool == NULL || t_in_parallel) { /* no pool, or a nested loop: run it serially here */
+    int n = num_task > 0 ? num_task : 1;
+    for (int t = 0; t < n; t++) {
+      tvm_parallel_group_env env = {NULL, n};
+      if (fn(t, &env, cdata) != 0) return -1;
+    }
+    return 0;
+  }
+  return ekv_threadpool_run(t_pool, num_task, run_lambda, &ctx) ? -1 : 0;
+}
+
+/* ---- loading the library ------------------------------------------------------------------ */
+
+#if defined(__x86_64__)
+#define HOST_MACHINE 62
+#define HOST_ARCH "x86_64"
+#elif defined(__aarch64__)
+#define HOST_MACHINE 183
+#define HOST_ARCH "aarch64"
+#else
+#define HOST_MACHINE 0
+#define HOST_ARCH "unknown"
+#endif
+
+static const char *machine_name(unsigned m) {
+  switch (m) {
+    case 62: return "x86_64";
+    case 183: return "aarch64";
+    case 40: return "arm";
+    case 164: return "Qualcomm Hexagon";
+    case 243: return "riscv";
+    default: return "another architecture";
+  }
+}
+
+static ekv_status check_elf(ekv_error *err, const char *path) {
+  unsigned char head[512];
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot open the kernel library %s", path);
+  size_t n = fread(head, 1, sizeof head, f);
+  fclose(f);
+  if (n >= 262 && memcmp(head + 257, "ustar", 5) == 0)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s is a tar of object files for another device; link it for that device "
+                    "(python -m edgekv.compiler.targets finish <artifact>) and run it there", path);
+  if (n < 20 || memcmp(head, "\177ELF", 4) != 0)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s is not a shared library (no ELF header); recompile the artifact", path);
+  unsigned machine = head[5] == 1 ? (unsigned)(head[18] | (head[19] << 8)) : (unsigned)((head[18] << 8) | head[19]);
+  if (machine != HOST_MACHINE)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s holds %s code and this runtime runs on %s: compile the artifact for this "
+                    "machine (edgekv compile --target host) or run it on a %s device", path, machine_name(machine),
+                    HOST_ARCH, machine_name(machine));
+  return EKV_OK;
+}
+
+ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_library *lib) {
+  lib->handle = NULL;
+  EKV_TRY(check_elf(err, path));
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) return ekv_fail(err, EKV_ERR_MISMATCH, "cannot load the kernel library: %s", dlerror());
+  void **alloc_slot = dlsym(h, "__TVMBackendAllocWorkspace");
+  void **free_slot = dlsym(h, "__TVMBackendFreeWorkspace");
+  void **launch_slot = dlsym(h, "__TVMBackendParallelLaunch");
+  /* a library without parallel loops or workspaces lacks the slot: nothing to fill */
+  if (alloc_slot != NULL) *alloc_slot = (void *)(uintptr_t)alloc_workspace;
+  if (free_slot != NULL) *free_slot = (void *)(uintptr_t)free_workspace;
+  if (launch_slot != NULL) *launch_slot = (void *)(uintptr_t)parallel_launch;
+  lib->handle = h;
+  return EKV_OK;
+}
+
+void ekv_library_close(ekv_library *lib) {
+  if (lib->handle != NULL) dlclose(lib->handle);
+  lib->handle = NULL;
+}
+
+ekv_kernel_fn ekv_library_kernel(const ekv_library *lib, const char *name) {
+  char sym[512];
+  int n = snprintf(sym, sizeof sym, "__tvm_ffi_%s", name);
+  if (n <= 0 || (size_t)n >= sizeof sym) return NULL;
+  void *p = dlsym(lib->handle, sym);
+  ekv_kernel_fn fn;
+  memcpy(&fn, &p, sizeof fn); /* object → function pointer without a cast warning */
+  return fn;
+}

@@ -1,2 +1,111 @@
-/* placeholder */
-typedef int ekv_placeholder_reader;
+#include "reader.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "alloc.h"
+
+ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out) {
+  out->data = NULL;
+  out->size = 0;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ekv_fail(err, EKV_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return ekv_fail(err, EKV_ERR_IO, "%s is not a regular file", path);
+  }
+  if (st.st_size > 0) {
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      close(fd);
+      return ekv_fail(err, EKV_ERR_IO, "cannot map %s: %s", path, strerror(e));
+    }
+    out->data = p;
+    out->size = (size_t)st.st_size;
+  }
+  close(fd);
+  return EKV_OK;
+}
+
+void ekv_unmap_file(ekv_mapped_file *file) {
+  if (file->data != NULL) munmap((void *)file->data, file->size);
+  file->data = NULL;
+  file->size = 0;
+}
+
+ekv_status ekv_read_file(ekv_error *err, const char *path, size_t max_bytes, unsigned char **data, size_t *size) {
+  *data = NULL;
+  *size = 0;
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    fclose(f);
+    return ekv_fail(err, EKV_ERR_IO, "%s is not a regular file", path);
+  }
+  if ((uint64_t)st.st_size > max_bytes) {
+    fclose(f);
+    return ekv_fail(err, EKV_ERR_FORMAT, "%s is %lld bytes, more than the %zu expected", path, (long long)st.st_size,
+                    max_bytes);
+  }
+  unsigned char *buf = ekv_alloc((size_t)st.st_size + 1, EKV_MEM_RUNTIME);
+  if (buf == NULL) {
+    fclose(f);
+    return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot allocate %lld bytes for %s", (long long)st.st_size, path);
+  }
+  size_t got = fread(buf, 1, (size_t)st.st_size, f);
+  fclose(f);
+  if (got != (size_t)st.st_size) {
+    ekv_free(buf);
+    return ekv_fail(err, EKV_ERR_IO, "short read of %s", path);
+  }
+  *data = buf;
+  *size = got;
+  return EKV_OK;
+}
+
+int64_t ekv_le64s(const unsigned char *p) {
+  uint64_t u = ekv_le64(p);
+  int64_t v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+double ekv_lef64(const unsigned char *p) {
+  uint64_t u = ekv_le64(p);
+  double v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+static uint32_t crc_table[256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+  for (uint32_t i = 0; i < 256; i++) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; k++) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    crc_table[i] = c;
+  }
+}
+
+uint32_t ekv_crc32(uint32_t crc, const void *data, size_t len) {
+  pthread_once(&crc_once, crc_init);
+  const unsigned char *p = data;
+  crc = ~crc;
+  for (size_t i = 0; i < len; i++) crc = crc_table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
+  return ~crc;
+}
+
+int ekv_path_join(char *buf, size_t cap, const char *dir, const char *name) {
+  int n = snprintf(buf, cap, "%s/%s", dir, name);
+  return n > 0 && (size_t)n < cap;
+}

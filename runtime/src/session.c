@@ -1,2 +1,324 @@
-/* placeholder */
-typedef int ekv_placeholder_session;
+/* ekv_session: the caches, the arena and the inputs, allocated once; every kernel argument
+ * bound once; prefill (the block loop, pseudo rows, per-prompt preparation) and decode. */
+#include <string.h>
+
+#include "alloc.h"
+#include "model.h"
+
+const char *ekv_session_last_error(const ekv_session *s) {
+  return s == NULL ? "out of memory (no session handle)" : s->err.msg;
+}
+
+static int dl_code(uint8_t code) { return code == EKV_DT_FLOAT ? kDLFloat : code == EKV_DT_UINT ? kDLUInt : kDLInt; }
+
+static ekv_status place_buffers(ekv_session *s) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  const ekv_device *dev = m->device;
+  s->arena = dev->alloc(p->arena_bytes ? p->arena_bytes : 1);
+  if (s->arena == NULL)
+    return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the %llu-byte activation arena",
+                    (unsigned long long)p->arena_bytes);
+  for (uint32_t i = 0; i < p->n_buffers; i++) {
+    const ekv_buffer_desc *b = &p->buffers[i];
+    switch (b->kind) {
+      case EKV_BUF_INPUT:
+      case EKV_BUF_CACHE:
+        s->owned[i] = dev->alloc(b->nbytes ? b->nbytes : 1);
+        if (s->owned[i] == NULL)
+          return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate %llu bytes for %s",
+                          (unsigned long long)b->nbytes, b->name);
+        s->data[i] = s->owned[i];
+        break;
+      case EKV_BUF_WEIGHT:
+        s->data[i] = dev->weights(m->params.data + b->a, b->nbytes);
+        break;
+      case EKV_BUF_CONSTANT:
+        s->data[i] = p->constants + b->a;
+        break;
+      case EKV_BUF_ARENA:
+        s->data[i] = (unsigned char *)s->arena + b->a;
+        break;
+      case EKV_BUF_VIEW:
+        s->data[i] = s->data[b->a];
+        break;
+    }
+    DLTensor *t = &s->tensors[i];
+    t->data = s->data[i];
+    t->device = dev->dl;
+    t->ndim = b->ndim;
+    t->dtype.code = (uint8_t)dl_code(b->code);
+    t->dtype.bits = b->bits;
+    t->dtype.lanes = 1;
+    t->shape = (int64_t *)(uintptr_t)b->shape; /* kernels read the shape, never write it */
+    t->strides = NULL;
+    t->byte_offset = 0;
+  }
+  return EKV_OK;
+}
+
+static void bind_arguments(ekv_session *s) {
+  const ekv_program *p = &s->model->prog;
+  for (uint32_t i = 0; i < p->n_args; i++) {
+    const ekv_arg_desc *a = &p->args[i];
+    TVMFFIAny *any = &s->args[i];
+    memset(any, 0, sizeof *any);
+    if (a->kind == EKV_ARG_BUFFER) {
+      any->type_index = kTVMFFIDLTensorPtr;
+      any->v_ptr = &s->tensors[a->buffer];
+    } else if (a->kind == EKV_ARG_INT) {
+      any->type_index = kTVMFFIInt;
+      any->v_int64 = a->i;
+    } else {
+      any->type_index = kTVMFFIFloat;
+      any->v_float64 = a->f;
+    }
+  }
+}
+
+ekv_status ekv_session_new(ekv_model *m, ekv_session **out) {
+  ekv_session *s = ekv_alloc(sizeof *s, EKV_MEM_RUNTIME);
+  *out = s;
+  if (s == NULL) return EKV_ERR_NO_MEMORY;
+  if (m == NULL || m->pool == NULL) return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "the model is not open");
+  s->model = m;
+  const ekv_program *p = &m->prog;
+  s->data = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  s->owned = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  s->tensors = ekv_alloc(sizeof(DLTensor) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  s->args = ekv_alloc(sizeof(TVMFFIAny) * (p->n_args + 1u), EKV_MEM_RUNTIME);
+  if (s->data == NULL || s->owned == NULL || s->tensors == NULL || s->args == NULL)
+    return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the session's tables");
+  EKV_TRY(place_buffers(s));
+  bind_arguments(s);
+  ekv_session_reset(s);
+  s->stats.load_seconds = m->load_seconds;
+  return EKV_OK;
+}
+
+void ekv_session_free(ekv_session *s) {
+  if (s == NULL) return;
+  if (s->owned != NULL && s->model != NULL)
+    for (uint32_t i = 0; i < s->model->prog.n_buffers; i++) s->model->device->free(s->owned[i]);
+  if (s->model != NULL && s->arena != NULL) s->model->device->free(s->arena);
+  ekv_free(s->data);
+  ekv_free(s->owned);
+  ekv_free(s->tensors);
+  ekv_free(s->args);
+  ekv_free(s);
+}
+
+static void *cache_tensor(const ekv_session *s, int32_t layer, int field) {
+  const ekv_program *p = &s->model->prog;
+  return s->data[p->cache_buffer[(size_t)layer * p->n_fields + (uint32_t)field]];
+}
+
+void ekv_session_reset(ekv_session *s) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  static const int32_t zero = 0;
+  for (int32_t l = 0; l < p->num_layers; l++) {
+    for (uint32_t f = 0; f < p->n_fields; f++) {
+      const ekv_field_desc *fd = &p->fields[f];
+      uint32_t id = p->cache_buffer[(size_t)l * p->n_fields + f];
+      if (fd->has_init) m->device->write(s->data[id], 0, p->constants + fd->init_offset, p->buffers[id].nbytes);
+      else if ((int)f == m->fill_field) m->device->write(s->data[id], 0, &zero, sizeof zero);
+    }
+  }
+  s->position = 0;
+  s->logits = NULL;
+  atomic_store(&s->cancel, 0);
+  double load = s->stats.load_seconds;
+  memset(&s->stats, 0, sizeof s->stats);
+  s->stats.load_seconds = load;
+}
+
+void ekv_session_cancel(ekv_session *s) {
+  if (s != NULL) atomic_store(&s->cancel, 1);
+}
+
+size_t ekv_session_position(const ekv_session *s) { return s->position; }
+void ekv_session_allow_beyond_context(ekv_session *s, int allow) { s->allow_beyond_context = allow != 0; }
+const float *ekv_session_logits(const ekv_session *s) { return s->logits; }
+
+ekv_status ekv_run_function(ekv_session *s, int function) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  const ekv_function_desc *f = &p->functions[function];
+  ekv_set_current_pool(m->pool);
+  for (uint32_t c = 0; c < f->call_count; c++) {
+    const ekv_call_desc *call = &p->calls[f->call_begin + c];
+    TVMFFIAny ret;
+    memset(&ret, 0, sizeof ret);
+    ekv_kernel_error_clear();
+    int rc = m->kernels[call->kernel](NULL, &s->args[call->arg_begin], (int32_t)call->arg_count, &ret);
+    if (rc != 0) {
+      ekv_set_current_pool(NULL);
+      return ekv_fail(&s->err, EKV_ERR_KERNEL, "kernel %s (call %u of %s) failed: %s", p->kernels[call->kernel], c,
+                      f->name, ekv_kernel_error()[0] ? ekv_kernel_error() : "no message");
+    }
+  }
+  ekv_set_current_pool(NULL);
+  s->logits = (const float *)s->data[p->func_buffers[f->out_begin]];
+  return EKV_OK;
+}
+
+void *ekv_function_input(ekv_session *s, int function, const char *name) {
+  const ekv_program *p = &s->model->prog;
+  const ekv_function_desc *f = &p->functions[function];
+  for (uint32_t i = 0; i < f->in_count; i++) {
+    uint32_t id = p->func_buffers[f->in_begin + i];
+    if (strcmp(p->buffers[id].name, name) == 0) return s->data[id];
+  }
+  return NULL;
+}
+
+static int32_t cache_fill(const ekv_session *s, int32_t layer) {
+  int32_t fill = 0;
+  s->model->device->read(cache_tensor(s, layer, s->model->fill_field), 0, &fill, sizeof fill);
+  return fill;
+}
+
+/* ---- prefill ------------------------------------------------------------------------------ */
+
+/* The inputs of one prefill call: n real tokens at positions start…, padding to B, then the
+ * program's pseudo rows (DapQ's "where matters more than what": the first `prefix` and the
+ * last w − prefix prompt tokens at positions after the prompt, or after the block). */
+typedef struct {
+  const int32_t *prompt;
+  size_t prompt_len;
+  int32_t w, prefix, block_positions;
+} pseudo_rows;
+
+static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *ids, size_t n, size_t start,
+                                   const pseudo_rows *pr) {
+  const ekv_program *p = &s->model->prog;
+  int64_t *tokens = ekv_function_input(s, function, "tokens");
+  int64_t *positions = ekv_function_input(s, function, "positions");
+  int32_t *n_valid = ekv_function_input(s, function, "n_valid");
+  if (tokens == NULL || positions == NULL || n_valid == NULL)
+    return ekv_fail(&s->err, EKV_ERR_FORMAT, "the program's %s function lacks tokens/positions/n_valid inputs; "
+                    "recompile the artifact", p->functions[function].name);
+  size_t B = (size_t)p->block, rows = B + (size_t)pr->w;
+  for (size_t r = 0; r < rows; r++) {
+    tokens[r] = r < n ? ids[r] : 0;
+    positions[r] = (int64_t)(start + r);
+  }
+  *n_valid = (int32_t)n;
+  if (pr->w == 0) return EKV_OK;
+  size_t L = pr->prompt_len, head = (size_t)pr->prefix < L ? (size_t)pr->prefix : L;
+  size_t tail = (size_t)(pr->w - pr->prefix) < L ? (size_t)(pr->w - pr->prefix) : L;
+  size_t have = head + tail;
+  size_t at = pr->block_positions ? (start + B < L ? start + B : L) : L;
+  if (have < (size_t)pr->w) {
+    /* a prompt shorter than the window gives fewer pseudo tokens: harmless unless this step
+     * evicts (their scores are read only then) */
+    if ((size_t)cache_fill(s, 0) + n > (size_t)p->budget)
+      return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "the prompt gives only %zu pseudo tokens but this artifact was "
+                      "compiled for a window of %d: recompile with --policy-arg window=%zu, or a budget of at least "
+                      "%zu", have, pr->w, have, (size_t)cache_fill(s, 0) + n);
+    at = start + B;
+  }
+  for (size_t r = 0; r < (size_t)pr->w; r++) {
+    size_t k = have ? r % have : 0;
+    int32_t id = have == 0 ? 0 : k < head ? pr->prompt[k] : pr->prompt[L - tail + (k - head)];
+    tokens[B + r] = id;
+    positions[B + r] = (int64_t)(at + r);
+  }
+  return EKV_OK;
+}
+
+static ekv_status check_prompt(ekv_session *s, const int32_t *ids, size_t n) {
+  const ekv_program *p = &s->model->prog;
+  if (n == 0) return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "the prompt is empty; give at least one token");
+  for (size_t i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= p->vocab_size)
+      return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "token %zu of the prompt is id %d, outside the vocabulary "
+                      "(0..%d)", i, ids[i], p->vocab_size - 1);
+  if (!ekv_program_int(p, "evicts", 1) && s->position + n > (size_t)p->budget)
+    return ekv_fail(&s->err, EKV_ERR_CAPACITY, "policy '%s' never evicts, but the sequence needs %zu cache entries "
+                    "and this artifact's budget is %d; compile with --budget %zu or more, or choose an evicting policy",
+                    ekv_program_str(p, "policy"), s->position + n, p->budget, s->position + n);
+  if (s->position + n > (size_t)p->max_position && !s->allow_beyond_context)
+    return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "the sequence reaches %zu tokens, past the model's trained context "
+                    "of %d; shorten the prompt, or opt in with --allow-beyond-context", s->position + n,
+                    p->max_position);
+  return EKV_OK;
+}
+
+ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv_progress_fn progress, void *user) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  EKV_TRY(check_prompt(s, ids, n));
+  pseudo_rows pr = {ids, n, p->pseudo_rows, (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
+                    strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
+  double t0 = ekv_now();
+  size_t B = (size_t)p->block;
+  if (m->f_prepare >= 0) { /* once per prompt, before its first block (D2O's layer budgets) */
+    size_t first = n < B ? n : B;
+    EKV_TRY(fill_step_inputs(s, m->f_prepare, ids, first, s->position, &pr));
+    EKV_TRY(ekv_run_function(s, m->f_prepare));
+    s->stats.prepare_seconds += ekv_now() - t0;
+  }
+  for (size_t done = 0; done < n;) {
+    if (atomic_load(&s->cancel)) return ekv_fail(&s->err, EKV_ERR_CANCELLED, "prefill cancelled after %zu of %zu "
+                                                 "tokens", done, n);
+    size_t nb = n - done < B ? n - done : B;
+    double tb = ekv_now();
+    EKV_TRY(fill_step_inputs(s, m->f_prefill, ids + done, nb, s->position, &pr));
+    EKV_TRY(ekv_run_function(s, m->f_prefill));
+    if (s->stats.prefill_blocks == 0) s->stats.first_block_seconds = ekv_now() - tb;
+    s->position += nb;
+    done += nb;
+    s->stats.prefill_blocks++;
+    if (progress != NULL && progress(user, done, n) != 0) {
+      s->stats.prefill_seconds += ekv_now() - t0;
+      return ekv_fail(&s->err, EKV_ERR_CANCELLED, "prefill cancelled after %zu of %zu tokens", done, n);
+    }
+  }
+  s->stats.prefill_seconds += ekv_now() - t0;
+  s->stats.prefill_tokens += n;
+  return EKV_OK;
+}
+
+ekv_status ekv_session_decode(ekv_session *s, int32_t token) {
+  ekv_model *m = s->model;
+  EKV_TRY(check_prompt(s, &token, 1));
+  double t0 = ekv_now();
+  int64_t *tokens = ekv_function_input(s, m->f_decode, "tokens");
+  int64_t *positions = ekv_function_input(s, m->f_decode, "positions");
+  if (tokens == NULL || positions == NULL)
+    return ekv_fail(&s->err, EKV_ERR_FORMAT, "the program's decode function lacks tokens/positions inputs");
+  tokens[0] = token;
+  positions[0] = (int64_t)s->position;
+  EKV_TRY(ekv_run_function(s, m->f_decode));
+  s->position++;
+  s->stats.decode_seconds += ekv_now() - t0;
+  s->stats.decode_tokens++;
+  return EKV_OK;
+}
+
+ekv_status ekv_session_kept_positions(const ekv_session *s, int32_t layer, int32_t *out, size_t cap, int32_t *heads,
+                                      int32_t *fill) {
+  const ekv_program *p = &s->model->prog;
+  if (layer < 0 || layer >= p->num_layers) return EKV_ERR_INVALID_ARG;
+  const ekv_buffer_desc *pb = &p->buffers[p->cache_buffer[(size_t)layer * p->n_fields + (uint32_t)s->model->pos_field]];
+  int32_t H = (int32_t)pb->shape[0], N = (int32_t)pb->shape[1], f = cache_fill(s, layer);
+  if (f < 0 || f > N) return EKV_ERR_KERNEL;
+  *heads = H;
+  *fill = f;
+  if (out == NULL || cap < (size_t)H * (size_t)f) return cap == 0 ? EKV_OK : EKV_ERR_INVALID_ARG;
+  const void *pos = cache_tensor(s, layer, s->model->pos_field);
+  for (int32_t h = 0; h < H; h++)
+    s->model->device->read(pos, sizeof(int32_t) * (size_t)h * (size_t)N, out + (size_t)h * (size_t)f,
+                           sizeof(int32_t) * (size_t)f);
+  return EKV_OK;
+}
+
+void ekv_session_get_stats(const ekv_session *s, ekv_stats *st) {
+  *st = s->stats;
+  st->runtime_bytes_peak = ekv_mem_peak();
+  st->workspace_bytes_peak = ekv_mem_kind_peak(EKV_MEM_WORKSPACE);
+  st->peak_rss_bytes = ekv_peak_rss();
+  st->mapped_bytes = s->model->params.size;
+}

@@ -1,0 +1,204 @@
+/* ekv_model: open an artifact directory, check every part against the program, resolve the
+ * kernels, map the weights. Setup in stages so that running is a flat loop later. */
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "alloc.h"
+#include "cpu_check.h"
+#include "model.h"
+
+#define PROGRAM_FILE "program.ekv"
+#define MAX_PROGRAM_BYTES ((size_t)1 << 30)
+
+double ekv_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void ekv_model_options_init(ekv_model_options *opts) {
+  memset(opts, 0, sizeof *opts);
+}
+
+const char *ekv_model_last_error(const ekv_model *model) {
+  return model == NULL ? "out of memory (no model handle)" : model->err.msg;
+}
+
+ekv_tokenizer *ekv_model_tokenizer(ekv_model *model) { return model == NULL ? NULL : model->tok; }
+
+static double mib(uint64_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
+
+/* A file the program names, with its size and CRC-32 as the program recorded them. */
+static ekv_status check_file(ekv_model *m, const char *dir, const char *key, int verify_crc, char *path, size_t cap,
+                             ekv_mapped_file *map_out) {
+  char name_key[64], bytes_key[64], crc_key[64];
+  snprintf(name_key, sizeof name_key, "%s_name", key);
+  snprintf(bytes_key, sizeof bytes_key, "%s_bytes", key);
+  snprintf(crc_key, sizeof crc_key, "%s_crc32", key);
+  const char *name = ekv_program_str(&m->prog, name_key);
+  if (name[0] == '\0' || strchr(name, '/') != NULL)
+    return ekv_fail(&m->err, EKV_ERR_FORMAT, "%s/%s names no valid %s file; recompile the artifact", dir, PROGRAM_FILE,
+                    key);
+  if (!ekv_path_join(path, cap, dir, name)) return ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "path too long: %s", dir);
+  ekv_mapped_file map;
+  EKV_TRY(ekv_map_file(&m->err, path, &map));
+  int64_t want = ekv_program_int(&m->prog, bytes_key, -1);
+  if ((int64_t)map.size != want) {
+    ekv_unmap_file(&map);
+    return ekv_fail(&m->err, EKV_ERR_MISMATCH, "%s is %zu bytes but the program expects %lld: the file is truncated, "
+                    "or from another compile; recompile the artifact", path, map.size, (long long)want);
+  }
+  if (verify_crc && ekv_crc32(0, map.data, map.size) != (uint32_t)ekv_program_int(&m->prog, crc_key, -1)) {
+    ekv_unmap_file(&map);
+    return ekv_fail(&m->err, EKV_ERR_MISMATCH, "%s does not match the program's checksum: it is corrupt, or from "
+                    "another compile; recompile the artifact", path);
+  }
+  if (map_out != NULL) *map_out = map;
+  else ekv_unmap_file(&map);
+  return EKV_OK;
+}
+
+static ekv_status read_program(ekv_model *m, const char *dir) {
+  char path[PATH_MAX];
+  if (!ekv_path_join(path, sizeof path, dir, PROGRAM_FILE))
+    return ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "path too long: %s", dir);
+  ekv_mapped_file file;
+  ekv_status st = ekv_map_file(&m->err, path, &file);
+  if (st != EKV_OK)
+    return ekv_fail(&m->err, st, "%s is not an edgekv artifact with a native program (%s); compile it with "
+                    "`edgekv compile ... -o %s`", dir, m->err.msg, dir);
+  if (file.size > MAX_PROGRAM_BYTES) {
+    ekv_unmap_file(&file);
+    return ekv_fail(&m->err, EKV_ERR_FORMAT, "%s is larger than 1 GiB; not a program file", path);
+  }
+  st = ekv_program_parse(&m->err, path, file.data, file.size, &m->prog);
+  ekv_unmap_file(&file);
+  if (st != EKV_OK) return st;
+  const char *built = ekv_program_str(&m->prog, "edgekv_version");
+  if (strcmp(built, EDGEKV_VERSION) != 0)
+    return ekv_fail(&m->err, EKV_ERR_MISMATCH, "the artifact was compiled by edgekv %s and this runtime is edgekv %s; "
+                    "recompile it with the matching edgekv", built, EDGEKV_VERSION);
+  m->f_prefill = ekv_program_function(&m->prog, "prefill_block");
+  m->f_decode = ekv_program_function(&m->prog, "decode");
+  m->f_prepare = ekv_program_function(&m->prog, "prepare");
+  m->fill_field = ekv_program_field_role(&m->prog, EKV_ROLE_FILL);
+  m->pos_field = ekv_program_field_role(&m->prog, EKV_ROLE_POSITIONS);
+  return EKV_OK;
+}
+
+static ekv_status load_library(ekv_model *m, const char *dir) {
+  char path[PATH_MAX];
+  EKV_TRY(ekv_cpu_check(&m->err, ekv_program_str(&m->prog, "target_arch"), ekv_program_str(&m->prog, "cpu_features")));
+  EKV_TRY(check_file(m, dir, "library", 1, path, sizeof path, NULL));
+  EKV_TRY(ekv_library_open(&m->err, path, &m->lib));
+  m->kernels = ekv_alloc(sizeof(ekv_kernel_fn) * (m->prog.n_kernels + 1u), EKV_MEM_RUNTIME);
+  if (m->kernels == NULL) return ekv_fail(&m->err, EKV_ERR_NO_MEMORY, "cannot allocate the kernel table");
+  for (uint32_t k = 0; k < m->prog.n_kernels; k++) {
+    m->kernels[k] = ekv_library_kernel(&m->lib, m->prog.kernels[k]);
+    if (m->kernels[k] == NULL)
+      return ekv_fail(&m->err, EKV_ERR_MISMATCH, "the program calls kernel %s, which %s does not export: the library "
+                      "and the program come from different compiles; recompile the artifact", m->prog.kernels[k], path);
+  }
+  return EKV_OK;
+}
+
+static ekv_status map_weights(ekv_model *m, const char *dir, int verify) {
+  char path[PATH_MAX];
+  EKV_TRY(check_file(m, dir, "params", verify, path, sizeof path, &m->params));
+  for (uint32_t i = 0; i < m->prog.n_buffers; i++) {
+    const ekv_buffer_desc *b = &m->prog.buffers[i];
+    if (b->kind != EKV_BUF_WEIGHT) continue;
+    if (b->b != b->nbytes || !ekv_range_ok(b->a, b->nbytes, m->params.size) || b->a % EKV_ALIGN != 0)
+      return ekv_fail(&m->err, EKV_ERR_FORMAT, "weight %s (%llu bytes at %llu) does not lie aligned inside %s (%zu "
+                      "bytes); recompile the artifact", b->name, (unsigned long long)b->nbytes,
+                      (unsigned long long)b->a, path, m->params.size);
+  }
+  return EKV_OK;
+}
+
+static ekv_status open_tokenizer(ekv_model *m, const char *dir) {
+  if (ekv_program_str(&m->prog, "tokenizer_file_name")[0] == '\0') return EKV_OK; /* a model without one */
+  char path[PATH_MAX];
+  EKV_TRY(check_file(m, dir, "tokenizer_file", 1, path, sizeof path, NULL));
+  ekv_status st = ekv_tokenizer_open(path, &m->tok);
+  if (st != EKV_OK) return ekv_fail(&m->err, st, "%s", ekv_tokenizer_last_error(m->tok));
+  return EKV_OK;
+}
+
+/* The memory plan: weights (mapped), one session's caches, arena and inputs — refused before
+ * anything is allocated when it is above the limit. */
+static ekv_status plan_memory(ekv_model *m, uint64_t limit) {
+  for (uint32_t i = 0; i < m->prog.n_buffers; i++) {
+    const ekv_buffer_desc *b = &m->prog.buffers[i];
+    if (b->kind == EKV_BUF_CACHE) m->cache_bytes += ekv_align_up(b->nbytes, EKV_ALIGN);
+    if (b->kind == EKV_BUF_INPUT) m->input_bytes += ekv_align_up(b->nbytes, EKV_ALIGN);
+  }
+  uint64_t weights = (uint64_t)ekv_program_int(&m->prog, "params_bytes", 0);
+  m->plan_bytes = weights + m->cache_bytes + m->prog.arena_bytes + m->input_bytes;
+  if (limit != 0 && m->plan_bytes > limit)
+    return ekv_fail(&m->err, EKV_ERR_NO_MEMORY, "the memory plan needs %.1f MiB (weights %.1f, KV cache %.1f, "
+                    "activations %.1f) and the limit is %.1f MiB: raise the limit, or compile with a smaller --budget "
+                    "or --block", mib(m->plan_bytes), mib(weights), mib(m->cache_bytes), mib(m->prog.arena_bytes),
+                    mib(limit));
+  return EKV_OK;
+}
+
+ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opts, ekv_model **out) {
+  double t0 = ekv_now();
+  ekv_model_options defaults;
+  ekv_model_options_init(&defaults);
+  if (opts == NULL) opts = &defaults;
+  ekv_model *m = ekv_alloc(sizeof *m, EKV_MEM_RUNTIME);
+  *out = m;
+  if (m == NULL) return EKV_ERR_NO_MEMORY;
+  m->device = ekv_device_cpu();
+  ekv_status st = artifact_dir == NULL ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory given")
+                                       : read_program(m, artifact_dir);
+  if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
+  if (st == EKV_OK) st = load_library(m, artifact_dir);
+  if (st == EKV_OK) st = map_weights(m, artifact_dir, opts->verify_weights);
+  if (st == EKV_OK) st = open_tokenizer(m, artifact_dir);
+  if (st == EKV_OK) st = ekv_threadpool_new(&m->err, opts->threads, &m->pool);
+  m->load_seconds = ekv_now() - t0;
+  return st;
+}
+
+void ekv_model_close(ekv_model *m) {
+  if (m == NULL) return;
+  ekv_threadpool_free(m->pool);
+  ekv_tokenizer_free(m->tok);
+  ekv_unmap_file(&m->params);
+  ekv_library_close(&m->lib);
+  ekv_free(m->kernels);
+  ekv_program_free(&m->prog);
+  ekv_free(m);
+}
+
+void ekv_model_get_info(const ekv_model *m, ekv_model_info *info) {
+  memset(info, 0, sizeof *info);
+  const ekv_program *p = &m->prog;
+  info->model_id = ekv_program_str(p, "model_id");
+  info->policy = ekv_program_str(p, "policy");
+  info->policy_params = ekv_program_str(p, "policy_params");
+  info->target_profile = ekv_program_str(p, "target_profile");
+  info->target_arch = ekv_program_str(p, "target_arch");
+  info->edgekv_version = ekv_program_str(p, "edgekv_version");
+  info->weight_hash = ekv_program_str(p, "weight_hash");
+  info->num_layers = p->num_layers;
+  info->vocab_size = p->vocab_size;
+  info->max_position = p->max_position;
+  info->budget = p->budget;
+  info->block = p->block;
+  info->pseudo_rows = p->pseudo_rows;
+  info->chat = (int32_t)ekv_program_int(p, "chat", 0);
+  info->threads = m->pool != NULL ? ekv_threadpool_size(m->pool) : 0;
+  info->weights_bytes = (uint64_t)ekv_program_int(p, "params_bytes", 0);
+  info->cache_bytes = m->cache_bytes;
+  info->arena_bytes = p->arena_bytes;
+  info->plan_bytes = m->plan_bytes;
+  info->n_kernels = (int32_t)p->n_kernels;
+  info->n_calls_prefill = m->f_prefill >= 0 ? (int32_t)p->functions[m->f_prefill].call_count : 0;
+  info->n_calls_decode = m->f_decode >= 0 ? (int32_t)p->functions[m->f_decode].call_count : 0;
+}

@@ -1,0 +1,52 @@
+/* The model and session objects (edgekv.h's ekv_model / ekv_session), shared by model.c,
+ * session.c and generate.c. */
+#ifndef EKV_MODEL_H
+#define EKV_MODEL_H
+
+#include <stdatomic.h>
+
+#include "device.h"
+#include "edgekv.h"
+#include "kernel_abi.h"
+#include "program.h"
+#include "reader.h"
+#include "status.h"
+#include "threadpool.h"
+
+struct ekv_model {
+  ekv_error err;
+  ekv_program prog;
+  ekv_mapped_file params;
+  ekv_library lib;
+  ekv_kernel_fn *kernels; /* per program kernel, resolved at open */
+  ekv_tokenizer *tok;
+  ekv_threadpool *pool;
+  const ekv_device *device;
+  int f_prefill, f_decode, f_prepare;
+  int fill_field, pos_field;
+  uint64_t cache_bytes, input_bytes, plan_bytes;
+  double load_seconds;
+};
+
+struct ekv_session {
+  ekv_error err;
+  ekv_model *model;
+  void **data;       /* per buffer: where its bytes are */
+  DLTensor *tensors; /* per buffer */
+  TVMFFIAny *args;   /* per program argument, bound once */
+  void *arena;
+  void **owned;      /* per buffer: the session's own allocation (caches, inputs), else NULL */
+  size_t position;
+  const float *logits;
+  _Atomic int cancel;
+  int allow_beyond_context;
+  ekv_stats stats;
+};
+
+/* Run one program function: its calls in order, on the model's pool. */
+ekv_status ekv_run_function(ekv_session *s, int function);
+/* The session buffer of a function's input named `name` (NULL when the function has none). */
+void *ekv_function_input(ekv_session *s, int function, const char *name);
+double ekv_now(void);
+
+#endif

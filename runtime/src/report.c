@@ -1,2 +1,0 @@
-/* placeholder */
-typedef int ekv_placeholder_report;
