@@ -89,6 +89,7 @@ def run(
     report: Annotated[Optional[Path], typer.Option(help="write a JSON report here")] = None,
     allow_beyond_context: Annotated[bool, typer.Option(help="allow prompt + output past the model's trained context")] = False,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
+    runtime: Annotated[str, typer.Option(help="for an artifact: native (C runtime), tvm (TVM's VM), or auto")] = "auto",
 ):
     """Generate from a long prompt under a KV budget, block by block; print text and a memory table."""
     from .engine import Sampler
@@ -113,7 +114,7 @@ def run(
             if policy_arg or budget_given(budget, block, policy):
                 raise InputError("a compiled artifact fixes --policy, --budget and --block at compile time; "
                                  "drop them or recompile with `edgekv compile`")
-            runtime, loaded = open_artifact(model)
+            runtime_, loaded = open_artifact(model, runtime=runtime, threads=threads)
         else:
             loaded = load_model(model, err)
         ids = encode_prompt(loaded, text, chat)
@@ -135,7 +136,7 @@ def run(
             bar.start()
         try:
             if compiled:
-                result = run_compiled(runtime, loaded, ids, max_new_tokens=max_new_tokens, sampler=sampler,
+                result = run_compiled(runtime_, loaded, ids, max_new_tokens=max_new_tokens, sampler=sampler,
                                       on_token=stream, progress=advance if show_bar else None)
             else:
                 result = run_eager(loaded, ids, policy_name=policy, policy_args=parse_policy_args(policy_arg),

@@ -131,13 +131,36 @@ class ArtifactModel:
     chat: bool
 
 
-def open_artifact(path) -> tuple[object, ArtifactModel]:
-    """Load a compiled artifact (refusing a corrupt or mismatched one) and describe its model."""
-    from .models.config import ModelConfig
-    from .runtime import HostRuntime
+RUNTIMES = ("auto", "native", "tvm")
 
-    rt = HostRuntime(path)
-    model = rt.manifest["model"]
+
+def open_artifact(path, *, runtime: str = "auto", threads: int | None = None) -> tuple[object, ArtifactModel]:
+    """Load a compiled artifact (refusing a corrupt or mismatched one) and describe its model.
+
+    ``runtime``: ``native`` (the C runtime, no TVM in the process), ``tvm`` (HostRuntime, TVM's
+    Relax VM) or ``auto`` — native when it is built and the artifact carries a program."""
+    from .artifact import PROGRAM_FILE, read_manifest
+    from .models.config import ModelConfig
+    from .runtime import native
+
+    if runtime not in RUNTIMES:
+        raise InputError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    manifest = read_manifest(path)
+    has_program = (Path(path) / PROGRAM_FILE).is_file()
+    use_native = runtime == "native" or (runtime == "auto" and native.available() and has_program)
+    if use_native:
+        if not has_program:
+            raise InputError(f"{path} has no {PROGRAM_FILE} for the native runtime; recompile it with this edgekv, "
+                             "or run it with --runtime tvm")
+        try:
+            rt = native.NativeRuntime(path, threads=threads)
+        except native.NativeRuntimeMissing as exc:
+            raise InputError(str(exc)) from None
+    else:
+        from .runtime import HostRuntime
+
+        rt = HostRuntime(path)
+    model = manifest["model"]
     return rt, ArtifactModel(model_id=model["id"], config=ModelConfig(**model["config"]), tokenizer=rt.tokenizer,
                              chat=bool(model.get("chat")))
 
@@ -153,8 +176,11 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
     s = rt.stats
     plan = rt.manifest["memory_plan"]
     text = described.tokenizer.decode(ids, skip_special_tokens=True) if described.tokenizer is not None else ""
+    native = hasattr(rt, "memory_plan")
     report = {
         "engine": "compiled",
+        "runtime": "native" if native else "tvm",
+        "threads": getattr(rt, "threads", None),
         "artifact": str(rt.path),
         "target": rt.manifest["target"],
         "model": described.model_id,
@@ -172,8 +198,9 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
         "wall_seconds": wall,
         "cache_lengths": rt.cache_lengths(),
         "memory": {
-            "plan": {"weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
-                     "activations": plan["activation_bytes"], "total": plan["total_bytes"]},
+            "plan": rt.memory_plan() if native else {
+                "weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
+                "activations": plan["activation_bytes"], "total": plan["total_bytes"]},
             "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
         },
         "text": text,

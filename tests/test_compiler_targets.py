@@ -82,6 +82,8 @@ def test_gpu_artifact_all_on_device(model, imported, tmp_path_factory, target):
     m = json.loads((out / "manifest.json").read_text())
     assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.tar", "device"}
     assert m["files"]["library"]["name"] == "model.tar"
+    # no native program yet for GPU builds (the native runtime has only a CPU device)
+    assert "program" not in m["files"] and not (out / "program.ekv").exists()
     dev = m["device"]
     # every PrimFunc of the built module is a device kernel ...
     funcs = dev["device_functions"]
@@ -116,6 +118,12 @@ def test_llvm_cross_artifact(model, imported, tmp_path_factory, target, machine)
     with tarfile.open(out / "model.tar") as tf:
         objs = {mm.name: tf.extractfile(mm).read() for mm in tf.getmembers() if mm.name.endswith(".o")}
     assert objs and all(elf_machine(o) == machine for o in objs.values())
+    # CPU cross builds carry the native runtime's program, for their architecture
+    from edgekv.artifact import program_file
+
+    settings = program_file.read(out / "program.ekv").settings
+    assert settings["target_arch"] == {164: "hexagon", 183: "aarch64"}[machine]
+    assert settings["library_name"] == "model.tar" and settings["cpu_features"] == ""
     blob = b"".join(objs.values())
     for fn in ("prefill_block", "decode"):
         for k in (b"_score_keydiff_h2_d16", b"_select_h2_d16_score", b"_attention_h4_2_d16"):
@@ -295,6 +303,17 @@ def test_finish_links_with_the_named_toolchain(model, imported, tmp_path_factory
     assert "-shared" in args and any(a.endswith("lib0.o") for a in args)
     m = json.loads((art / "manifest.json").read_text())
     assert m["files"]["library"]["name"] == "model.so" and m["device"]["toolchain"]["status"] == "finished"
+    # the program (a CPU cross build has one) now names model.so with its size and CRC-32, and
+    # the manifest's hashes follow both files; the tar stays and a second finish relinks it
+    from edgekv.artifact import crc32_file, program_file, sha256_file
+
+    settings = program_file.read(art / "program.ekv").settings
+    assert (settings["library_name"], settings["library_bytes"], settings["library_crc32"]) == \
+        ("model.so", so.stat().st_size, crc32_file(so))
+    assert m["files"]["program"]["sha256"] == sha256_file(art / "program.ekv")
+    assert m["files"]["library"]["sha256"] == sha256_file(so)
+    assert m["files"]["library_objects"]["name"] == "model.tar"
+    assert finish(art) == so
 
 
 @pytest.mark.parametrize("target", ["opencl", pytest.param("cuda", marks=pytest.mark.slow),

@@ -64,12 +64,14 @@ def write_params(params: list[tuple[str, np.ndarray]], path: str | Path,
 
 
 def map_params(path: str | Path) -> dict[str, np.ndarray]:
-    """Read-only arrays over a memory map of the file (no copy), by name, padding left out."""
+    """Arrays over a memory map of the file (no copy), by name, padding left out. The map is
+    copy-on-write (writable arrays, so TVM takes them through DLPack without a copy; a write
+    would stay in this process and never reach the file)."""
     path = Path(path)
     with open(path, "rb") as f:
         head_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(head_len))
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    mm = np.memmap(path, dtype=np.uint8, mode="c")
     inv = {v: k for k, v in _ST_DTYPES.items()}
     out = {}
     for name, info in header.items():

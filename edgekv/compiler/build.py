@@ -193,6 +193,10 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     packer = PackWeights(list(FUNCTIONS), spec.cores)
     lowered.mod = packer(lowered.mod)
     lowered.params = pack_params(lowered.params, packer.packed)
+    # the policy's per-prompt function (D2O's probe → layer budgets), over the final weight layout
+    from .prepare import add_prepare_function
+
+    lowered.mod = add_prepare_function(lowered.mod, policy, budget)
     say("compiling with TVM")
     t0 = time.perf_counter()
     target_obj = tvm.target.Target(tgt)
@@ -230,6 +234,11 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "block": block,
         # pseudo rows after the B real rows of every prefill step (DapQ; compiler/pseudo_rows.py)
         "extra_rows": int(getattr(spec, "extra_rows", 0)),
+        # what a runtime puts in them: the first `prefix` and the last rows − prefix prompt tokens,
+        # at positions after the prompt ("final") or after the block ("block")
+        "pseudo_rows": ({"rows": int(spec.extra_rows), "prefix": int(getattr(policy, "prefix", 0)),
+                         "positions": str(getattr(policy, "positions", "final"))}
+                        if getattr(spec, "extra_rows", 0) else None),
         "dtype": "float32",
         "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
         "num_layers": len(lowered.sites),
@@ -250,6 +259,12 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
                        "outputs": ["logits[V]", "caches"]},
         },
         "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
+        # cache fields that start a prompt with contents other than zeros (one layer's values)
+        "cache_init": {k: np.asarray(v).tolist() for k, v in policy.compiled_state_init(budget).items()},
+        # the compiled per-prompt function (compiler/prepare.py): run for prompts longer than this
+        "prepare": ({"min_prompt": int(policy.prepare_min_prompt(budget))}
+                    if getattr(type(policy), "emit_prepare", None) and policy.prepare_min_prompt(budget) is not None
+                    else None),
         "memory_plan": plan,
         "versions": versions(),
         "timings": lowered.timings,

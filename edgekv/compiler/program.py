@@ -144,17 +144,22 @@ class _Walker:
             env[p] = self.cache_buffer(i // len(self.cache_fields), i % len(self.cache_fields), p)
         for p, wname in zip(params[num_input:], self.weight_names):
             env[p] = self.weight_buffer(wname, p)
+        ret, top = self._body(name, func, env, fn, 0)
+        self.arena_bytes = max(self.arena_bytes, top)
+        fn.outputs = list(ret) if isinstance(ret, tuple) else [ret]
+        return fn
+
+    def _body(self, name, func, env, fn, top):
+        """Walk a function's bindings into ``fn``'s calls; its storages go into the arena from
+        ``top`` on. Returns (what it returns, the new top)."""
         storages: dict = {}
-        top = 0
         for block in func.body.blocks:
             for binding in block.bindings:
                 top = self._binding(name, binding, env, storages, fn, top)
-        self.arena_bytes = max(self.arena_bytes, top)
         ret = env.get(func.body.body)
         if ret is None:
             raise ProgramExportError(f"{name}: its return value is not a tensor or tuple the program knows")
-        fn.outputs = list(ret) if isinstance(ret, tuple) else [ret]
-        return fn
+        return ret, top
 
     def _binding(self, fname, binding, env, storages, fn, top) -> int:
         import tvm
@@ -206,9 +211,14 @@ class _Walker:
                 raise ProgramExportError(f"{where}: operator {op.name} left in the compiled function")
             if isinstance(op, tvm.ir.GlobalVar):
                 callee = self.mod[op]
+                if isinstance(callee, relax.Function):  # another entry function (prepare's probe): inline it
+                    inner = {p: env[a] for p, a in zip(callee.params, value.args)}
+                    if len(inner) != len(callee.params) or any(isinstance(v, tuple) for v in inner.values()):
+                        raise ProgramExportError(f"{where}: calls {op.name_hint} with arguments the program cannot bind")
+                    env[var], top = self._body(f"{fname} → {op.name_hint}", callee, inner, fn, top)
+                    return top
                 if not isinstance(callee, tvm.tirx.PrimFunc):
-                    raise ProgramExportError(f"{where}: calls the Relax function {op.name_hint}; only kernels can be "
-                                             "called in a flat program")
+                    raise ProgramExportError(f"{where}: calls {op.name_hint}, neither a kernel nor an entry function")
                 args = [self._arg(where, a, env) for a in value.args]
                 fn.calls.append(pf.Call(self.prog.kernel_index(op.name_hint), args))
                 return top
@@ -323,11 +333,12 @@ def program_settings(manifest: dict, tgt: dict, policy: Any) -> dict[str, Any]:
     return settings
 
 
-def cache_init(manifest: dict, policy: Any) -> dict[str, bytes]:
-    """Cache fields that do not start as zeros: one layer's initial bytes (the policy's
-    ``compiled_state_init``, e.g. D2O's per-layer budget before a prompt sets it)."""
-    init = getattr(policy, "compiled_state_init", None)
-    return {name: np.ascontiguousarray(arr).tobytes() for name, arr in (init(int(manifest["budget"])) if init else {}).items()}
+def cache_init(manifest: dict) -> dict[str, bytes]:
+    """Cache fields that do not start as zeros: one layer's initial bytes (the manifest's
+    ``cache_init``, from the policy's ``compiled_state_init``: D2O's per-layer budget)."""
+    dtypes = dict(manifest["cache_fields"])
+    return {name: np.asarray(values, dtype=dtypes[name]).tobytes() for name, values in
+            (manifest.get("cache_init") or {}).items()}
 
 
 def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: dict) -> None:
@@ -345,11 +356,12 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
             settings[f"{key}_crc32"] = crc32_file(path)
     fields = [(f, dt) for f, dt in manifest["cache_fields"]]
     functions = [("prefill_block", 3), ("decode", 2)]
-    if "prepare" in [gv.name_hint for gv in result.final_module.get_global_vars()]:
+    if manifest.get("prepare"):
         functions.append(("prepare", 4))
+        settings["prepare_min_prompt"] = int(manifest["prepare"]["min_prompt"])
     prog = build_program(result.final_module, functions=functions, params=result.params,
                          weight_offsets=weight_offsets, num_layers=int(manifest["num_layers"]), cache_fields=fields,
-                         cache_init=cache_init(manifest, result.policy), settings=settings)
+                         cache_init=cache_init(manifest), settings=settings)
     plan = manifest["memory_plan"]
     plan["arena_bytes"] = prog.settings["arena_bytes"]
     size = pf.write(prog, out / PROGRAM_FILE)

@@ -1,4 +1,4 @@
-"""Builds for device targets: CUDA, OpenCL (Adreno/Mali), Metal, Hexagon, Android CPU.
+"""Builds for device targets: CUDA, OpenCL (Adreno/Mali), Metal, Hexagon, Android CPU, aarch64 Linux.
 
 ``build_for_target(model, policy, budget, block, target="cuda", out_dir=...)`` writes the same
 artifact directory as ``build.compile_model`` (``model.tar``, ``params.safetensors``,
@@ -10,7 +10,10 @@ here is needed to finish the build (Android NDK, Xcode, Hexagon SDK) — what to
 
 GPU targets: ``gpu_schedule.ReplaceKernels`` puts the thread-bound edgekv kernels in place,
 ``gpu_schedule.gpu_pipeline`` runs dlight for the rest and refuses any function left on the host.
-LLVM cross targets (Android CPU, Hexagon) use the host CPU pipeline (``cpu_schedule``).
+LLVM cross targets (Android CPU, aarch64 Linux, Hexagon) use the host CPU pipeline
+(``cpu_schedule``) and, like the host build, write ``program.ekv`` for the native runtime; after
+``finish`` links the library, an aarch64 artifact runs in ``runtime/``'s ``edgekv-run`` built for
+aarch64 (docs/NATIVE.md).
 
 Profiles: ``compile/<name>.json`` with ``target`` (TVM target dict), optional ``host``
 (target dict for the VM's host code), ``demote_float64``, ``device_source`` and ``toolchain``.
@@ -38,7 +41,7 @@ class ToolchainNeededWarning(UserWarning):
     """The artifact is written, but a toolchain that is not here must link it for the device."""
 
 
-DEVICE_TARGETS = ("cuda", "opencl", "metal", "hexagon", "android-cpu")
+DEVICE_TARGETS = ("cuda", "opencl", "metal", "hexagon", "android-cpu", "aarch64-linux")
 DEVICE_DIR = "device"
 NO_FP64_KINDS = ("metal", "opencl", "vulkan", "webgpu")  # default of a profile's demote_float64
 _SOURCE_SUFFIX = {"cuda": "cu", "opencl": "cl", "metal": "metal"}
@@ -87,8 +90,14 @@ def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=
     return Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings), spec
 
 
-def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None) -> tuple[Any, dict]:
-    """``tvm.compile`` the lowered module for the profile; returns (executable, device info)."""
+def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None,
+                    sink: dict | None = None) -> tuple[Any, dict]:
+    """``tvm.compile`` the lowered module for the profile; returns (executable, device info).
+
+    CPU targets (LLVM cross builds: android-cpu, aarch64-linux, hexagon): the Relax module after
+    TVM's pipeline — what ``program.write_program`` turns into ``program.ekv`` for the native
+    runtime — is stored in ``sink["mod"]`` when ``sink`` is given. GPU targets leave it empty:
+    the native runtime has no GPU device yet, so their artifacts carry no program."""
     import tvm
 
     from .gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline, is_gpu_target
@@ -110,8 +119,10 @@ def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None) 
         info["symbolic_shapes"] = check.symbolic
     else:
         from .cpu_schedule import cpu_pipeline
+        from .program import capture_final_module
 
-        ex = tvm.compile(mod, target=target, relax_pipeline=cpu_pipeline(target))
+        pipeline = capture_final_module(cpu_pipeline, sink)(target) if sink is not None else cpu_pipeline(target)
+        ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
     return ex, info
 
 
@@ -175,7 +186,8 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
                            "lower --budget or --block")
     say(f"compiling with TVM for {profile.get('name', tgt['kind'])}")
     t0 = time.perf_counter()
-    ex, info = compile_lowered(lowered, spec, profile, tgt, host)
+    final: dict = {}
+    ex, info = compile_lowered(lowered, spec, profile, tgt, host, sink=final)
     lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
     code = device_code(ex, tgt)
     info["code"] = {name: len(data) for name, data in code.items()}
@@ -192,8 +204,9 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     info["toolchain"] = tool
     manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan,
                               host=host, device=info)
+    # a CPU build carries the flat program (program.ekv) the native runtime runs; a GPU one none yet
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
-                         params=lowered.params)
+                         params=lowered.params, final_module=final.get("mod"), policy=policy)
     result.device_code = code
     if out_dir is not None:
         out = Path(out_dir)
@@ -222,7 +235,13 @@ def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
 
 def finish(out_dir: str | Path) -> Path:
     """Link ``model.tar`` into ``model.so`` with the toolchain named by the profile's ``env``
-    variable (the NDK / Xcode / Hexagon SDK compiler command), and record it in the manifest."""
+    variable (the NDK / cross gcc / Xcode / Hexagon SDK compiler command), and record it: the
+    manifest's file entries and hashes, and — where the artifact has a native program — the
+    library's name, size and CRC-32 in ``program.ekv``'s settings, which the native runtime checks
+    at load. The tar stays (``files.library_objects``), so finishing again relinks it."""
+    from ..artifact import crc32_file
+    from ..artifact import program_file as pf
+
     out = Path(out_dir)
     manifest = json.loads((out / MANIFEST).read_text())
     tool = manifest.get("device", {}).get("toolchain", {})
@@ -232,17 +251,51 @@ def finish(out_dir: str | Path) -> Path:
     cc = os.environ.get(env)
     if not cc:
         raise CompileError(f"set {env} to the compiler command ({tool.get('tool')}); e.g. {tool.get('finish')}")
-    lib = out / manifest["files"]["library"]["name"]
+    files = manifest["files"]
+    tar = out / (files.get("library_objects") or files["library"])["name"]
+    if tar.suffix != ".tar" or not tar.is_file():
+        raise CompileError(f"{out}: no model.tar of object files to link ({tar.name} is the library); recompile")
     so = out / "model.so"
+    part = out / "model.so.part"
     with tempfile.TemporaryDirectory() as d:
-        with tarfile.open(lib) as tf:
-            tf.extractall(d)
-        objs = sorted(str(p) for p in Path(d).glob("*.o"))
-        cmd = shlex.split(cc) + ["-shared", "-fPIC", "-o", str(so)] + objs
-        subprocess.run(cmd, check=True)
-    manifest["files"]["library"] = {"name": so.name, "sha256": sha256_file(so)}
+        objs = []
+        with tarfile.open(tar) as tf:  # the object files only, each under its base name
+            for m in tf.getmembers():
+                if m.isfile() and m.name.endswith(".o"):
+                    path = Path(d) / Path(m.name).name
+                    path.write_bytes(tf.extractfile(m).read())
+                    objs.append(str(path))
+        objs.sort()
+        if not objs:
+            raise CompileError(f"{tar} holds no object files; recompile the artifact")
+        cmd = shlex.split(cc) + ["-shared", "-fPIC", "-o", str(part)] + objs + list(tool.get("link_flags", []))
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:
+            raise CompileError(f"{env}={cc}: cannot run it ({exc}); {tool.get('tool')}") from None
+        if r.returncode != 0:
+            part.unlink(missing_ok=True)
+            raise CompileError(f"{env}={cc} failed to link {tar.name} (exit {r.returncode}):\n"
+                               f"{(r.stderr or r.stdout)[-3000:]}")
+    part.replace(so)
+    files["library_objects"] = {"name": tar.name, "sha256": sha256_file(tar)}
+    files["library"] = {"name": so.name, "sha256": sha256_file(so)}
+    if files.get("program"):
+        # the program names the library and holds its size and CRC-32: the runtime refuses a
+        # library that does not match them
+        path = out / files["program"]["name"]
+        prog = pf.read(path)
+        prog.settings.update({"library_name": so.name, "library_bytes": so.stat().st_size,
+                              "library_crc32": crc32_file(so)})
+        size = pf.write(prog, path)
+        files["program"]["sha256"] = sha256_file(path)
+        if isinstance(manifest.get("program"), dict):
+            manifest["program"]["bytes"] = size
     manifest["device"]["toolchain"]["status"] = "finished"
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+    manifest["device"]["toolchain"]["linked_with"] = cc
+    tmp = out / (MANIFEST + ".part")
+    tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    tmp.replace(out / MANIFEST)
     return so
 
 

@@ -125,8 +125,12 @@ KERNEL_INPUTS: dict[str, str] = {
 # ``entry_state``) and then ``compiled_state``: per-layer tensors ``(name, "entry" | length,
 # dtype)`` allocated by the runtime and listed in the manifest's ``cache_fields``. ``gpu_kernel(name,
 # func, policy_params, sm_scales) -> (kind, PrimFunc) | None`` gives the GPU versions of the
-# kernels the hook emitted. Per-layer values that depend on the prompt are set by the host runtime
-# in ``HostRuntime.prepare`` (D2O's first-block probe writes ``d2o_budget``).
+# kernels the hook emitted. ``compiled_state_init(budget) -> {field: array}`` gives a field's
+# contents at the start of every prompt when they are not zeros (written into the artifact; every
+# runtime restores them on reset). Per-layer values that depend on the prompt come from a
+# compiled per-prompt function: ``emit_prepare(bb, kernel, probe, caches, n_valid, prompt_len,
+# budget)`` (``compiler/prepare.py`` builds ``prepare`` around it; D2O's first-block probe writes
+# ``d2o_budget``), run by the runtimes before a prompt longer than ``prepare_min_prompt(budget)``.
 
 
 class PolicyError(ValueError):
@@ -165,6 +169,14 @@ class Policy:
     emit_site_eviction: ClassVar[Callable[..., Any] | None] = None
     compiled_state: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
     gpu_kernel: ClassVar[Callable[..., Any] | None] = None
+
+    def compiled_state_init(self, budget: int) -> dict[str, Any]:
+        """Initial contents of ``compiled_state`` fields that do not start as zeros (one layer's)."""
+        return {}
+
+    def prepare_min_prompt(self, budget: int) -> int | None:
+        """Prompts longer than this run the compiled ``prepare`` function first; None: never."""
+        return None
 
     def check_budget(self, budget: int, block: int) -> None:
         """Raise PolicyError if this policy cannot run with budget N and block B."""

@@ -1,5 +1,7 @@
-"""Host runtime for compiled edgekv artifacts (TVM Relax VM)."""
+"""Runtimes for compiled edgekv artifacts: ``HostRuntime`` (TVM's Relax VM, in Python) and
+``NativeRuntime`` (the C runtime in ``runtime/`` through ctypes; no TVM in the process)."""
 
-from .host import ArtifactError, HostRuntime, RuntimeStats, is_artifact, read_manifest, verify_artifact
+from ..artifact import ArtifactError, is_artifact, read_manifest, verify_artifact
+from .host import HostRuntime, RuntimeStats
 
 __all__ = ["ArtifactError", "HostRuntime", "RuntimeStats", "is_artifact", "read_manifest", "verify_artifact"]

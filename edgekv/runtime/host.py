@@ -23,15 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..compiler.build import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, sha256_file, versions
-
+from ..artifact import ArtifactError, is_artifact, read_manifest, verify_artifact  # noqa: F401 - re-exported
 
 # an artifact without "cache_fields" (before policies carried compiled state) holds these
 DEFAULT_CACHE_FIELDS = [("k", "float32"), ("v", "float32"), ("pos", "int32"), ("fill", "int32")]
-
-
-class ArtifactError(RuntimeError):
-    """The artifact is missing, corrupt, or does not match this installation."""
 
 
 @dataclass
@@ -63,61 +58,19 @@ def _rss() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def is_artifact(path: str | Path | None) -> bool:
-    """True when ``path`` is a directory holding an edgekv manifest (for ``edgekv run PATH``)."""
-    return path is not None and (Path(path) / MANIFEST).is_file()
-
-
-def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
-    mf = path / MANIFEST
-    if not path.is_dir():
-        raise ArtifactError(f"{path} is not an artifact directory (run `edgekv compile ... -o {path}` first)")
-    if not mf.exists():
-        raise ArtifactError(f"{path} has no {MANIFEST}; it is not an edgekv artifact or it is incomplete")
-    try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{mf} is corrupt ({exc})") from None
-    if manifest.get("format") != ARTIFACT_FORMAT:
-        raise ArtifactError(f"{mf} is not an edgekv artifact manifest (format={manifest.get('format')!r})")
-    if manifest.get("format_version") != ARTIFACT_VERSION:
-        raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported by this "
-                            f"edgekv (expects {ARTIFACT_VERSION}); recompile it")
-    return manifest
-
-
-def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = True) -> None:
-    path = Path(path)
-    files = manifest.get("files") or {}
-    for key in ("library", "params"):
-        entry = files.get(key)
-        if not entry:
-            raise ArtifactError(f"{path / MANIFEST} lists no {key} file; recompile the artifact")
-        f = path / entry["name"]
-        if not f.exists():
-            raise ArtifactError(f"artifact file missing: {f}")
-        if check_hashes and sha256_file(f) != entry["sha256"]:
-            raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
-    mine = versions()
-    built = manifest.get("versions", {})
-    if built.get("tvm") != mine["tvm"]:
-        raise ArtifactError(f"artifact was built with TVM {built.get('tvm')}, this runtime has TVM {mine['tvm']}; "
-                            "recompile it with this installation")
-
-
 class HostRuntime:
     def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None,
                  device=None):
         """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError).
         ``device``: the TVM device of a device artifact (e.g. ``tvm.cuda()``); default the CPU."""
         import tvm
-        from safetensors.numpy import load_file
+
+        from ..artifact.params_file import map_params
 
         t0 = time.perf_counter()
         path = Path(artifact)
         manifest = read_manifest(path)
-        verify_artifact(path, manifest, check_hashes=check_hashes)
+        verify_artifact(path, manifest, check_hashes=check_hashes, tvm_version=str(tvm.__version__))
         if expected_weight_hash and expected_weight_hash != manifest["model"]["weight_hash"]:
             raise ArtifactError("the artifact was compiled from different weights than the model given "
                                 f"({manifest['model']['weight_hash'][:12]}… vs {expected_weight_hash[:12]}…)")
@@ -127,7 +80,7 @@ class HostRuntime:
         except Exception as exc:  # noqa: BLE001 - TVM raises its own error types
             raise ArtifactError(f"cannot load {path / files['library']['name']}: {exc}") from None
         try:
-            arrays = load_file(str(path / files["params"]["name"]))
+            arrays = map_params(path / files["params"]["name"])  # mapped: TVM's tensors use it in place
         except Exception as exc:  # noqa: BLE001
             raise ArtifactError(f"cannot read {path / files['params']['name']}: {exc}") from None
         self._setup(path, manifest, lib, arrays, t0, device)
@@ -149,14 +102,13 @@ class HostRuntime:
         self.block = int(manifest["block"])
         self.policy = manifest["policy"]["name"]
         self.num_layers = int(manifest["num_layers"])
-        # pseudo rows after the B real rows of every prefill step (DapQ): the policy object builds
-        # them from the whole prompt, exactly as for the eager engine (``prepare`` / ``extra_tokens``)
+        # pseudo rows after the B real rows of every prefill step (DapQ): built from the whole prompt
+        # as the manifest describes them (``pseudo_rows``), the same rule the native runtime follows
         self.extra_rows = int(manifest.get("extra_rows", 0))
-        self._row_policy = None
-        if self.extra_rows:
-            from ..policies import make_policy
-
-            self._row_policy = make_policy(self.policy, dict(manifest["policy"]["params"]))
+        self._pseudo_spec = manifest.get("pseudo_rows") or {}
+        if self.extra_rows and self._pseudo_spec.get("rows") != self.extra_rows:
+            raise ArtifactError("the manifest has pseudo rows but does not describe them; recompile the artifact")
+        self._prompt: np.ndarray | None = None
         self.device = device if device is not None else tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
@@ -167,7 +119,10 @@ class HostRuntime:
             if list(a.shape) != list(p["shape"]) or str(a.dtype) != p["dtype"]:
                 raise ArtifactError(f"parameter {p['name']} has shape {list(a.shape)} {a.dtype}, the manifest says "
                                     f"{p['shape']} {p['dtype']}")
-            self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
+            if self.device.dlpack_device_type() == 1 and a.ctypes.data % 64 == 0:  # the CPU: no copy
+                self.params.append(tvm.runtime.from_dlpack(a))
+            else:
+                self.params.append(tvm.runtime.tensor(np.ascontiguousarray(a), self.device))
         del arrays
         # caches: allocated once, mutated in place by the compiled functions. Per layer k, v, pos,
         # fill, then the policy's state as the manifest lists it (``block_cache.cache_layout``):
@@ -182,12 +137,12 @@ class HostRuntime:
         for c in self.manifest["cache"]:
             self.caches += [tvm.runtime.tensor(np.zeros(c[f], dtype=dt), self.device) for f, dt in self.cache_fields]
         self._tail = self.caches + self.params
-        self._d2o = None
-        if self.policy == "d2o":
-            from ..policies.d2o import D2OPolicy
-
-            self._d2o = D2OPolicy(**manifest["policy"]["params"])
-            self._set_d2o_budgets([self.budget] * self.num_layers)
+        # fields that start every prompt with other contents than zeros (D2O's layer budgets), and
+        # the compiled per-prompt function (compiler/prepare.py) with the prompts it runs for
+        dtypes = dict(self.cache_fields)
+        self._init = {name: np.asarray(v, dtype=dtypes[name]) for name, v in (manifest.get("cache_init") or {}).items()}
+        self._prepare_min = (manifest.get("prepare") or {}).get("min_prompt")
+        self._restore_init()
         self._prefill = self.vm["prefill_block"]
         self._decode = self.vm["decode"]
         self._zero_fill = np.zeros((1,), dtype="int32")
@@ -215,6 +170,7 @@ class HostRuntime:
 
     def reset(self) -> None:
         """Start a new sequence: empty every cache (fill = 0) without reallocating."""
+        self._restore_init()
         for layer in range(self.num_layers):
             self._field(layer, "fill").copyfrom(self._zero_fill)
         self.position = 0
@@ -239,43 +195,14 @@ class HostRuntime:
         st = self._field(layer, "state").numpy()
         return {name: st[s, :, :fill].copy() for s, name in enumerate(self.state_names)}
 
-    # ---- D2O: per-prompt layer budgets --------------------------------------------------
-    def _set_d2o_budgets(self, budgets: list[int]) -> None:
-        """Write every layer's (N_l, M_l) and clear its τ (the reference resets τ per prompt)."""
-        for layer, n_l in enumerate(budgets):
-            if not 1 <= n_l <= self.budget:
-                raise ValueError(f"layer {layer} budget {n_l} is outside 1..{self.budget} (the compiled N)")
-            self._field(layer, "d2o_budget").copyfrom(np.array([n_l, self._d2o.recent_size(n_l)], dtype="int32"))
-            self._field(layer, "d2o_tau").copyfrom(np.zeros(2, dtype="float32"))
-        self.layer_budgets = list(budgets)
+    def _restore_init(self) -> None:
+        for layer in range(self.num_layers):
+            for name, value in self._init.items():
+                self._field(layer, name).copyfrom(value)
 
-    def _prepare_d2o(self, prompt_ids) -> None:
-        """D2O's per-layer budgets for this prompt. They come from the first block's attention (``D2OPolicy.prompt_budgets``): the block runs
-        once through ``prefill_block`` at positions 0… over an empty cache (the caches are saved
-        and restored around it), the per-query-head column sums it returns give each layer's
-        variance, and the policy's own ``allocate`` turns them into N_l, written into the
-        ``d2o_budget`` state with τ cleared. One extra block per prompt, as in the reference."""
-        from ..policies.d2o import column_sum_variance
-
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-        first = ids[: self.block]
-
-        def first_block_variances():
-            import torch
-
-            saved = [c.numpy() for c in self.caches]
-            position = self.position
-            self.reset()
-            self._set_d2o_budgets([self.budget] * self.num_layers)
-            out = self._run_block(first, 0)
-            self.position = position
-            for c, a in zip(self.caches, saved):
-                c.copyfrom(a)
-            first_sums = len(out) - self.num_layers  # the col_sums outputs follow logits and caches
-            return torch.stack([column_sum_variance(torch.from_numpy(out[first_sums + l].numpy()[:, : first.size]))
-                                for l in range(self.num_layers)])
-
-        self._set_d2o_budgets(self._d2o.prompt_budgets(ids.size, self.budget, self.num_layers, first_block_variances))
+    def cache_field(self, layer: int, name: str) -> np.ndarray:
+        """A copy of one of layer ``layer``'s cache tensors (``cache_fields``), e.g. "d2o_budget"."""
+        return self._field(layer, name).numpy().copy()
 
     def _check_room(self, extra: int) -> None:
         if self.policy == "full" and self.position + extra > self.budget:
@@ -289,25 +216,33 @@ class HostRuntime:
     def prepare(self, prompt_ids) -> None:
         """What ``Policy.prepare`` does before a prompt (``prefill`` does it; call it yourself
         before ``step_block``): DapQ builds its pseudo tokens from the whole prompt, D2O its
-        per-layer budgets (``_prepare_d2o``); other policies need nothing."""
-        if self._d2o is not None:
-            self._prepare_d2o(prompt_ids)
-        if self._row_policy is not None:
-            import torch
+        per-layer budgets: the compiled ``prepare`` function on the first block, for prompts longer
+        than the manifest's ``prepare.min_prompt``); other policies need nothing."""
+        import tvm
 
-            self._row_policy.prepare(torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64).reshape(-1)), self)
+        self._prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        self._restore_init()
+        if self._prepare_min is None or self._prompt.size <= self._prepare_min:
+            return
+        n = min(self.block, self._prompt.size)
+        tok, pos, nv = self._step_inputs(self._prompt[:n], self.position)
+        self.vm["prepare"](tok, pos, nv, tvm.runtime.tensor(np.array([self._prompt.size], dtype=np.int64), self.device),
+                           *self._tail)
 
     # ---- pseudo rows (DapQ) ---------------------------------------------------------------
     def _pseudo_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, positions) of the w pseudo rows of the next step of n real tokens."""
+        """(ids, positions) of the w pseudo rows of the next step of n real tokens: the first
+        ``prefix`` and the last w − prefix prompt tokens, at the positions after the prompt
+        ("final") or after the block about to run ("block")."""
         from ..policies.base import PolicyError
 
-        extra = self._row_policy.extra_tokens()
-        if extra is None:
+        if self._prompt is None:
             raise PolicyError(f"this '{self.policy}' artifact appends pseudo tokens built from the whole prompt to "
                               "every block: call prefill(prompt), or prepare(prompt) before step_block")
-        ids, pos = (np.asarray(t, dtype=np.int64) for t in extra)
-        w = self.extra_rows
+        w, prefix, prompt = self.extra_rows, int(self._pseudo_spec.get("prefix", 0)), self._prompt
+        total = prompt.size
+        ids = np.concatenate([prompt[: min(prefix, total)], prompt[total - min(w - prefix, total):]])
+        at = min(self.position + self.block, total) if self._pseudo_spec.get("positions") == "block" else total
         if ids.size < w:
             # a prompt shorter than the window gives fewer pseudo tokens; harmless unless this step evicts
             need = int(self._field(0, "fill").numpy()[0]) + n
@@ -317,8 +252,8 @@ class HostRuntime:
                                   f"least {need} so that this prompt is not evicted")
             # this step keeps every row: the pseudo rows' scores are not read, any content does
             ids = np.resize(ids, w) if ids.size else np.zeros(w, np.int64)
-            pos = np.arange(self.position + self.block, self.position + self.block + w, dtype=np.int64)
-        return ids, pos
+            at = self.position + self.block
+        return ids, np.arange(at, at + w, dtype=np.int64)
 
     # ---- running ------------------------------------------------------------------------
     def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
@@ -333,9 +268,9 @@ class HostRuntime:
         self.position = start + n
         return out[0].numpy()
 
-    def _run_block(self, ids: np.ndarray, start: int):
-        """One ``prefill_block`` call (all its outputs): the ids at positions start…, padded to B,
-        then the pseudo rows (DapQ)."""
+    def _step_inputs(self, ids: np.ndarray, start: int):
+        """(tokens, positions, n_valid) of one prefill step: the ids at positions start…, padded
+        to B, then the pseudo rows (DapQ)."""
         import tvm
 
         n = ids.shape[0]
@@ -346,8 +281,12 @@ class HostRuntime:
         if self.extra_rows:
             self.position = start  # the pseudo positions may follow the block (positions=block)
             tok[self.block:], pos[self.block:] = self._pseudo_rows(n)
-        return self._prefill(tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
-                             tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device), *self._tail)
+        return (tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
+                tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device))
+
+    def _run_block(self, ids: np.ndarray, start: int):
+        """One ``prefill_block`` call (all its outputs)."""
+        return self._prefill(*self._step_inputs(ids, start), *self._tail)
 
     def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None) -> np.ndarray:
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)

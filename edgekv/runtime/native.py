@@ -71,3 +71,238 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
             "the native runtime (libedgekv_runtime.so) is not built; reinstall with "
             "`pip install -e .` (it builds runtime/ with CMake), or set EDGEKV_RUNTIME_LIB")
     return ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
+
+
+# ---- the C API through ctypes (runtime/include/edgekv.h) ------------------------------------
+class NativeError(RuntimeError):
+    """The native runtime refused or failed; the message is the runtime's own."""
+
+
+class _ModelOptions(ctypes.Structure):
+    _fields_ = [("threads", ctypes.c_int), ("mem_limit_bytes", ctypes.c_uint64), ("verify_weights", ctypes.c_int)]
+
+
+class _ModelInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_char_p) for n in ("model_id", "policy", "policy_params", "target_profile", "target_arch",
+                                                "edgekv_version", "weight_hash")] + \
+               [(n, ctypes.c_int32) for n in ("num_layers", "vocab_size", "max_position", "budget", "block",
+                                               "pseudo_rows", "threads", "chat")] + \
+               [(n, ctypes.c_uint64) for n in ("weights_bytes", "cache_bytes", "arena_bytes", "plan_bytes")] + \
+               [(n, ctypes.c_int32) for n in ("n_kernels", "n_calls_prefill", "n_calls_decode")]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("prefill_tokens", "prefill_blocks", "decode_tokens")] + \
+               [(n, ctypes.c_double) for n in ("prefill_seconds", "decode_seconds", "prepare_seconds", "load_seconds",
+                                                "first_block_seconds")] + \
+               [(n, ctypes.c_uint64) for n in ("runtime_bytes_peak", "workspace_bytes_peak", "peak_rss_bytes",
+                                               "mapped_bytes")]
+
+
+PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
+STATUS_NAMES = {1: "io", 2: "format", 3: "mismatch", 4: "invalid input", 5: "no memory", 6: "kernel", 7: "cancelled",
+                8: "capacity"}
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if getattr(lib, "_edgekv_declared", False):
+        return lib
+    P, c = ctypes.c_void_p, ctypes
+    sig = {
+        "ekv_model_options_init": (None, [c.POINTER(_ModelOptions)]),
+        "ekv_model_open": (c.c_int, [c.c_char_p, c.POINTER(_ModelOptions), c.POINTER(P)]),
+        "ekv_model_close": (None, [P]),
+        "ekv_model_last_error": (c.c_char_p, [P]),
+        "ekv_model_get_info": (None, [P, c.POINTER(_ModelInfo)]),
+        "ekv_session_new": (c.c_int, [P, c.POINTER(P)]),
+        "ekv_session_free": (None, [P]),
+        "ekv_session_last_error": (c.c_char_p, [P]),
+        "ekv_session_reset": (None, [P]),
+        "ekv_session_prefill": (c.c_int, [P, c.POINTER(c.c_int32), c.c_size_t, PROGRESS_FN, P]),
+        "ekv_session_decode": (c.c_int, [P, c.c_int32]),
+        "ekv_session_logits": (c.POINTER(c.c_float), [P]),
+        "ekv_session_position": (c.c_size_t, [P]),
+        "ekv_session_allow_beyond_context": (None, [P, c.c_int]),
+        "ekv_session_cancel": (None, [P]),
+        "ekv_session_kept_positions": (c.c_int, [P, c.c_int32, c.POINTER(c.c_int32), c.c_size_t,
+                                                 c.POINTER(c.c_int32), c.POINTER(c.c_int32)]),
+        "ekv_session_get_stats": (None, [P, c.POINTER(_Stats)]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    lib._edgekv_declared = True
+    return lib
+
+
+
+class NativeRuntime:
+    """A compiled artifact run by the native runtime (libedgekv_runtime) — the same interface as
+    ``HostRuntime`` (prefill, decode, generate, stats, kept positions, report), no TVM in the process.
+
+        rt = NativeRuntime("build/kd", threads=2)
+        ids = rt.generate(prompt_ids, 64)
+    """
+
+    def __init__(self, artifact, *, threads: int | None = None, mem_limit: int | None = None,
+                 verify_weights: bool = False, library: str | None = None):
+        import numpy as np
+
+        from ..artifact import read_manifest
+
+        self._np = np
+        self.path = Path(artifact)
+        self.lib = _declare(load_library(library))
+        opts = _ModelOptions()
+        self.lib.ekv_model_options_init(ctypes.byref(opts))
+        opts.threads = int(threads or 0)
+        opts.mem_limit_bytes = int(mem_limit or 0)
+        opts.verify_weights = int(bool(verify_weights))
+        self._model = ctypes.c_void_p()
+        self._session = ctypes.c_void_p()
+        st = self.lib.ekv_model_open(str(self.path).encode(), ctypes.byref(opts), ctypes.byref(self._model))
+        if st != 0:
+            msg = self.lib.ekv_model_last_error(self._model).decode(errors="replace")
+            self.close()
+            from ..artifact import ArtifactError
+
+            raise (MemoryError if st == 5 else ArtifactError)(msg)
+        try:
+            self.manifest = read_manifest(self.path)
+        except Exception:  # the native runtime needs only program.ekv; the manifest is for reports
+            self.manifest = None
+        info = _ModelInfo()
+        self.lib.ekv_model_get_info(self._model, ctypes.byref(info))
+        self.info = {f: (getattr(info, f).decode() if isinstance(getattr(info, f), bytes) else getattr(info, f))
+                     for f, _ in _ModelInfo._fields_}
+        st = self.lib.ekv_session_new(self._model, ctypes.byref(self._session))
+        if st != 0:
+            msg = self.lib.ekv_session_last_error(self._session).decode(errors="replace")
+            self.close()
+            raise MemoryError(msg) if st == 5 else NativeError(msg)
+        self.budget, self.block = self.info["budget"], self.info["block"]
+        self.num_layers, self.vocab_size = self.info["num_layers"], self.info["vocab_size"]
+        self.policy = self.info["policy"]
+        self.threads = self.info["threads"]
+        self._block_hook = None
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_session", None):
+            self.lib.ekv_session_free(self._session)
+            self._session = None
+        if getattr(self, "_model", None):
+            self.lib.ekv_model_close(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _check(self, status: int) -> None:
+        if status != 0:
+            msg = self.lib.ekv_session_last_error(self._session).decode(errors="replace")
+            from ..policies.base import PolicyError
+
+            if status == 4 or status == 8:
+                raise PolicyError(msg)
+            raise NativeError(f"{STATUS_NAMES.get(status, status)}: {msg}")
+
+    @property
+    def tokenizer(self):
+        """The HF tokenizer saved in the artifact, for Python-side encoding (None when absent)."""
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = None
+            entry = ((self.manifest or {}).get("files") or {}).get("tokenizer")
+            if entry:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry["name"]))
+        return self._tokenizer
+
+    # ---- running -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.lib.ekv_session_reset(self._session)
+
+    @property
+    def position(self) -> int:
+        return int(self.lib.ekv_session_position(self._session))
+
+    def allow_beyond_context(self, allow: bool = True) -> None:
+        self.lib.ekv_session_allow_beyond_context(self._session, int(allow))
+
+    def _logits(self):
+        ptr = self.lib.ekv_session_logits(self._session)
+        return self._np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
+
+    def prefill(self, prompt_ids, progress=None, on_block=None):
+        """Block-wise prefill; ``progress(n)`` gets each block's token count, ``on_block(rt)``
+        runs after every block (tests read the kept positions there). Returns last-token logits."""
+        ids = self._np.ascontiguousarray(self._np.asarray(prompt_ids, dtype=self._np.int64).reshape(-1), dtype=self._np.int32)
+        seen = [0]
+
+        def cb(_user, done, total):
+            if progress is not None:
+                progress(int(done) - seen[0])
+            seen[0] = int(done)
+            if on_block is not None:
+                on_block(self)
+            return 0
+
+        fn = PROGRESS_FN(cb)
+        self._check(self.lib.ekv_session_prefill(self._session, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                                 ids.size, fn, None))
+        return self._logits()
+
+    def decode(self, token_id: int):
+        self._check(self.lib.ekv_session_decode(self._session, int(token_id)))
+        return self._logits()
+
+    def generate(self, prompt_ids, max_new_tokens: int, sampler=None, eos_ids=(), on_token=None, progress=None):
+        """Prefill then decode (greedy unless a sampler is given); EOS ends it and is included."""
+        sampler = sampler or (lambda logits: int(self._np.argmax(logits)))
+        logits = self.prefill(prompt_ids, progress=progress)
+        out: list[int] = []
+        for i in range(max_new_tokens):
+            tok = int(sampler(logits))
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in eos_ids or i == max_new_tokens - 1:
+                break
+            logits = self.decode(tok)
+        return out
+
+    def kept_positions(self, layer: int):
+        """Original positions of layer ``layer``'s kept entries, [H, fill]."""
+        heads, fill = ctypes.c_int32(), ctypes.c_int32()
+        self._check(self.lib.ekv_session_kept_positions(self._session, layer, None, 0, ctypes.byref(heads),
+                                                        ctypes.byref(fill)))
+        out = self._np.zeros((heads.value, fill.value), dtype=self._np.int32)
+        self._check(self.lib.ekv_session_kept_positions(self._session, layer,
+                                                        out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size,
+                                                        ctypes.byref(heads), ctypes.byref(fill)))
+        return out
+
+    def cache_lengths(self) -> list[int]:
+        return [int(self.kept_positions(layer).shape[1]) for layer in range(self.num_layers)]
+
+    @property
+    def stats(self):
+        """The session's counters, with the attribute names of ``HostRuntime.stats``."""
+        from types import SimpleNamespace
+
+        st = _Stats()
+        self.lib.ekv_session_get_stats(self._session, ctypes.byref(st))
+        d = {f: getattr(st, f) for f, _ in _Stats._fields_}
+        d["prefill_tok_per_s"] = d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else None
+        d["decode_tok_per_s"] = d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None
+        return SimpleNamespace(**d)
+
+    def memory_plan(self) -> dict:
+        """The native plan: mapped weights, one session's caches and arena (exact bytes)."""
+        i = self.info
+        return {"weights": i["weights_bytes"], "kv_cache": i["cache_bytes"], "activations": i["arena_bytes"],
+                "total": i["plan_bytes"]}

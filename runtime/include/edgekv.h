@@ -59,10 +59,11 @@ ekv_status ekv_tokenizer_open_memory(const void *data, size_t size, ekv_tokenize
 void ekv_tokenizer_free(ekv_tokenizer *tok);
 const char *ekv_tokenizer_last_error(const ekv_tokenizer *tok);
 
-/* Encode UTF-8 text (len bytes; invalid UTF-8 is encoded as its bytes, as HF tokenizers does
- * after lossy decoding) into ids exactly as HF `tokenizers` encodes it (added/special tokens
- * matched in the text, no BOS/EOS added). Writes up to cap ids into ids (which may be NULL
- * when cap is 0) and the full count into *n_ids: call once with cap 0 to size the buffer. */
+/* Encode UTF-8 text (len bytes) into ids exactly as HF `tokenizers` encodes it (added/special
+ * tokens matched in the text, no BOS/EOS added). Invalid UTF-8, which HF never sees, is kept:
+ * each invalid byte is tokenized as itself, split like U+FFFD. Writes up to cap ids into ids
+ * (which may be NULL when cap is 0) and the full count into *n_ids: call once with cap 0 to size
+ * the buffer. A tokenizer handle is used by one thread at a time (encode reuses its scratch). */
 ekv_status ekv_tokenizer_encode(ekv_tokenizer *tok, const char *text, size_t len, int32_t *ids, size_t cap,
                                 size_t *n_ids);
 /* Encode `text` as one user turn of the model's chat template with the generation prompt
@@ -77,8 +78,8 @@ const char *ekv_tokenizer_token_bytes(const ekv_tokenizer *tok, int32_t id, size
 /* 1 for special / control tokens (skipped when decoding for display). */
 int ekv_tokenizer_is_special(const ekv_tokenizer *tok, int32_t id);
 int32_t ekv_tokenizer_vocab_size(const ekv_tokenizer *tok);
-/* The end-of-sequence ids generation stops at (eos, and the chat template's end of turn).
- * Returns the count; writes up to cap. */
+/* The ids generation stops at (the tokenizer's eos_token_id, as the Python runs do; for
+ * SmolLM2 that is <|im_end|>). Returns the count; writes up to cap. */
 size_t ekv_tokenizer_stop_ids(const ekv_tokenizer *tok, int32_t *ids, size_t cap);
 
 /* Streaming text out: bytes in, complete UTF-8 out. A character whose bytes span two tokens

@@ -1,6 +1,8 @@
 #include "kernel_abi.h"
 
 #include <dlfcn.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -36,6 +38,19 @@ TVM_FFI_DLL void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char 
   t_error[used < sizeof t_error ? used : sizeof t_error - 1] = '\0';
 }
 
+TVM_FFI_DLL void TVMFFIErrorSetRaisedFromCStr(const char *kind, const char *message) {
+  const char *parts[1] = {message};
+  TVMFFIErrorSetRaisedFromCStrParts(kind, parts, 1);
+}
+
+/* A library built as a "system lib" registers its symbols from a constructor when it loads;
+ * this runtime finds kernels with dlsym, so there is nothing to keep. */
+TVM_FFI_DLL int TVMFFIEnvModRegisterSystemLibSymbol(const char *name, void *symbol) {
+  (void)name;
+  (void)symbol;
+  return 0;
+}
+
 const char *ekv_kernel_error(void) { return t_error; }
 void ekv_kernel_error_clear(void) { t_error[0] = '\0'; }
 void ekv_set_current_pool(ekv_threadpool *pool) { t_pool = pool; }
@@ -50,14 +65,52 @@ static int free_workspace(int device_type, int device_id, void *ptr) {
   return 0;
 }
 
+/* The barrier of one parallel launch (TVMBackendParallelBarrier): sense-reversing, spinning
+ * briefly, then yielding. */
+typedef struct {
+  _Atomic int waiting;
+  _Atomic int sense;
+  int n_tasks;
+} launch_barrier;
+
 typedef struct {
   tvm_parallel_lambda fn;
   void *cdata;
+  launch_barrier barrier;
 } launch_ctx;
+
+static int parallel_barrier(int task_id, tvm_parallel_group_env *penv) {
+  launch_barrier *b = penv->sync_handle;
+  if (b == NULL || b->n_tasks <= 1) return 0;
+  int sense = atomic_load(&b->sense);
+  if (atomic_fetch_add(&b->waiting, 1) == b->n_tasks - 1) {
+    atomic_store(&b->waiting, 0);
+    atomic_store(&b->sense, !sense);
+    return 0;
+  }
+  for (int i = 0; atomic_load(&b->sense) == sense; i++)
+    if (i > 1000) sched_yield();
+  return 0;
+}
+
+/* Calls into another module (a device's kernels): a CPU library has none; a GPU library needs
+ * the device runtime (docs/NATIVE.md). */
+static int no_imports(void *library_ctx, const char *func_name, void **out) {
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the kernel library calls into another module (a device's kernels); "
+                               "this runtime runs CPU artifacts only");
+  return -1;
+}
+static int no_function_call(void *func, TVMFFIAny *args, int32_t num_args, TVMFFIAny *result) {
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the kernel library calls a function this runtime does not provide");
+  return -1;
+}
+static int init_once(void **handle_addr, int (*init_func)(void **result)) {
+  return *handle_addr != NULL ? 0 : init_func(handle_addr);
+}
 
 static int run_lambda(int task_id, int n_tasks, void *p) {
   launch_ctx *ctx = p;
-  tvm_parallel_group_env env = {NULL, n_tasks};
+  tvm_parallel_group_env env = {&ctx->barrier, n_tasks};
   t_in_parallel = 1;
   int rc = ctx->fn(task_id, &env, ctx->cdata);
   t_in_parallel = 0;
@@ -65,16 +118,16 @@ static int run_lambda(int task_id, int n_tasks, void *p) {
 }
 
 static int parallel_launch(tvm_parallel_lambda fn, void *cdata, int num_task) {
-  launch_ctx ctx = {fn, cdata};
-  if (t_pool == NULL || t_in_parallel) { /* no pool, or a nested loop: run it serially here */
-    int n = num_task > 0 ? num_task : 1;
-    for (int t = 0; t < n; t++) {
-      tvm_parallel_group_env env = {NULL, n};
-      if (fn(t, &env, cdata) != 0) return -1;
-    }
-    return 0;
+  launch_ctx ctx = {.fn = fn, .cdata = cdata};
+  if (t_pool == NULL || t_in_parallel) { /* no pool, or a nested loop: one task here */
+    tvm_parallel_group_env env = {NULL, 1};
+    return fn(0, &env, cdata) != 0 ? -1 : 0;
   }
-  return ekv_threadpool_run(t_pool, num_task, run_lambda, &ctx) ? -1 : 0;
+  /* one task per thread: a barrier inside the lambda needs every task running at once */
+  int n = ekv_threadpool_size(t_pool);
+  if (num_task > 0 && num_task < n) n = num_task;
+  ctx.barrier.n_tasks = n;
+  return ekv_threadpool_run(t_pool, n, run_lambda, &ctx) ? -1 : 0;
 }
 
 /* ---- loading the library ------------------------------------------------------------------ */
@@ -125,13 +178,22 @@ ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_library *lib) 
   EKV_TRY(check_elf(err, path));
   void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (h == NULL) return ekv_fail(err, EKV_ERR_MISMATCH, "cannot load the kernel library: %s", dlerror());
-  void **alloc_slot = dlsym(h, "__TVMBackendAllocWorkspace");
-  void **free_slot = dlsym(h, "__TVMBackendFreeWorkspace");
-  void **launch_slot = dlsym(h, "__TVMBackendParallelLaunch");
-  /* a library without parallel loops or workspaces lacks the slot: nothing to fill */
-  if (alloc_slot != NULL) *alloc_slot = (void *)(uintptr_t)alloc_workspace;
-  if (free_slot != NULL) *free_slot = (void *)(uintptr_t)free_workspace;
-  if (launch_slot != NULL) *launch_slot = (void *)(uintptr_t)parallel_launch;
+  /* the function-pointer slots TVM's host code calls through; a library without parallel loops,
+   * workspaces or imports lacks some: nothing to fill then */
+  static const struct { const char *slot; void (*fn)(void); } SLOTS[] = {
+      {"__TVMBackendAllocWorkspace", (void (*)(void))alloc_workspace},
+      {"__TVMBackendFreeWorkspace", (void (*)(void))free_workspace},
+      {"__TVMBackendParallelLaunch", (void (*)(void))parallel_launch},
+      {"__TVMBackendParallelBarrier", (void (*)(void))parallel_barrier},
+      {"__TVMFFIErrorSetRaisedFromCStr", (void (*)(void))TVMFFIErrorSetRaisedFromCStr},
+      {"__TVMFFIEnvModLookupFromImports", (void (*)(void))no_imports},
+      {"__TVMFFIFunctionCall", (void (*)(void))no_function_call},
+      {"__TVMFFIHandleInitOnce", (void (*)(void))init_once},
+  };
+  for (size_t i = 0; i < sizeof SLOTS / sizeof SLOTS[0]; i++) {
+    void (**slot)(void) = dlsym(h, SLOTS[i].slot);
+    if (slot != NULL) *slot = SLOTS[i].fn;
+  }
   lib->handle = h;
   return EKV_OK;
 }

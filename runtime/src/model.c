@@ -66,9 +66,12 @@ static ekv_status read_program(ekv_model *m, const char *dir) {
     return ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "path too long: %s", dir);
   ekv_mapped_file file;
   ekv_status st = ekv_map_file(&m->err, path, &file);
-  if (st != EKV_OK)
+  if (st != EKV_OK) {
+    char why[EKV_ERR_LEN];
+    snprintf(why, sizeof why, "%s", m->err.msg); /* the message is rewritten below */
     return ekv_fail(&m->err, st, "%s is not an edgekv artifact with a native program (%s); compile it with "
-                    "`edgekv compile ... -o %s`", dir, m->err.msg, dir);
+                    "`edgekv compile ... -o %s`", dir, why, dir);
+  }
   if (file.size > MAX_PROGRAM_BYTES) {
     ekv_unmap_file(&file);
     return ekv_fail(&m->err, EKV_ERR_FORMAT, "%s is larger than 1 GiB; not a program file", path);

@@ -205,6 +205,8 @@ static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *
     positions[r] = (int64_t)(start + r);
   }
   *n_valid = (int32_t)n;
+  int64_t *prompt_len = ekv_function_input(s, function, "prompt_len"); /* the per-prompt function's */
+  if (prompt_len != NULL) *prompt_len = (int64_t)pr->prompt_len;
   if (pr->w == 0) return EKV_OK;
   size_t L = pr->prompt_len, head = (size_t)pr->prefix < L ? (size_t)pr->prefix : L;
   size_t tail = (size_t)(pr->w - pr->prefix) < L ? (size_t)(pr->w - pr->prefix) : L;
@@ -254,7 +256,8 @@ ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv
                     strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
   double t0 = ekv_now();
   size_t B = (size_t)p->block;
-  if (m->f_prepare >= 0) { /* once per prompt, before its first block (D2O's layer budgets) */
+  if (m->f_prepare >= 0 && (int64_t)n > ekv_program_int(p, "prepare_min_prompt", 0)) {
+    /* the program's per-prompt function, before the first block (D2O: the layer budgets) */
     size_t first = n < B ? n : B;
     EKV_TRY(fill_step_inputs(s, m->f_prepare, ids, first, s->position, &pr));
     EKV_TRY(ekv_run_function(s, m->f_prepare));

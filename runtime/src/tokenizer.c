@@ -54,11 +54,11 @@
  * byte that is not part of a well-formed character is a unit of class "other" (as U+FFFD would
  * be) but keeps its own byte, so it is tokenized as that byte, not as EF BF BD. */
 #include <errno.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "reader.h"
 #include "status.h"
 #include "tokenizer_internal.h"
 
@@ -149,26 +149,18 @@ struct ekv_tokenizer {
 /* ------------------------------------------------------------------------------------------
  * Little helpers
  * ------------------------------------------------------------------------------------------ */
-static uint32_t le32(const unsigned char *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
+#define le32 ekv_le32
+#define le16 ekv_le16
 
-static uint16_t le16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-/* zlib's CRC-32 (reflected polynomial 0xEDB88320), as Python's zlib.crc32 */
+/* CRC-32 of p[0, n) with the `skip_len` bytes at `skip_from` read as zeros (the header's own
+ * checksum field) */
 static uint32_t crc32_of(const unsigned char *p, size_t n, uint32_t skip_from, uint32_t skip_len) {
-  uint32_t table[256];
-  for (uint32_t i = 0; i < 256; i++) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-    table[i] = c;
-  }
-  uint32_t crc = 0xFFFFFFFFu;
-  for (size_t i = 0; i < n; i++) {
-    unsigned char b = (i >= skip_from && i - skip_from < skip_len) ? 0 : p[i]; /* a field read as zero */
-    crc = table[(crc ^ b) & 0xFFu] ^ (crc >> 8);
-  }
-  return crc ^ 0xFFFFFFFFu;
+  static const unsigned char zeros[16];
+  if (skip_len == 0 || skip_from >= n) return ekv_crc32(0, p, n);
+  uint32_t end = skip_from + skip_len < n ? skip_from + skip_len : (uint32_t)n;
+  uint32_t crc = ekv_crc32(0, p, skip_from);
+  crc = ekv_crc32(crc, zeros, end - skip_from <= sizeof zeros ? end - skip_from : sizeof zeros);
+  return ekv_crc32(crc, p + end, n - end);
 }
 
 static ekv_status corrupt(ekv_tokenizer *tok, const char *fmt, ...)
