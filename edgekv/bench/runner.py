@@ -35,6 +35,10 @@ class BenchConfig:
 
 def installed(system: str) -> bool:
     module = NEEDS.get(system)
+    if system == "edgekv-native":
+        from ..runtime import native
+
+        return native.cli_path() is not None
     return module is None or importlib.util.find_spec(module) is not None
 
 
@@ -64,7 +68,8 @@ def summarize(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[0]["error"] if runs else "no runs"}
     out = {"repeats": len(ok)}
-    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss", "prefill_seconds", "decode_seconds"):
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss", "prefill_seconds", "decode_seconds", "startup_seconds",
+                "plan_bytes"):
         values = [r[key] for r in ok if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
@@ -77,9 +82,10 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
     skipped = {}
     for system in cfg.systems:
         if not installed(system):
-            skipped[system] = f"not installed ({NEEDS[system]}; the `bench` extra installs the peers)"
+            skipped[system] = (f"not installed ({NEEDS[system]}; the `bench` extra installs the peers, "
+                               "`pip install -e .` builds edgekv-run)")
             continue
-        if system == "edgekv-compiled" and not cfg.artifact:
+        if system in ("edgekv-compiled", "edgekv-native") and not cfg.artifact:
             skipped[system] = "no artifact given (--artifact DIR from `edgekv compile`)"
             continue
         if system == "onnxruntime" and not cfg.onnx:

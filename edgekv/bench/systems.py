@@ -14,7 +14,7 @@ import torch
 SYSTEMS: dict[str, Callable] = {}
 NEEDS = {  # the import each peer needs; missing → reported as "not installed"
     "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama_cpp", "edgekv-compiled": "tvm",
-    "onnxruntime": "onnxruntime",
+    "onnxruntime": "onnxruntime", "edgekv-native": "edgekv-run",
 }
 
 
@@ -66,6 +66,37 @@ def run_edgekv_compiled(ids, args):
     logits, prefill = _timed(lambda: rt.prefill(ids.numpy()))
     dec = _timed_greedy_decode(rt.decode, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec, "block_seconds": rt.stats.block_seconds}
+
+
+@system("edgekv-native")
+def run_edgekv_native(ids, args):
+    """The native runtime's own command, ``edgekv-run``, as a child process that never starts
+    Python: its report gives the timings and its own peak RSS (a warm-up block first, excluded,
+    as for the other systems; a fixed number of decode steps, EOS ignored). Start-up — load to
+    the end of the first block — is from the same run before the warm-up."""
+    import json
+    import subprocess
+    import tempfile
+
+    from ..runtime import native
+
+    exe = native.cli_path()
+    if exe is None:
+        raise RuntimeError("edgekv-run is not built (pip install -e . builds runtime/)")
+    if not args.get("artifact"):
+        raise RuntimeError("no compiled artifact given (--artifact); build one with `edgekv compile`")
+    with tempfile.TemporaryDirectory() as d:
+        report = f"{d}/native.json"
+        cmd = [str(exe), args["artifact"], "--prompt-ids", ",".join(map(str, ids.tolist())), "--max-new-tokens",
+               str(args["decode_tokens"] + 1), "--threads", str(args["threads"]), "--warmup", "--ignore-eos",
+               "--allow-beyond-context", "--quiet", "--report", report]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"edgekv-run failed: {res.stderr.strip()[-500:]}")
+        r = json.loads(open(report).read())
+    return {"prefill_seconds": r["prefill_seconds"], "decode_seconds": r["decode_seconds"],
+            "peak_rss": r["memory"]["peak_rss_bytes"], "plan_bytes": r["memory"]["plan"]["total_bytes"],
+            "startup_seconds": r["startup_seconds"], "threads": r["threads"]}
 
 
 def _hf_generate(model, ids, decode_tokens, press=None):

@@ -21,7 +21,8 @@ def main(spec_path: str) -> None:
     result.update({
         "prefill_tok_s": n / result["prefill_seconds"],
         "decode_tok_s": spec["decode_tokens"] / result["decode_seconds"] if spec["decode_tokens"] else None,
-        "peak_rss": peak_rss_bytes(),
+        # a system run in its own child process (edgekv-native) reports that process's peak
+        "peak_rss": result.get("peak_rss") or peak_rss_bytes(),
     })
     print("EDGEKV_BENCH " + json.dumps(result), flush=True)
 

@@ -185,6 +185,9 @@ ekv_status ekv_sampler_new(float temperature, float top_p, uint64_t seed, ekv_sa
 void ekv_sampler_free(ekv_sampler *sampler);
 int32_t ekv_sampler_sample(ekv_sampler *sampler, const float *logits, int32_t n);
 
+/* The ids generation stops at (default: the tokenizer's stop ids); n = 0: never stop early. */
+void ekv_session_set_stop_ids(ekv_session *session, const int32_t *ids, size_t n);
+
 /* Called with each generated token and its complete UTF-8 text so far held back at character
  * boundaries (special tokens give empty text); return nonzero to stop. */
 typedef int (*ekv_token_fn)(void *user, int32_t id, const char *text, size_t len);

@@ -16,8 +16,14 @@ ekv_status ekv_session_generate(ekv_session *s, const int32_t *prompt, size_t n,
                     max_new, n + (size_t)max_new, p->max_position);
   EKV_TRY(ekv_session_prefill(s, prompt, n, progress, user));
   int32_t stops[8];
-  size_t n_stops = m->tok != NULL ? ekv_tokenizer_stop_ids(m->tok, stops, 8) : 0;
-  if (n_stops > 8) n_stops = 8;
+  size_t n_stops = 0;
+  if (s->n_stop_ids >= 0) {
+    n_stops = (size_t)s->n_stop_ids;
+    memcpy(stops, s->stop_ids, sizeof(int32_t) * n_stops);
+  } else if (m->tok != NULL) {
+    n_stops = ekv_tokenizer_stop_ids(m->tok, stops, 8);
+    if (n_stops > 8) n_stops = 8;
+  }
   ekv_utf8_stream stream;
   ekv_utf8_stream_init(&stream);
   char text[1024]; /* ekv_utf8_stream_push needs 4 × (piece + 4) bytes */

@@ -40,6 +40,8 @@ struct ekv_session {
   const float *logits;
   _Atomic int cancel;
   int allow_beyond_context;
+  int32_t stop_ids[8];
+  int n_stop_ids; /* -1: the tokenizer's */
   ekv_stats stats;
 };
 

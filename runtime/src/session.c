@@ -91,6 +91,7 @@ ekv_status ekv_session_new(ekv_model *m, ekv_session **out) {
     return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the session's tables");
   EKV_TRY(place_buffers(s));
   bind_arguments(s);
+  s->n_stop_ids = -1;
   ekv_session_reset(s);
   s->stats.load_seconds = m->load_seconds;
   return EKV_OK;
@@ -139,6 +140,12 @@ void ekv_session_cancel(ekv_session *s) {
 
 size_t ekv_session_position(const ekv_session *s) { return s->position; }
 void ekv_session_allow_beyond_context(ekv_session *s, int allow) { s->allow_beyond_context = allow != 0; }
+
+void ekv_session_set_stop_ids(ekv_session *s, const int32_t *ids, size_t n) {
+  size_t cap = sizeof s->stop_ids / sizeof s->stop_ids[0];
+  s->n_stop_ids = (int)(n < cap ? n : cap);
+  for (int i = 0; i < s->n_stop_ids; i++) s->stop_ids[i] = ids[i];
+}
 const float *ekv_session_logits(const ekv_session *s) { return s->logits; }
 
 ekv_status ekv_run_function(ekv_session *s, int function) {
