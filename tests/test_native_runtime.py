@@ -250,3 +250,46 @@ def test_memory_limit_refused_before_allocating(model, tmp_path_factory):
     art = artifact(model, "keydiff", tmp_path_factory)
     with pytest.raises(MemoryError, match="memory plan needs"):
         native.NativeRuntime(art, mem_limit=1024)
+
+
+def test_python_runtimes_refuse_an_artifact_this_machine_cannot_run(model, tmp_path_factory, tmp_path):
+    """The Python side checks the same things before loading: the architecture and CPU features."""
+    from edgekv.artifact import ArtifactError
+
+    art = _copy(artifact(model, "streaming", tmp_path_factory), tmp_path)
+    prog = pf.read(art / PROGRAM_FILE)
+    prog.settings["cpu_features"] = "avx2,avx512-quantum"
+    pf.write(prog, art / PROGRAM_FILE)
+    with pytest.raises(ArtifactError, match="avx512-quantum"):
+        HostRuntime(art, check_hashes=False)
+    prog.settings["target_arch"] = "riscv64"
+    pf.write(prog, art / PROGRAM_FILE)
+    with pytest.raises(ArtifactError, match="compiled for riscv64"):
+        HostRuntime(art, check_hashes=False)
+    with pytest.raises(ArtifactError, match="does not match the sha256"):
+        HostRuntime(art)
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_native_equals_host_runtime_on_smollm2(smol, name, tmp_path):
+    """SmolLM2, every compiled policy, N = 256, B = 128, a 1K-token prompt: kept positions of every
+    layer after every block, last-token logits and 32 greedy tokens, native against HostRuntime."""
+    from edgekv.corpus import natural_text
+
+    ids = smol.tokenizer(natural_text())["input_ids"][:1000]
+    budget = 1200 if name == "full" else 256
+    compile_model(smol, make_policy(name, {}), budget, 128, out_dir=tmp_path / "art")
+    host, nat = HostRuntime(tmp_path / "art"), native.NativeRuntime(tmp_path / "art")
+    kept_host, logits_host = host_kept_per_block(host, ids)
+    kept_nat = []
+    logits_nat = nat.prefill(ids, on_block=lambda rt: kept_nat.append(
+        [rt.kept_positions(layer) for layer in range(rt.num_layers)]))
+    for block, (a, b) in enumerate(zip(kept_host, kept_nat)):
+        for layer in range(smol.config.num_layers):
+            np.testing.assert_array_equal(a[layer], b[layer], err_msg=f"{name}: block {block}, layer {layer}")
+    assert float(np.abs(logits_nat - logits_host).max() / np.abs(logits_host).max()) <= 1e-5
+    host.reset()
+    nat.reset()
+    assert nat.generate(ids, 32) == host.generate(ids, 32)

@@ -9,6 +9,9 @@ section itself):
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
   compiled_agreement*.md  tools/check_compiled_vs_engine.py (compiled artifact vs eager engine)
   onnx_agreement.md       tools/check_onnx_path.py          (ONNX input vs torch.export, ONNX Runtime)
+  native_agreement.md     tools/check_native_vs_host.py     (native runtime vs HostRuntime and the eager engine)
+  native_footprint.md     tools/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
+  native_aarch64.md       tools/check_native_aarch64.py     (the aarch64 build under qemu-user)
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ SECTIONS = [
     ("Compiled model vs the reference engine: DapQ", "compiled_agreement_dapq.md"),
     ("Compiled model vs the reference engine: D2O", "compiled_agreement_d2o.md"),
     ("ONNX input vs the torch.export path", "onnx_agreement.md"),
+    ("Native runtime vs HostRuntime and the eager engine", "native_agreement.md"),
+    ("Native runtime footprint", "native_footprint.md"),
+    ("Native runtime on aarch64 (qemu-user)", "native_aarch64.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 

@@ -93,6 +93,14 @@ def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = Tr
     built it."""
     path = Path(path)
     files = manifest.get("files") or {}
+    tok = files.get("tokenizer")
+    if tok and isinstance(tok.get("sha256"), dict):  # the HF tokenizer directory, file by file
+        for name, digest in tok["sha256"].items():
+            f = path / tok["name"] / name
+            if not f.is_file():
+                raise ArtifactError(f"artifact file missing: {f}")
+            if check_hashes and sha256_file(f) != digest:
+                raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
     for key in ("library", "params", "program", "tokenizer_file"):
         entry = files.get(key)
         if not entry:
@@ -111,3 +119,43 @@ def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = Tr
     if tvm_version is not None and built.get("tvm") != tvm_version:
         raise ArtifactError(f"artifact was built with TVM {built.get('tvm')}, this runtime has TVM {tvm_version}; "
                             "recompile it with this installation")
+    check_runs_here(path, files)
+
+
+# LLVM's feature names → the flags Linux lists in /proc/cpuinfo, where they differ
+_CPUINFO_NAMES = {"sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16",
+                  "avx512fp16": "avx512_fp16", "avx512vbmi2": "avx512_vbmi2", "avx512bitalg": "avx512_bitalg",
+                  "avx512vpopcntdq": "avx512_vpopcntdq", "avxvnni": "avx_vnni", "amx-tile": "amx_tile",
+                  "amx-int8": "amx_int8", "amx-bf16": "amx_bf16", "vpclmulqdq": "vpclmulqdq", "bmi": "bmi1",
+                  "fma": "fma", "f16c": "f16c"}
+
+
+def check_runs_here(path: Path, files: dict) -> None:
+    """Refuse an artifact whose code this machine cannot run: another architecture, or CPU
+    features this CPU lacks (a library built for AVX-512 would die on an illegal instruction).
+    Reads the program's settings; an artifact without a program (a GPU build) is not checked."""
+    import platform
+
+    entry = files.get("program")
+    if not entry or not (path / entry["name"]).is_file():
+        return
+    from . import program_file
+
+    try:
+        settings = program_file.read(path / entry["name"]).settings
+    except program_file.ProgramFormatError as exc:
+        raise ArtifactError(f"{path / entry['name']}: {exc}") from None
+    arch, here = str(settings.get("target_arch", "")), platform.machine()
+    here = {"amd64": "x86_64", "arm64": "aarch64"}.get(here.lower(), here)
+    if arch and arch != here:
+        raise ArtifactError(f"the artifact was compiled for {arch} and this machine is {here}: compile it here with "
+                            f"--target host, or run it on a {arch} device")
+    wanted = [f for f in str(settings.get("cpu_features", "")).split(",") if f]
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return  # no /proc/cpuinfo: nothing to compare with
+    missing = [f for f in wanted if _CPUINFO_NAMES.get(f, f) not in flags]
+    if missing:
+        raise ArtifactError(f"the artifact's kernels use CPU features this machine lacks: {', '.join(missing)}; "
+                            "recompile it here (edgekv compile --target host), which builds for this CPU")
