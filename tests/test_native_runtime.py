@@ -293,3 +293,22 @@ def test_native_equals_host_runtime_on_smollm2(smol, name, tmp_path):
     host.reset()
     nat.reset()
     assert nat.generate(ids, 32) == host.generate(ids, 32)
+
+
+def test_sampling_is_seeded(model, prompt, tmp_path_factory, tmp_path):
+    """Temperature sampling: the same seed gives the same tokens, another seed other tokens; a
+    nucleus too small to hold more than the best token is greedy."""
+    art = artifact(model, "keydiff", tmp_path_factory)
+    ids = ",".join(map(str, prompt))
+
+    def tokens(*extra):
+        out = tmp_path / "s.json"
+        res = run_cli(art, "--prompt-ids", ids, "--max-new-tokens", 24, "--quiet", "--report", out, *extra)
+        assert res.returncode == 0, res.stderr
+        return json.loads(out.read_text())["generated_ids"]
+
+    greedy = tokens()
+    a, b = tokens("--temperature", "1.5", "--seed", "7"), tokens("--temperature", "1.5", "--seed", "7")
+    assert a == b
+    assert a != greedy and a != tokens("--temperature", "1.5", "--seed", "8")
+    assert tokens("--temperature", "1.0", "--top-p", "1e-6", "--seed", "3") == greedy
