@@ -293,7 +293,10 @@ class HostRuntime:
         if ids.size == 0:
             raise ValueError("the prompt is empty; give at least one token")
         self._check_room(ids.size)
-        self.prepare(ids)
+        if self.position == 0:  # a new sequence: the per-prompt step; a continuation keeps the state
+            self.prepare(ids)
+        else:
+            self._prompt = ids  # a continuation's pseudo rows are built from its own tokens
         logits = None
         t0 = time.perf_counter()
         for s in range(0, ids.size, self.block):

@@ -22,8 +22,12 @@
 
 #define MAX_PROMPT_BYTES ((size_t)64 << 20)
 
+#define MAX_QUESTIONS 64
+
 typedef struct {
-  const char *artifact, *prompt, *prompt_file, *prompt_ids, *report;
+  const char *artifact, *prompt, *prompt_file, *prompt_ids, *report, *save_cache, *load_cache;
+  const char *questions[MAX_QUESTIONS];
+  int n_questions;
   int chat, max_new, threads, allow_beyond, verify_weights, quiet, check_only, warmup, ignore_eos;
   float temperature, top_p;
   uint64_t seed, mem_limit;
@@ -107,13 +111,15 @@ static int parse_args(int argc, char **argv, options *o) {
       {"verify-weights", no_argument, 0, 'V'},     {"quiet", no_argument, 0, 'q'},
       {"check", no_argument, 0, 'C'},              {"help", no_argument, 0, 'h'},
       {"warmup", no_argument, 0, 'W'},             {"ignore-eos", no_argument, 0, 'E'},
+      {"question", required_argument, 0, 'Q'},     {"save-cache", required_argument, 0, 'S'},
+      {"load-cache", required_argument, 0, 'L'},
       {0, 0, 0, 0}};
   o->max_new = 64;
   o->top_p = 1.0f;
   long v;
   int c;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWE", LONG, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWEQ:S:L:", LONG, NULL)) != -1) {
     switch (c) {
       case 'p': o->prompt = optarg; break;
       case 'f': o->prompt_file = optarg; break;
@@ -150,6 +156,13 @@ static int parse_args(int argc, char **argv, options *o) {
       case 'C': o->check_only = 1; break;
       case 'W': o->warmup = 1; break;
       case 'E': o->ignore_eos = 1; break;
+      case 'Q':
+        if (o->n_questions == MAX_QUESTIONS) return fail("at most %s --question options%s", "64", "");
+        if (optarg[0] == '\0') return fail("--question is empty; give the question's text%s%s", "", "");
+        o->questions[o->n_questions++] = optarg;
+        break;
+      case 'S': o->save_cache = optarg; break;
+      case 'L': o->load_cache = optarg; break;
       case 'h': usage(stdout); exit(0);
       default:
         usage(stderr);
@@ -162,7 +175,15 @@ static int parse_args(int argc, char **argv, options *o) {
   }
   o->artifact = argv[optind];
   int sources = (o->prompt != NULL) + (o->prompt_file != NULL) + (o->prompt_ids != NULL);
-  if (!o->check_only && sources != 1) return fail("give one of --prompt, --prompt-file or --prompt-ids%s%s", "", "");
+  if (o->check_only) return 0;
+  if (o->load_cache != NULL) {
+    if (sources != 0) return fail("--load-cache holds the document already: drop --prompt/--prompt-file/--prompt-ids%s%s", "", "");
+    if (o->n_questions == 0) return fail("--load-cache needs at least one --question to answer from it%s%s", "", "");
+    if (o->save_cache != NULL) return fail("give --save-cache or --load-cache, not both%s%s", "", "");
+    return 0;
+  }
+  if (sources != 1) return fail("give one of --prompt, --prompt-file or --prompt-ids%s%s", "", "");
+  if (o->prompt_ids != NULL && (o->n_questions > 0)) return fail("--question needs a text document (--prompt or --prompt-file)%s%s", "", "");
   return 0;
 }
 
@@ -208,6 +229,21 @@ static int read_prompt_file(const char *path, char **out, size_t *len) {
   return 0;
 }
 
+/* text → ids (malloc'd) as the whole prompt, a document, or a question about it */
+static int encode_text(ekv_model *model, const char *text, size_t len, int chat, ekv_text_part part, int32_t **ids,
+                       size_t *n) {
+  ekv_tokenizer *tok = ekv_model_tokenizer(model);
+  if (tok == NULL) return fail("this artifact has no tokenizer; pass --prompt-ids%s%s", "", "");
+  if (chat && !ekv_tokenizer_has_chat_template(tok))
+    return fail("--chat: the model has no chat template; run without --chat%s%s", "", "");
+  size_t count = 0;
+  ekv_status st = ekv_tokenizer_encode_part(tok, text, len, chat, part, NULL, 0, &count);
+  *ids = st == EKV_OK ? malloc(sizeof(int32_t) * (count + 1)) : NULL;
+  if (st == EKV_OK && *ids != NULL) st = ekv_tokenizer_encode_part(tok, text, len, chat, part, *ids, count, n);
+  if (st != EKV_OK || *ids == NULL) return fail("cannot tokenize the text: %s%s", ekv_tokenizer_last_error(tok), "");
+  return 0;
+}
+
 static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size_t *n) {
   *ids = NULL;
   *n = 0;
@@ -235,20 +271,9 @@ static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size
   int only_space = 1;
   for (size_t i = 0; i < len && only_space; i++) only_space = text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r';
   int rc = 0;
-  ekv_tokenizer *tok = ekv_model_tokenizer(model);
+  ekv_text_part part = (o->n_questions > 0 || o->save_cache != NULL) ? EKV_PART_DOCUMENT : EKV_PART_WHOLE;
   if (only_space) rc = fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
-  else if (tok == NULL) rc = fail("this artifact has no tokenizer; pass --prompt-ids%s%s", "", "");
-  else if (o->chat && !ekv_tokenizer_has_chat_template(tok))
-    rc = fail("--chat: the model has no chat template; run without --chat%s%s", "", "");
-  if (rc == 0) {
-    ekv_status (*encode)(ekv_tokenizer *, const char *, size_t, int32_t *, size_t, size_t *) =
-        o->chat ? ekv_tokenizer_encode_chat : ekv_tokenizer_encode;
-    size_t count = 0;
-    ekv_status st = encode(tok, text, len, NULL, 0, &count);
-    *ids = st == EKV_OK ? malloc(sizeof(int32_t) * (count + 1)) : NULL;
-    if (st == EKV_OK && *ids != NULL) st = encode(tok, text, len, *ids, count, n);
-    if (st != EKV_OK || *ids == NULL) rc = fail("cannot tokenize the prompt: %s%s", ekv_tokenizer_last_error(tok), "");
-  }
+  else rc = encode_text(model, text, len, o->chat, part, ids, n);
   if (text != o->prompt) free(text);
   return rc;
 }
@@ -262,6 +287,18 @@ typedef struct {
   size_t n_out, out_cap;
   size_t block;
   double cold_first_block; /* the --warmup block, timed: start-up without a warm cache */
+  /* document mode: one answer per --question, each from the document's saved state */
+  double question_start, ttft; /* time to first token of the current question */
+  double document_seconds;     /* the document's prefill (0 when it came from --load-cache) */
+  size_t document_tokens;
+  struct answer {
+    const char *question;
+    char *text;
+    int32_t *ids;
+    size_t n_ids, prompt_tokens;
+    double ttft, load_seconds, prefill_seconds, decode_seconds;
+  } answers[MAX_QUESTIONS];
+  int n_answers;
 } run_state;
 
 static double now_seconds(void) {
@@ -284,6 +321,7 @@ static int on_progress(void *user, size_t done, size_t total) {
 
 static int on_token(void *user, int32_t id, const char *text, size_t len) {
   run_state *r = user;
+  if (r->n_out == 0 && r->question_start > 0) r->ttft = now_seconds() - r->question_start;
   if (r->n_out < r->out_cap) r->out_ids[r->n_out++] = id;
   if (len > 0) {
     if (r->text_len + len + 1 > r->text_cap) {
@@ -359,6 +397,30 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
   json_uint(&w, "workspace_peak_bytes", st.workspace_bytes_peak);
   json_uint(&w, "weights_mapped_bytes", st.mapped_bytes);
   json_end_object(&w);
+  if (r->n_answers > 0 || o->save_cache != NULL) {
+    json_uint(&w, "document_tokens", r->document_tokens);
+    json_double(&w, "document_prefill_seconds", r->document_seconds);
+    if (o->save_cache != NULL) json_string(&w, "saved_cache", o->save_cache);
+    if (o->load_cache != NULL) json_string(&w, "loaded_cache", o->load_cache);
+    json_array(&w, "answers");
+    for (int i = 0; i < r->n_answers; i++) {
+      const struct answer *a = &r->answers[i];
+      json_object(&w, NULL);
+      json_string(&w, "question", a->question);
+      json_string(&w, "text", a->text != NULL ? a->text : "");
+      json_array(&w, "generated_ids");
+      for (size_t k = 0; k < a->n_ids; k++) json_int(&w, NULL, a->ids[k]);
+      json_end_array(&w);
+      json_uint(&w, "question_tokens", a->prompt_tokens);
+      json_double(&w, "cache_load_seconds", a->load_seconds);
+      json_double(&w, "question_prefill_seconds", a->prefill_seconds);
+      json_double(&w, "decode_seconds", a->decode_seconds);
+      /* from the state of the document being ready (loaded or just read) to the first answer token */
+      json_double(&w, "time_to_first_token_seconds", a->ttft);
+      json_end_object(&w);
+    }
+    json_end_array(&w);
+  }
   json_array(&w, "cache_lengths");
   for (int32_t l = 0; l < info.num_layers; l++) {
     int32_t heads = 0, fill = 0;
@@ -372,6 +434,85 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
     remove(tmp);
     fprintf(stderr, "error: cannot write the report %s: %s\n", o->report, strerror(errno));
   }
+}
+
+/* A document, then each question from the document's state: the state is saved once (to
+ * --save-cache, or a temporary file when several questions need it) and loaded again before
+ * every question but the first, so no answer leaks into the next question's cache. */
+static ekv_status run_document(const options *o, ekv_model *model, ekv_session *s, ekv_sampler *sampler,
+                               const int32_t *doc, size_t n_doc, run_state *r) {
+  ekv_status st = EKV_OK;
+  char tmp_path[] = "/tmp/edgekv-run-doc-XXXXXX";
+  const char *snapshot = o->load_cache != NULL ? o->load_cache : o->save_cache;
+  if (snapshot == NULL && o->n_questions > 1) {
+    int fd = mkstemp(tmp_path);
+    if (fd < 0) return EKV_ERR_IO;
+    close(fd);
+    snapshot = tmp_path;
+  }
+  double t0 = now_seconds();
+  if (o->load_cache != NULL) {
+    st = ekv_session_load(s, o->load_cache);
+    r->answers[0].load_seconds = now_seconds() - t0;
+    const char *made_for = ekv_session_snapshot_question(s);
+    if (st == EKV_OK && made_for != NULL && made_for[0] != '\0')
+      for (int q = 0; q < o->n_questions; q++)
+        if (strcmp(made_for, o->questions[q]) != 0 && !o->quiet)
+          fprintf(stderr, "warning: %s was made knowing the question \"%s\" (a query-aware policy's cache); "
+                  "answers to other questions may miss what it evicted\n", o->load_cache, made_for);
+  } else {
+    st = ekv_session_prefill(s, doc, n_doc, on_progress, r);
+    r->document_seconds = now_seconds() - t0;
+    r->document_tokens = n_doc;
+    if (st == EKV_OK && snapshot != NULL) st = ekv_session_save(s, snapshot, NULL);
+    if (st == EKV_OK && o->save_cache != NULL && !o->quiet)
+      fprintf(stderr, "saved the document's cache (%zu tokens) to %s\n", n_doc, o->save_cache);
+  }
+  for (int q = 0; st == EKV_OK && q < o->n_questions; q++) {
+    struct answer *a = &r->answers[q];
+    a->question = o->questions[q];
+    r->question_start = now_seconds();
+    if (q > 0) {
+      st = ekv_session_load(s, snapshot);
+      a->load_seconds = now_seconds() - r->question_start;
+      if (st != EKV_OK) break;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (encode_text(model, a->question, strlen(a->question), o->chat, EKV_PART_QUESTION, &ids, &n) != 0) {
+      st = EKV_ERR_INVALID_ARG;
+      break;
+    }
+    if (!o->quiet && o->n_questions > 1) {
+      fflush(stdout);
+      fprintf(stderr, "question %d: %s\n", q + 1, a->question);
+    }
+    r->n_out = 0;
+    r->text_len = 0;
+    r->ttft = 0;
+    size_t n_out = 0;
+    st = ekv_session_generate(s, ids, n, o->max_new, sampler, NULL, on_token, r, NULL, 0, &n_out);
+    free(ids);
+    if (!o->quiet && r->text_len > 0) fputc('\n', stdout);
+    ekv_stats stats;
+    ekv_session_get_stats(s, &stats);
+    a->prompt_tokens = n;
+    a->ttft = r->ttft + (q == 0 && o->load_cache != NULL ? a->load_seconds : 0.0);
+    a->prefill_seconds = stats.prefill_seconds;
+    a->decode_seconds = stats.decode_seconds;
+    a->n_ids = r->n_out;
+    a->ids = malloc(sizeof(int32_t) * (r->n_out + 1));
+    a->text = malloc(r->text_len + 1);
+    if (a->ids != NULL) memcpy(a->ids, r->out_ids, sizeof(int32_t) * r->n_out);
+    if (a->text != NULL) {
+      if (r->text_len) memcpy(a->text, r->text, r->text_len);
+      a->text[r->text_len] = '\0';
+    }
+    r->n_answers = q + 1;
+  }
+  r->question_start = 0;
+  if (snapshot == tmp_path) unlink(tmp_path);
+  return st;
 }
 
 int main(int argc, char **argv) {
@@ -404,7 +545,7 @@ int main(int argc, char **argv) {
   ekv_session *s = NULL;
   ekv_sampler *sampler = NULL;
   run_state r = {.o = &o, .tty = isatty(2)};
-  rc = encode_prompt(&o, model, &ids, &n);
+  if (o.load_cache == NULL) rc = encode_prompt(&o, model, &ids, &n);
   if (rc == 0 && ekv_session_new(model, &s) != EKV_OK) rc = fail("%s%s", ekv_session_last_error(s), "");
   if (rc == 0 && ekv_sampler_new(o.temperature, o.top_p, o.seed, &sampler) != EKV_OK) rc = fail("bad sampling settings%s%s", "", "");
   if (rc == 0) {
@@ -428,7 +569,9 @@ int main(int argc, char **argv) {
       ekv_session_reset(s);
     }
     if (o.ignore_eos) ekv_session_set_stop_ids(s, NULL, 0);
-    if (st == EKV_OK)
+    if (st == EKV_OK && (o.n_questions > 0 || o.save_cache != NULL || o.load_cache != NULL))
+      st = run_document(&o, model, s, sampler, ids, n, &r);
+    else if (st == EKV_OK)
       st = ekv_session_generate(s, ids, n, o.max_new, sampler, on_progress, on_token, &r, NULL, 0, &n_out);
     if (!o.quiet && r.text_len > 0) fputc('\n', stdout);
     const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
@@ -439,6 +582,10 @@ int main(int argc, char **argv) {
   }
   free(r.out_ids);
   free(r.text);
+  for (int i = 0; i < r.n_answers; i++) {
+    free(r.answers[i].text);
+    free(r.answers[i].ids);
+  }
   free(ids);
   ekv_sampler_free(sampler);
   ekv_session_free(s);

@@ -72,6 +72,16 @@ ekv_status ekv_tokenizer_encode(ekv_tokenizer *tok, const char *text, size_t len
 ekv_status ekv_tokenizer_encode_chat(ekv_tokenizer *tok, const char *text, size_t len, int32_t *ids, size_t cap,
                                      size_t *n_ids);
 int ekv_tokenizer_has_chat_template(const ekv_tokenizer *tok);
+
+/* A document and a question about it, encoded as two parts so that the document's cache can be
+ * kept and each question appended later (ekv_session_save / _load): the document part is the
+ * chat template's prefix + the document; the question part is EKV_QUESTION_SEPARATOR + the
+ * question + the template's suffix (no template: the document, and the separator + question).
+ * A run of document then question is exactly these two parts in a row. */
+typedef enum { EKV_PART_WHOLE = 0, EKV_PART_DOCUMENT = 1, EKV_PART_QUESTION = 2 } ekv_text_part;
+#define EKV_QUESTION_SEPARATOR "\n\n"
+ekv_status ekv_tokenizer_encode_part(ekv_tokenizer *tok, const char *text, size_t len, int chat, ekv_text_part part,
+                                     int32_t *ids, size_t cap, size_t *n_ids);
 /* The raw bytes a token stands for (byte-level decoded; a special token's own text).
  * Returns NULL for an id outside the vocabulary. */
 const char *ekv_tokenizer_token_bytes(const ekv_tokenizer *tok, int32_t id, size_t *len);
@@ -165,6 +175,17 @@ void ekv_session_cancel(ekv_session *session);
  * ([heads][fill], head-major, into out with room for cap). */
 ekv_status ekv_session_kept_positions(const ekv_session *session, int32_t layer, int32_t *out, size_t cap,
                                       int32_t *heads, int32_t *fill);
+
+/* Save the cache state — every layer's kept K/V and positions, the policy's cache state, the
+ * position — to one file, atomically (written beside it, then renamed). `question` (or NULL)
+ * records that the cache was made knowing a question (query-aware policies). */
+ekv_status ekv_session_save(ekv_session *session, const char *path, const char *question);
+/* Map a snapshot back (copy-on-write: nothing is copied, the file never changes) and continue
+ * from it; refused when it was made for other weights, another artifact or other settings, or
+ * fails its checksums. Load it again to answer another question from the same state. */
+ekv_status ekv_session_load(ekv_session *session, const char *path);
+/* The question a loaded snapshot was made with ("" none; NULL when no snapshot is loaded). */
+const char *ekv_session_snapshot_question(const ekv_session *session);
 
 typedef struct ekv_stats {
   uint64_t prefill_tokens, prefill_blocks, decode_tokens;

@@ -77,6 +77,7 @@ static ekv_status read_program(ekv_model *m, const char *dir) {
     return ekv_fail(&m->err, EKV_ERR_FORMAT, "%s is larger than 1 GiB; not a program file", path);
   }
   st = ekv_program_parse(&m->err, path, file.data, file.size, &m->prog);
+  m->program_crc = ekv_crc32(0, file.data, file.size);
   ekv_unmap_file(&file);
   if (st != EKV_OK) return st;
   const char *built = ekv_program_str(&m->prog, "edgekv_version");

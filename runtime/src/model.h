@@ -25,6 +25,7 @@ struct ekv_model {
   int f_prefill, f_decode, f_prepare;
   int fill_field, pos_field;
   uint64_t cache_bytes, input_bytes, plan_bytes;
+  uint32_t program_crc; /* CRC-32 of program.ekv: the artifact a snapshot was made with */
   double load_seconds;
 };
 
@@ -42,8 +43,16 @@ struct ekv_session {
   int allow_beyond_context;
   int32_t stop_ids[8];
   int n_stop_ids; /* -1: the tokenizer's */
+  ekv_mapped_file snapshot; /* a loaded cache snapshot the caches point into (copy-on-write) */
+  uint64_t snapshot_tokens;
+  const char *snapshot_question; /* in the mapping; "" when made without one */
   ekv_stats stats;
 };
+
+/* Point the cache buffers at cache_data[buffer id] (NULL: the session's own), views following. */
+void ekv_session_bind_caches(ekv_session *s, void *const *cache_data);
+/* Unmap a loaded snapshot and point the caches back at the session's own buffers. */
+void ekv_snapshot_release(ekv_session *s);
 
 /* Run one program function: its calls in order, on the model's pool. */
 ekv_status ekv_run_function(ekv_session *s, int function);

@@ -11,7 +11,7 @@
 
 #include "alloc.h"
 
-ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out) {
+static ekv_status map_file(ekv_error *err, const char *path, int prot, ekv_mapped_file *out) {
   out->data = NULL;
   out->size = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -22,7 +22,7 @@ ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out) 
     return ekv_fail(err, EKV_ERR_IO, "%s is not a regular file", path);
   }
   if (st.st_size > 0) {
-    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    void *p = mmap(NULL, (size_t)st.st_size, prot, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       int e = errno;
       close(fd);
@@ -33,6 +33,14 @@ ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out) 
   }
   close(fd);
   return EKV_OK;
+}
+
+ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out) {
+  return map_file(err, path, PROT_READ, out);
+}
+
+ekv_status ekv_map_file_private(ekv_error *err, const char *path, ekv_mapped_file *out) {
+  return map_file(err, path, PROT_READ | PROT_WRITE, out);
 }
 
 void ekv_unmap_file(ekv_mapped_file *file) {

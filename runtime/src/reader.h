@@ -15,6 +15,8 @@ typedef struct ekv_mapped_file {
 
 /* Map `path` read-only (an empty file gives data == NULL, size 0). */
 ekv_status ekv_map_file(ekv_error *err, const char *path, ekv_mapped_file *out);
+/* Map `path` copy-on-write: writable, but writes stay in this process and never reach the file. */
+ekv_status ekv_map_file_private(ekv_error *err, const char *path, ekv_mapped_file *out);
 void ekv_unmap_file(ekv_mapped_file *file);
 /* Read a whole (small) file into an ekv_alloc'd buffer. */
 ekv_status ekv_read_file(ekv_error *err, const char *path, size_t max_bytes, unsigned char **data, size_t *size);

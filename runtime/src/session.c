@@ -102,11 +102,23 @@ void ekv_session_free(ekv_session *s) {
   if (s->owned != NULL && s->model != NULL)
     for (uint32_t i = 0; i < s->model->prog.n_buffers; i++) s->model->device->free(s->owned[i]);
   if (s->model != NULL && s->arena != NULL) s->model->device->free(s->arena);
+  if (s->model != NULL) ekv_snapshot_release(s);
   ekv_free(s->data);
   ekv_free(s->owned);
   ekv_free(s->tensors);
   ekv_free(s->args);
   ekv_free(s);
+}
+
+void ekv_session_bind_caches(ekv_session *s, void *const *cache_data) {
+  const ekv_program *p = &s->model->prog;
+  for (uint32_t i = 0; i < p->n_buffers; i++) {
+    const ekv_buffer_desc *b = &p->buffers[i];
+    if (b->kind == EKV_BUF_CACHE) s->data[i] = cache_data != NULL ? cache_data[i] : s->owned[i];
+    else if (b->kind == EKV_BUF_VIEW) s->data[i] = s->data[b->a]; /* views follow their base */
+    else continue;
+    s->tensors[i].data = s->data[i];
+  }
 }
 
 static void *cache_tensor(const ekv_session *s, int32_t layer, int field) {
@@ -118,6 +130,7 @@ void ekv_session_reset(ekv_session *s) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   static const int32_t zero = 0;
+  ekv_snapshot_release(s); /* back to the session's own caches */
   for (int32_t l = 0; l < p->num_layers; l++) {
     for (uint32_t f = 0; f < p->n_fields; f++) {
       const ekv_field_desc *fd = &p->fields[f];
@@ -263,7 +276,7 @@ ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv
                     strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
   double t0 = ekv_now();
   size_t B = (size_t)p->block;
-  if (m->f_prepare >= 0 && (int64_t)n > ekv_program_int(p, "prepare_min_prompt", 0)) {
+  if (m->f_prepare >= 0 && s->position == 0 && (int64_t)n > ekv_program_int(p, "prepare_min_prompt", 0)) {
     /* the program's per-prompt function, before the first block (D2O: the layer budgets) */
     size_t first = n < B ? n : B;
     EKV_TRY(fill_step_inputs(s, m->f_prepare, ids, first, s->position, &pr));

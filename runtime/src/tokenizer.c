@@ -929,29 +929,54 @@ ekv_status ekv_tokenizer_encode(ekv_tokenizer *tok, const char *text, size_t len
   return EKV_OK;
 }
 
-ekv_status ekv_tokenizer_encode_chat(ekv_tokenizer *tok, const char *text, size_t len, int32_t *ids, size_t cap,
-                                     size_t *n_ids) {
-  EKV_TRY(check_encode_args(tok, text, len, ids, cap, n_ids));
-  if (!tok->has_chat)
-    return ekv_fail(&tok->err, EKV_ERR_INVALID_ARG, "%s: the model has no chat template; encode the text plainly",
-                    tok->name);
-  /* the template's text and the user's are encoded as one string, as HF encodes the rendered
-   * template: the split regex looks across the seam ("\n" + " Hi" is not "\n" and " Hi") */
-  size_t fixed = (size_t)tok->chat_prefix_len + tok->chat_suffix_len;
+/* Encode head + text + tail as one string (the split regex looks across a seam: "\n" + " Hi"
+ * is not "\n" and " Hi"), in the handle's scratch buffer. */
+static ekv_status encode_wrapped(ekv_tokenizer *tok, const unsigned char *head, size_t head_len, const char *text,
+                                 size_t len, const unsigned char *tail, size_t tail_len, int32_t *ids, size_t cap,
+                                 size_t *n_ids) {
+  size_t fixed = head_len + tail_len;
   if (len > SIZE_MAX - fixed)
     return ekv_fail(&tok->err, EKV_ERR_INVALID_ARG, "%s: text of %zu bytes is too long", tok->name, len);
   size_t total = fixed + len;
   if (total > tok->chat_cap) {
-    char *buf = malloc(total);
+    char *buf = malloc(total ? total : 1);
     if (buf == NULL) return no_memory(tok, "the chat text", total);
     free(tok->chat_text);
     tok->chat_text = buf;
     tok->chat_cap = total;
   }
-  memcpy(tok->chat_text, tok->chat_prefix, tok->chat_prefix_len);
-  if (len > 0) memcpy(tok->chat_text + tok->chat_prefix_len, text, len);
-  memcpy(tok->chat_text + tok->chat_prefix_len + len, tok->chat_suffix, tok->chat_suffix_len);
+  if (head_len > 0) memcpy(tok->chat_text, head, head_len);
+  if (len > 0) memcpy(tok->chat_text + head_len, text, len);
+  if (tail_len > 0) memcpy(tok->chat_text + head_len + len, tail, tail_len);
   return ekv_tokenizer_encode(tok, tok->chat_text, total, ids, cap, n_ids);
+}
+
+ekv_status ekv_tokenizer_encode_chat(ekv_tokenizer *tok, const char *text, size_t len, int32_t *ids, size_t cap,
+                                     size_t *n_ids) {
+  return ekv_tokenizer_encode_part(tok, text, len, 1, EKV_PART_WHOLE, ids, cap, n_ids);
+}
+
+ekv_status ekv_tokenizer_encode_part(ekv_tokenizer *tok, const char *text, size_t len, int chat, ekv_text_part part,
+                                     int32_t *ids, size_t cap, size_t *n_ids) {
+  static const unsigned char SEP[] = EKV_QUESTION_SEPARATOR;
+  EKV_TRY(check_encode_args(tok, text, len, ids, cap, n_ids));
+  if (chat && !tok->has_chat)
+    return ekv_fail(&tok->err, EKV_ERR_INVALID_ARG, "%s: the model has no chat template; encode the text plainly",
+                    tok->name);
+  const unsigned char *head = NULL, *tail = NULL;
+  size_t head_len = 0, tail_len = 0;
+  if (part == EKV_PART_QUESTION) {
+    head = SEP;
+    head_len = sizeof SEP - 1;
+  } else if (chat) {
+    head = tok->chat_prefix;
+    head_len = tok->chat_prefix_len;
+  }
+  if (chat && part != EKV_PART_DOCUMENT) {
+    tail = tok->chat_suffix;
+    tail_len = tok->chat_suffix_len;
+  }
+  return encode_wrapped(tok, head, head_len, text, len, tail, tail_len, ids, cap, n_ids);
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -1,0 +1,246 @@
+/* Cache snapshots: a document read once, many questions answered from it. The layout is
+ * written down in edgekv/artifact/snapshot_file.py (the Python writer/reader of the same file):
+ *
+ *   header (256 bytes): magic "EKVSNAP\0", u16 major, u16 minor, u32 header_bytes, u32 n_tensors,
+ *     u32 strings_bytes, u64 position, u64 tokens, u32 budget, u32 block, u32 engine (2 =
+ *     compiled artifact), u32 flags (bit 0: made with a question), 32 bytes weight sha256,
+ *     u32 program crc32, u32 params crc32, u32 question crc32, u32 kv dtype (0 = float32),
+ *     reserved, u32 header crc32 at 248 (of the header, table and strings with itself zero)
+ *   tensor table at 256: n × 32 bytes {u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, 0}
+ *   strings: policy name, policy parameters, question — each NUL-terminated
+ *   data: each tensor 64-byte aligned
+ *
+ * Saving writes <path>.part, fsyncs it and renames it over <path>: a full disk or a kill
+ * leaves no half file. Loading maps the file copy-on-write and points the caches into the
+ * mapping (nothing is copied; decode's writes stay in this process). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "alloc.h"
+#include "model.h"
+
+#define SNAP_MAJOR 1
+#define SNAP_MINOR 0
+#define HEADER 256u
+#define ENTRY 32u
+#define ENGINE_COMPILED 2u
+static const unsigned char MAGIC[8] = {'E', 'K', 'V', 'S', 'N', 'A', 'P', 0};
+
+static void put16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
+static void put32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static int hex_to_bytes(const char *hex, unsigned char out[32]) {
+  if (strlen(hex) != 64) return 0;
+  for (int i = 0; i < 32; i++) {
+    unsigned v = 0;
+    if (sscanf(hex + 2 * i, "%2x", &v) != 1) return 0;
+    out[i] = (unsigned char)v;
+  }
+  return 1;
+}
+
+static uint32_t str_crc(const char *s) { return ekv_crc32(0, s, strlen(s)); }
+
+static int write_all(int fd, const void *data, size_t n) {
+  const unsigned char *p = data;
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return 0;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 1;
+}
+
+ekv_status ekv_session_save(ekv_session *s, const char *path, const char *question) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  const char *policy = ekv_program_str(p, "policy"), *params = ekv_program_str(p, "policy_params");
+  if (question == NULL) question = "";
+  size_t n = (size_t)p->num_layers * p->n_fields;
+  size_t strings = strlen(policy) + strlen(params) + strlen(question) + 3;
+  size_t head = ekv_align_up(HEADER + ENTRY * n + strings, EKV_ALIGN);
+  unsigned char *h = ekv_alloc(head, EKV_MEM_RUNTIME);
+  if (h == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the snapshot header");
+  memcpy(h, MAGIC, 8);
+  put16(h + 8, SNAP_MAJOR);
+  put16(h + 10, SNAP_MINOR);
+  put32(h + 12, (uint32_t)head);
+  put32(h + 16, (uint32_t)n);
+  put32(h + 20, (uint32_t)strings);
+  put64(h + 24, s->position);
+  put64(h + 32, s->stats.prefill_tokens);
+  put32(h + 40, (uint32_t)p->budget);
+  put32(h + 44, (uint32_t)p->block);
+  put32(h + 48, ENGINE_COMPILED);
+  put32(h + 52, question[0] != '\0');
+  if (!hex_to_bytes(ekv_program_str(p, "weight_hash"), h + 56)) memset(h + 56, 0, 32);
+  put32(h + 88, m->program_crc);
+  put32(h + 92, str_crc(params));
+  put32(h + 96, str_crc(question));
+  put32(h + 100, 0); /* float32 KV */
+  uint64_t offset = head;
+  for (size_t k = 0; k < n; k++) {
+    uint32_t id = p->cache_buffer[k];
+    const ekv_buffer_desc *b = &p->buffers[id];
+    unsigned char *e = h + HEADER + ENTRY * k;
+    put32(e, (uint32_t)(k / p->n_fields));
+    put32(e + 4, (uint32_t)(k % p->n_fields));
+    put64(e + 8, offset);
+    put64(e + 16, b->nbytes);
+    put32(e + 24, ekv_crc32(0, s->data[id], b->nbytes)); /* CPU device: the caches are host memory */
+    offset = ekv_align_up(offset + b->nbytes, EKV_ALIGN);
+  }
+  char *str = (char *)h + HEADER + ENTRY * n;
+  strcpy(str, policy);
+  strcpy(str + strlen(policy) + 1, params);
+  strcpy(str + strlen(policy) + strlen(params) + 2, question);
+  put32(h + 248, ekv_crc32(0, h, head));
+
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.part", path) >= (int)sizeof tmp) {
+    ekv_free(h);
+    return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "snapshot path too long: %s", path);
+  }
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    ekv_free(h);
+    return ekv_fail(&s->err, EKV_ERR_IO, "cannot write the snapshot %s: %s", path, strerror(errno));
+  }
+  static const unsigned char zeros[EKV_ALIGN];
+  int ok = write_all(fd, h, head);
+  uint64_t at = head;
+  for (size_t k = 0; ok && k < n; k++) {
+    const ekv_buffer_desc *b = &p->buffers[p->cache_buffer[k]];
+    ok = write_all(fd, s->data[p->cache_buffer[k]], b->nbytes);
+    at += b->nbytes;
+    size_t pad = ekv_align_up(at, EKV_ALIGN) - at;
+    ok = ok && write_all(fd, zeros, pad);
+    at += pad;
+  }
+  int e = errno;
+  ok = ok && fsync(fd) == 0;
+  ok = close(fd) == 0 && ok;
+  ekv_free(h);
+  if (!ok || rename(tmp, path) != 0) {
+    if (!ok) errno = e;
+    int err = errno;
+    unlink(tmp);
+    return ekv_fail(&s->err, EKV_ERR_IO, "cannot write the snapshot %s: %s (nothing was written)", path,
+                    strerror(err));
+  }
+  return EKV_OK;
+}
+
+void ekv_snapshot_release(ekv_session *s) {
+  if (s->snapshot.data == NULL) return;
+  ekv_session_bind_caches(s, NULL);
+  ekv_unmap_file(&s->snapshot);
+}
+
+static ekv_status refuse(ekv_session *s, ekv_mapped_file *f, ekv_status st, const char *path, const char *why) {
+  ekv_unmap_file(f);
+  return ekv_fail(&s->err, st, "%s: %s", path, why);
+}
+
+ekv_status ekv_session_load(ekv_session *s, const char *path) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  ekv_mapped_file f;
+  EKV_TRY(ekv_map_file_private(&s->err, path, &f));
+  const unsigned char *d = f.data;
+  char why[512];
+  if (f.size < HEADER || memcmp(d, MAGIC, 8) != 0)
+    return refuse(s, &f, EKV_ERR_FORMAT, path, "not an edgekv cache snapshot (bad magic or truncated)");
+  if (ekv_le16(d + 8) != SNAP_MAJOR) {
+    snprintf(why, sizeof why, "snapshot format %u.%u, this runtime reads %u.x: make it again with this edgekv",
+             ekv_le16(d + 8), ekv_le16(d + 10), SNAP_MAJOR);
+    return refuse(s, &f, EKV_ERR_FORMAT, path, why);
+  }
+  uint32_t head = ekv_le32(d + 12), n = ekv_le32(d + 16), strings = ekv_le32(d + 20);
+  if (head > f.size || (uint64_t)HEADER + (uint64_t)ENTRY * n + strings > head)
+    return refuse(s, &f, EKV_ERR_FORMAT, path, "the header is truncated or corrupt");
+  unsigned char *hd = (unsigned char *)f.data; /* private mapping: zero the crc field to check it */
+  uint32_t stored = ekv_le32(hd + 248);
+  put32(hd + 248, 0);
+  uint32_t computed = ekv_crc32(0, hd, head);
+  put32(hd + 248, stored);
+  if (stored != computed) return refuse(s, &f, EKV_ERR_FORMAT, path, "the header fails its checksum (corrupt)");
+  const char *str = (const char *)d + HEADER + (size_t)ENTRY * n;
+  if (strings < 3 || str[strings - 1] != '\0') return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
+  const char *policy = str, *params = policy + strlen(policy) + 1;
+  if ((size_t)(params - str) >= strings || (size_t)(params + strlen(params) + 1 - str) >= strings)
+    return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
+  unsigned char weights[32];
+  if (ekv_le32(d + 48) != ENGINE_COMPILED)
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made by the eager engine; load it with `edgekv run` without an "
+                  "artifact, or make one with this artifact");
+  if (!hex_to_bytes(ekv_program_str(p, "weight_hash"), weights) || memcmp(weights, d + 56, 32) != 0)
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made for other model weights than this artifact's");
+  if (strcmp(policy, ekv_program_str(p, "policy")) != 0 || strcmp(params, ekv_program_str(p, "policy_params")) != 0) {
+    snprintf(why, sizeof why, "made with policy %s %s, this artifact runs %s %s", policy, params,
+             ekv_program_str(p, "policy"), ekv_program_str(p, "policy_params"));
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
+  }
+  if (ekv_le32(d + 40) != (uint32_t)p->budget || ekv_le32(d + 44) != (uint32_t)p->block) {
+    snprintf(why, sizeof why, "made at N = %u, B = %u, this artifact has N = %d, B = %d", ekv_le32(d + 40),
+             ekv_le32(d + 44), p->budget, p->block);
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
+  }
+  if (ekv_le32(d + 100) != 0) return refuse(s, &f, EKV_ERR_MISMATCH, path, "its KV cache is not float32");
+  if (ekv_le32(d + 88) != m->program_crc)
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made with another artifact (its program differs); make it again");
+  size_t slots = (size_t)p->num_layers * p->n_fields;
+  if (n != slots) return refuse(s, &f, EKV_ERR_MISMATCH, path, "its cache layout differs from this artifact's");
+  void **where = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  if (where == NULL) return refuse(s, &f, EKV_ERR_NO_MEMORY, path, "out of memory");
+  for (uint32_t i = 0; i < p->n_buffers; i++) where[i] = s->owned[i];
+  for (uint32_t k = 0; k < n; k++) {
+    const unsigned char *e = d + HEADER + (size_t)ENTRY * k;
+    uint32_t layer = ekv_le32(e), field = ekv_le32(e + 4);
+    uint64_t off = ekv_le64(e + 8), bytes = ekv_le64(e + 16);
+    uint32_t id = layer < (uint32_t)p->num_layers && field < p->n_fields
+                      ? p->cache_buffer[(size_t)layer * p->n_fields + field] : UINT32_MAX;
+    const char *bad = NULL;
+    ekv_status st = EKV_ERR_FORMAT;
+    if (id == UINT32_MAX || bytes != p->buffers[id].nbytes) {
+      bad = "its cache layout differs from this artifact's";
+      st = EKV_ERR_MISMATCH;
+    } else if (!ekv_range_ok(off, bytes, f.size) || off % EKV_ALIGN != 0) {
+      bad = "truncated (a tensor runs past the end)";
+    } else if (ekv_crc32(0, d + off, bytes) != ekv_le32(e + 24)) {
+      bad = "a cache tensor fails its checksum (corrupt)";
+    }
+    if (bad != NULL) {
+      ekv_free(where);
+      return refuse(s, &f, st, path, bad);
+    }
+    where[id] = (unsigned char *)f.data + off;
+  }
+  ekv_snapshot_release(s);
+  s->snapshot = f;
+  ekv_session_bind_caches(s, where); /* the CPU device reads the mapping in place */
+  ekv_free(where);
+  s->position = ekv_le64(d + 24);
+  s->logits = NULL;
+  atomic_store(&s->cancel, 0);
+  double load = s->stats.load_seconds;
+  memset(&s->stats, 0, sizeof s->stats);
+  s->stats.load_seconds = load;
+  s->snapshot_tokens = ekv_le64(d + 32);
+  s->snapshot_question = params + strlen(params) + 1;
+  return EKV_OK;
+}
+
+const char *ekv_session_snapshot_question(const ekv_session *s) {
+  return s->snapshot.data != NULL ? s->snapshot_question : NULL;
+}
