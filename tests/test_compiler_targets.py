@@ -67,7 +67,7 @@ def _build(model, imported, tmp_path_factory, target, policy=None, budget=N):
     return _BUILDS[key]
 
 
-@pytest.mark.parametrize("target", ["cuda", "opencl", "metal", "hexagon", "android-cpu"])
+@pytest.mark.parametrize("target", ["cuda", "opencl", "metal", "hexagon", "android-cpu", "aarch64-linux"])
 def test_profiles_resolve(target):
     profile, tgt, host = device_target(target)
     assert profile["name"] == target

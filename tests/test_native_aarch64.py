@@ -4,6 +4,7 @@ by ``targets.finish`` with the cross gcc, under qemu-user, and generates the sam
 the host ``edgekv-run`` on a host artifact of the same model, policy, budget and block. Each
 runtime refuses the other's artifact with a message naming the architectures.
 
+Policies: KeyDiff, SnapKV and D2O (whose per-prompt ``prepare`` function the program calls).
 Slow (per policy two compiles; two runtime builds; qemu is several times slower than native).
 It skips, saying what to install, when the cross compiler, the aarch64 glibc or qemu-user is
 missing: ``apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static``.
@@ -109,10 +110,13 @@ def imported(model):
 
 
 def _policy(name: str):
+    from edgekv.policies.d2o import D2OPolicy
     from edgekv.policies.keydiff import KeyDiffPolicy
     from edgekv.policies.snapkv import SnapKVPolicy
 
-    return {"keydiff": KeyDiffPolicy(), "snapkv": SnapKVPolicy(window=4, kernel=3)}[name]
+    # keydiff: key-only scores; snapkv: the block's attention rows; d2o: a per-prompt `prepare`
+    # function and per-layer state in the cache
+    return {"keydiff": KeyDiffPolicy(), "snapkv": SnapKVPolicy(window=4, kernel=3), "d2o": D2OPolicy()}[name]
 
 
 _ARTIFACTS: dict = {}
@@ -156,8 +160,10 @@ def _generate(cmd: list[str], artifact: Path, tmp_path: Path, tag: str) -> dict:
     return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv", "d2o"])
 def test_aarch64_under_qemu_matches_host(runtimes, model, imported, tmp_path_factory, tmp_path, policy):
+    from edgekv.artifact import program_file
+
     arts = _artifacts(policy, model, imported, tmp_path_factory)
     check = _run([*runtimes["aarch64"], arts["aarch64"], "--check", "--verify-weights"])
     assert check.returncode == 0, check.stderr
@@ -166,8 +172,14 @@ def test_aarch64_under_qemu_matches_host(runtimes, model, imported, tmp_path_fac
     assert a64["target"] == "aarch64-linux" and a64["policy"] == host["policy"] == policy
     assert len(host["generated_ids"]) == NEW_TOKENS
     assert a64["generated_ids"] == host["generated_ids"]
-    # the cache was cut back to the budget on both (eviction ran)
-    assert a64["cache_lengths"] == host["cache_lengths"] == [N] * model.config.num_layers
+    # eviction ran: the caches end at the same lengths, none above the budget (D2O: per-layer budgets)
+    assert a64["cache_lengths"] == host["cache_lengths"]
+    assert max(host["cache_lengths"]) <= N < len(PROMPT)
+    if policy != "d2o":
+        assert host["cache_lengths"] == [N] * model.config.num_layers
+    if policy == "d2o":
+        prog = program_file.read(arts["aarch64"] / "program.ekv")
+        assert "prepare" in [f.name for f in prog.functions]
 
 
 def test_each_runtime_refuses_the_other_architecture(runtimes, model, imported, tmp_path_factory):

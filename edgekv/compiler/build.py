@@ -263,8 +263,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "cache_init": {k: np.asarray(v).tolist() for k, v in policy.compiled_state_init(budget).items()},
         # the compiled per-prompt function (compiler/prepare.py): run for prompts longer than this
         "prepare": ({"min_prompt": int(policy.prepare_min_prompt(budget))}
-                    if getattr(type(policy), "emit_prepare", None) and policy.prepare_min_prompt(budget) is not None
-                    else None),
+                    if "prepare" in [gv.name_hint for gv in lowered.mod.get_global_vars()] else None),
         "memory_plan": plan,
         "versions": versions(),
         "timings": lowered.timings,

@@ -16,7 +16,9 @@ LLVM cross targets (Android CPU, aarch64 Linux, Hexagon) use the host CPU pipeli
 aarch64 (docs/NATIVE.md).
 
 Profiles: ``compile/<name>.json`` with ``target`` (TVM target dict), optional ``host``
-(target dict for the VM's host code), ``demote_float64``, ``device_source`` and ``toolchain``.
+(target dict for the VM's host code), ``demote_float64``, ``device_source`` and ``toolchain``
+(``env``: the variable holding the compiler command ``finish`` links with; ``link_flags``: added
+after the objects, e.g. ``-lm``).
 """
 
 from __future__ import annotations
@@ -184,6 +186,14 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
                            "lower --budget or --block")
+    from .gpu_schedule import is_gpu_target
+
+    if not is_gpu_target(tgt):
+        # CPU cross builds run the policy's per-prompt function like the host build (D2O's probe →
+        # layer budgets); their program (program.ekv) calls it. GPU builds have no GPU version of it yet.
+        from .prepare import add_prepare_function
+
+        lowered.mod = add_prepare_function(lowered.mod, policy, budget)
     say(f"compiling with TVM for {profile.get('name', tgt['kind'])}")
     t0 = time.perf_counter()
     final: dict = {}

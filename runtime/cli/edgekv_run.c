@@ -73,7 +73,8 @@ static uint64_t parse_bytes(const char *s) {
   char unit[8] = "";
   size_t n = strlen(end);
   if (n >= sizeof unit) return 0;
-  for (size_t i = 0; i <= n; i++) unit[i] = (char)((end[i] >= 'A' && end[i] <= 'Z') ? end[i] - 'A' + 'a' : end[i]);
+  for (size_t i = 0; i < n; i++) unit[i] = (char)((end[i] >= 'A' && end[i] <= 'Z') ? end[i] - 'A' + 'a' : end[i]);
+  unit[n] = '\0';
   for (size_t i = 0; i < sizeof UNITS / sizeof UNITS[0]; i++)
     if (strcmp(unit, UNITS[i].suffix) == 0) {
       double bytes = v * UNITS[i].scale;

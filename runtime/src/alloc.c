@@ -28,8 +28,9 @@ static void raise_peak(_Atomic uint64_t *peak, uint64_t value) {
 void *ekv_alloc(size_t bytes, ekv_mem_kind kind) {
   if (bytes > SIZE_MAX - 2 * HEADER_SPACE) return NULL;
   size_t total = ekv_align_up(bytes + HEADER_SPACE, EKV_ALIGN);
-  unsigned char *raw = aligned_alloc(EKV_ALIGN, total);
-  if (raw == NULL) return NULL;
+  void *mem = NULL; /* posix_memalign: Android has aligned_alloc only from API 28 */
+  if (posix_memalign(&mem, EKV_ALIGN, total) != 0) return NULL;
+  unsigned char *raw = mem;
   memset(raw + HEADER_SPACE, 0, total - HEADER_SPACE);
   block_header *h = (block_header *)raw;
   h->bytes = total;

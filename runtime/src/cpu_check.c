@@ -72,7 +72,7 @@ const char *ekv_host_arch(void) {
 ekv_status ekv_cpu_check(ekv_error *err, const char *arch, const char *features) {
   if (strcmp(arch, ekv_host_arch()) != 0)
     return ekv_fail(err, EKV_ERR_MISMATCH, "the artifact was compiled for %s and this machine is %s: compile it with "
-                    "--target host here, or run it on a %s device", arch, ekv_host_arch(), arch);
+                    "--target host here, or run it on a %s machine", arch, ekv_host_arch(), arch);
   char missing[512] = "";
   size_t used = 0;
   for (const char *p = features; *p != '\0';) {

@@ -160,7 +160,7 @@ static ekv_status check_elf(ekv_error *err, const char *path) {
   if (f == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot open the kernel library %s", path);
   size_t n = fread(head, 1, sizeof head, f);
   fclose(f);
-  if (n >= 262 && memcmp(head + 257, "ustar", 5) == 0)
+  if ((n >= 262 && memcmp(head + 257, "ustar", 5) == 0) || (n >= 2 && head[0] == 0x1f && head[1] == 0x8b))
     return ekv_fail(err, EKV_ERR_MISMATCH, "%s is a tar of object files for another device; link it for that device "
                     "(python -m edgekv.compiler.targets finish <artifact>) and run it there", path);
   if (n < 20 || memcmp(head, "\177ELF", 4) != 0)
@@ -168,8 +168,8 @@ static ekv_status check_elf(ekv_error *err, const char *path) {
   unsigned machine = head[5] == 1 ? (unsigned)(head[18] | (head[19] << 8)) : (unsigned)((head[18] << 8) | head[19]);
   if (machine != HOST_MACHINE)
     return ekv_fail(err, EKV_ERR_MISMATCH, "%s holds %s code and this runtime runs on %s: compile the artifact for this "
-                    "machine (edgekv compile --target host) or run it on a %s device", path, machine_name(machine),
-                    HOST_ARCH, machine_name(machine));
+                    "machine (edgekv compile --target host) or run it on a machine of that kind", path,
+                    machine_name(machine), HOST_ARCH);
   return EKV_OK;
 }
 
