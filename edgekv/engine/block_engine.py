@@ -206,7 +206,10 @@ class BlockEngine:
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt_ids.numel() == 0:
             raise PolicyError("the prompt is empty; give at least one token")
-        self.prepare(prompt_ids)
+        if self.position == 0:  # a new sequence; a continuation keeps the per-prompt state
+            self.prepare(prompt_ids)
+        else:
+            self.policy.prepare_continuation(prompt_ids, self.position, self)
         outs = []
         t0 = time.perf_counter()
         for start in range(0, prompt_ids.numel(), self.block):
@@ -227,6 +230,59 @@ class BlockEngine:
         if max(c.length for c in self.caches) + b <= min(self.layer_budgets):
             return None
         return extra
+
+    # ---- snapshots (edgekv/artifact/snapshot_file.py) -----------------------------------
+    def _snapshot_identity(self) -> dict:
+        import json
+
+        return {"weight_hash": self.model.weight_hash, "policy": self.policy.name,
+                "policy_params": json.dumps(self.policy.params(), sort_keys=True), "budget": self.budget,
+                "block": self.block}
+
+    def save_cache(self, path, question: str | None = None) -> None:
+        """Save every layer's cache buffers, lengths, the position and the policy's per-prompt
+        state to one file, atomically."""
+        import json
+
+        from ..artifact import snapshot_file as sf
+
+        tensors = {}
+        for layer, c in enumerate(self.caches):
+            for f, t in enumerate([c.keys, c.values, c.positions, *c.state.values()]):
+                tensors[(layer, f)] = t.numpy()
+        extra = json.dumps({"lengths": self.cache_lengths(), "layer_budgets": self.layer_budgets,
+                            "policy_state": self.policy.state_dict()})
+        sf.write(sf.Snapshot(engine=sf.ENGINE_EAGER, position=self.position, tokens=self.stats.prefill_tokens,
+                             question=question or "", extra=extra, tensors=tensors, **self._snapshot_identity()),
+                 path)
+
+    def load_cache(self, path) -> str:
+        """Map a snapshot back (the cache buffers become views of the copy-on-write mapping);
+        returns the question it was made with ("")."""
+        import json
+
+        from ..artifact import snapshot_file as sf
+
+        snap = sf.read(path)
+        sf.check_matches(snap, path, engine=sf.ENGINE_EAGER, **self._snapshot_identity())
+        state = json.loads(snap.extra or "{}")
+        for layer, c in enumerate(self.caches):
+            names = ["keys", "values", "positions", *c.state]
+            for f, name in enumerate(names):
+                cur = getattr(c, name) if f < 3 else c.state[name]
+                data = snap.tensors.get((layer, f))
+                if data is None or data.nbytes != cur.numel() * cur.element_size():
+                    raise sf.SnapshotError(f"{path}: its cache layout differs from this engine's")
+                t = torch.from_numpy(data.view(cur.numpy().dtype).reshape(tuple(cur.shape)))
+                if f < 3:
+                    setattr(c, name, t)
+                else:
+                    c.state[name] = t
+            c.length = int(state["lengths"][layer])
+        self.layer_budgets = list(state.get("layer_budgets", self.layer_budgets))
+        self.policy.load_state_dict(state.get("policy_state", {}))
+        self.position = snap.position
+        return snap.question
 
     def decode(self, token_id: int) -> torch.Tensor:
         import time

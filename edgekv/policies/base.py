@@ -184,6 +184,19 @@ class Policy:
     def prepare(self, prompt_ids: torch.Tensor, model: Any) -> None:
         """Called once before prefill with the whole prompt (DapQ builds pseudo tokens here)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """The per-prompt state a saved cache needs to continue (JSON-able); most policies keep
+        theirs in the cache itself."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (loading a saved cache)."""
+
+    def prepare_continuation(self, ids: torch.Tensor, start: int, model: Any) -> None:
+        """Called before a prefill that continues a sequence at position ``start`` (a question
+        after a document, or a saved cache): the per-prompt state stays (D2O's budgets);
+        DapQ builds its pseudo tokens from the continuation."""
+
     def extra_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token ids, positions) the engine appends to blocks that evict; their K/V never
         enter the cache and they never influence real tokens (they come last, causally)."""

@@ -1185,6 +1185,14 @@ class D2OPolicy(Policy):
         n_l = self.uniform_budget(budget) if self.layers == "uniform" else budget
         return {"d2o_budget": np.array([n_l, self.recent_size(n_l)], dtype=np.int32)}
 
+    def state_dict(self) -> dict:
+        """τ per layer and the prompt's layer budgets: what a saved cache continues with."""
+        return {"tau": {str(k): float(v) for k, v in self.tau.items()}, "budgets": self.budgets}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tau = {int(k): float(v) for k, v in state.get("tau", {}).items()}
+        self.budgets = state.get("budgets")
+
     def prepare_min_prompt(self, budget: int) -> int | None:
         """The first-block probe runs for prompts longer than N (shorter ones keep N everywhere)."""
         return None if self.layers == "uniform" else budget

@@ -494,6 +494,13 @@ class DapQPolicy(Policy):
         except TypeError:
             self._engine = None
 
+    def prepare_continuation(self, ids: torch.Tensor, start: int, model: Any) -> None:
+        """A continuation (position ``start`` on): pseudo tokens from its own tokens, after its end."""
+        self.prepare(ids, model)
+        end = start + self._prompt_len
+        self._prompt_len = end
+        self._pseudo = (self._pseudo[0], torch.arange(end, end + self._pseudo[0].numel(), dtype=torch.long))
+
     def extra_tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._pseudo is None:
             return None

@@ -200,6 +200,51 @@ class HostRuntime:
             for name, value in self._init.items():
                 self._field(layer, name).copyfrom(value)
 
+    # ---- snapshots (edgekv/artifact/snapshot_file.py; the native runtime reads the same files) --
+    def _snapshot_identity(self) -> dict:
+        from ..artifact import crc32_file
+
+        if self.path is None or not (self.path / "program.ekv").is_file():
+            raise ArtifactError("cache snapshots need an artifact directory with program.ekv (recompile it)")
+        import json
+
+        return {"weight_hash": self.manifest["model"]["weight_hash"], "policy": self.policy,
+                "policy_params": json.dumps(self.manifest["policy"]["params"], sort_keys=True),
+                "budget": self.budget, "block": self.block, "program_crc": crc32_file(self.path / "program.ekv")}
+
+    def save_cache(self, path, question: str | None = None) -> None:
+        """Save every cache tensor and the position to one file, atomically."""
+        from ..artifact import snapshot_file as sf
+
+        ident = self._snapshot_identity()
+        tensors = {(i // self._stride, i % self._stride): c.numpy() for i, c in enumerate(self.caches)}
+        sf.write(sf.Snapshot(engine=sf.ENGINE_COMPILED, position=self.position, tokens=self.stats.prefill_tokens,
+                             question=question or "", tensors=tensors, **ident), path)
+
+    def load_cache(self, path) -> str:
+        """Map a snapshot back: the caches become views of the copy-on-write mapping (nothing is
+        copied; decode's writes stay in this process). Returns the question it was made with."""
+        import tvm
+
+        from ..artifact import snapshot_file as sf
+
+        snap = sf.read(path)
+        ident = self._snapshot_identity()
+        sf.check_matches(snap, path, engine=sf.ENGINE_COMPILED, **ident)
+        caches = []
+        for i, c in enumerate(self.caches):
+            data = snap.tensors.get((i // self._stride, i % self._stride))
+            if data is None or data.nbytes != c.numpy().nbytes:
+                raise sf.SnapshotError(f"{path}: its cache layout differs from this artifact's")
+            arr = data.view(c.dtype).reshape(c.shape)
+            caches.append(tvm.runtime.from_dlpack(arr) if self.device.dlpack_device_type() == 1
+                          else tvm.runtime.tensor(np.ascontiguousarray(arr), self.device))
+        self.caches = caches
+        self._tail = self.caches + self.params
+        self.position = snap.position
+        self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
+        return snap.question
+
     def cache_field(self, layer: int, name: str) -> np.ndarray:
         """A copy of one of layer ``layer``'s cache tensors (``cache_fields``), e.g. "d2o_budget"."""
         return self._field(layer, name).numpy().copy()
@@ -221,6 +266,7 @@ class HostRuntime:
         import tvm
 
         self._prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        self._prompt_end = self.position + self._prompt.size
         self._restore_init()
         if self._prepare_min is None or self._prompt.size <= self._prepare_min:
             return
@@ -240,9 +286,9 @@ class HostRuntime:
             raise PolicyError(f"this '{self.policy}' artifact appends pseudo tokens built from the whole prompt to "
                               "every block: call prefill(prompt), or prepare(prompt) before step_block")
         w, prefix, prompt = self.extra_rows, int(self._pseudo_spec.get("prefix", 0)), self._prompt
-        total = prompt.size
+        total, end = prompt.size, self._prompt_end  # end: the position after this prefill's last token
         ids = np.concatenate([prompt[: min(prefix, total)], prompt[total - min(w - prefix, total):]])
-        at = min(self.position + self.block, total) if self._pseudo_spec.get("positions") == "block" else total
+        at = min(self.position + self.block, end) if self._pseudo_spec.get("positions") == "block" else end
         if ids.size < w:
             # a prompt shorter than the window gives fewer pseudo tokens; harmless unless this step evicts
             need = int(self._field(0, "fill").numpy()[0]) + n
@@ -295,8 +341,8 @@ class HostRuntime:
         self._check_room(ids.size)
         if self.position == 0:  # a new sequence: the per-prompt step; a continuation keeps the state
             self.prepare(ids)
-        else:
-            self._prompt = ids  # a continuation's pseudo rows are built from its own tokens
+        else:  # a continuation's pseudo rows are built from its own tokens, after its end
+            self._prompt, self._prompt_end = ids, self.position + ids.size
         logits = None
         t0 = time.perf_counter()
         for s in range(0, ids.size, self.block):

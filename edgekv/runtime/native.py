@@ -127,6 +127,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ekv_session_kept_positions": (c.c_int, [P, c.c_int32, c.POINTER(c.c_int32), c.c_size_t,
                                                  c.POINTER(c.c_int32), c.POINTER(c.c_int32)]),
         "ekv_session_get_stats": (None, [P, c.POINTER(_Stats)]),
+        "ekv_session_save": (c.c_int, [P, c.c_char_p, c.c_char_p]),
+        "ekv_session_load": (c.c_int, [P, c.c_char_p]),
+        "ekv_session_snapshot_question": (c.c_char_p, [P]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -274,6 +277,23 @@ class NativeRuntime:
                 break
             logits = self.decode(tok)
         return out
+
+    def save_cache(self, path, question: str | None = None) -> None:
+        """Save the cache state to one file, atomically (``ekv_session_save``)."""
+        from ..artifact.snapshot_file import SnapshotError
+
+        st = self.lib.ekv_session_save(self._session, str(path).encode(), (question or "").encode())
+        if st != 0:
+            raise SnapshotError(self.lib.ekv_session_last_error(self._session).decode(errors="replace"))
+
+    def load_cache(self, path) -> str:
+        """Map a snapshot back and continue from it; returns the question it was made with ("")."""
+        from ..artifact.snapshot_file import SnapshotError
+
+        st = self.lib.ekv_session_load(self._session, str(path).encode())
+        if st != 0:
+            raise SnapshotError(self.lib.ekv_session_last_error(self._session).decode(errors="replace"))
+        return (self.lib.ekv_session_snapshot_question(self._session) or b"").decode()
 
     def kept_positions(self, layer: int):
         """Original positions of layer ``layer``'s kept entries, [H, fill]."""

@@ -207,6 +207,7 @@ static int32_t cache_fill(const ekv_session *s, int32_t layer) {
 typedef struct {
   const int32_t *prompt;
   size_t prompt_len;
+  size_t end; /* the position after the prompt's last token (a continuation starts past 0) */
   int32_t w, prefix, block_positions;
 } pseudo_rows;
 
@@ -231,7 +232,7 @@ static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *
   size_t L = pr->prompt_len, head = (size_t)pr->prefix < L ? (size_t)pr->prefix : L;
   size_t tail = (size_t)(pr->w - pr->prefix) < L ? (size_t)(pr->w - pr->prefix) : L;
   size_t have = head + tail;
-  size_t at = pr->block_positions ? (start + B < L ? start + B : L) : L;
+  size_t at = pr->block_positions ? (start + B < pr->end ? start + B : pr->end) : pr->end;
   if (have < (size_t)pr->w) {
     /* a prompt shorter than the window gives fewer pseudo tokens: harmless unless this step
      * evicts (their scores are read only then) */
@@ -272,7 +273,7 @@ ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   EKV_TRY(check_prompt(s, ids, n));
-  pseudo_rows pr = {ids, n, p->pseudo_rows, (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
+  pseudo_rows pr = {ids, n, s->position + n, p->pseudo_rows, (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
                     strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
   double t0 = ekv_now();
   size_t B = (size_t)p->block;

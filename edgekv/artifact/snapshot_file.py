@@ -1,0 +1,174 @@
+"""Cache snapshots: a document's compressed cache saved once and mapped back for each question.
+
+The native runtime (``runtime/src/snapshot.c``) and this module read and write the same file;
+HostRuntime and the native runtime share a compiled artifact's cache layout, so a snapshot
+made by one loads in the other. The eager engine writes the same container with its own
+layout (``engine`` = 1) and loads only its own. Layout, little-endian, version 1.0::
+
+    header (256 bytes)
+      0   8s   magic b"EKVSNAP\\0"
+      8   u16  major, u16 minor
+      12  u32  header_bytes: the header, the tensor table and the strings, 64-byte aligned
+      16  u32  n_tensors
+      20  u32  strings_bytes
+      24  u64  position: the next token's position
+      32  u64  tokens: the document tokens prefilled
+      40  u32  budget N, u32 block B
+      48  u32  engine: 1 the eager engine, 2 a compiled artifact
+      52  u32  flags: bit 0 — made knowing a question (a query-aware policy's cache)
+      56  32s  the model weights' sha256
+      88  u32  CRC-32 of the artifact's program.ekv (0 for the eager engine)
+      92  u32  CRC-32 of the policy's parameters (the string below)
+      96  u32  CRC-32 of the question
+      100 u32  KV dtype: 0 float32
+      248 u32  CRC-32 of header_bytes bytes with this field zero
+    tensor table at 256: n × 32 bytes: u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, u32 0
+    strings: the policy name, its parameters (JSON), the question, [eager: the engine's state
+             as JSON] — each NUL-terminated
+    data: each tensor 64-byte aligned
+
+Written atomically (``<path>.part``, fsync, rename); read by mapping the file copy-on-write
+(the arrays are views of the mapping, never copies)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"EKVSNAP\0"
+MAJOR, MINOR = 1, 0
+HEADER, ENTRY, ALIGN = 256, 32, 64
+ENGINE_EAGER, ENGINE_COMPILED = 1, 2
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be used here: corrupt, truncated, another format, or made for
+    other weights / another artifact / other settings. The message says which and what to do."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Snapshot:
+    engine: int
+    position: int
+    tokens: int
+    budget: int
+    block: int
+    weight_hash: str            # hex sha256
+    policy: str
+    policy_params: str          # canonical JSON, as the artifact records it
+    question: str = ""
+    program_crc: int = 0
+    extra: str = ""             # eager: the engine's per-prompt state as JSON
+    tensors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (layer, field) → array (bytes)
+
+
+def write(snap: Snapshot, path: str | os.PathLike) -> int:
+    """Write atomically; returns the size. A failure leaves nothing behind."""
+    path = Path(path)
+    keys = sorted(snap.tensors)
+    parts = (snap.policy, snap.policy_params, snap.question) + ((snap.extra,) if snap.extra else ())
+    strings = b"".join(s.encode() + b"\0" for s in parts)
+    head = _align(HEADER + ENTRY * len(keys) + len(strings))
+    table, offset, blobs = [], head, []
+    for k in keys:
+        data = np.ascontiguousarray(snap.tensors[k]).view(np.uint8).reshape(-1)
+        table.append(struct.pack("<IIQQII", k[0], k[1], offset, data.nbytes, zlib.crc32(data), 0))
+        blobs.append((offset, data))
+        offset = _align(offset + data.nbytes)
+    h = bytearray(head)
+    h[0:8] = MAGIC
+    struct.pack_into("<HHIII", h, 8, MAJOR, MINOR, head, len(keys), len(strings))
+    struct.pack_into("<QQIIII", h, 24, snap.position, snap.tokens, snap.budget, snap.block, snap.engine,
+                     int(bool(snap.question)))
+    h[56:88] = bytes.fromhex(snap.weight_hash) if len(snap.weight_hash) == 64 else bytes(32)
+    struct.pack_into("<IIII", h, 88, snap.program_crc, zlib.crc32(snap.policy_params.encode()),
+                     zlib.crc32(snap.question.encode()), 0)
+    h[HEADER: HEADER + ENTRY * len(keys)] = b"".join(table)
+    h[HEADER + ENTRY * len(keys): HEADER + ENTRY * len(keys) + len(strings)] = strings
+    struct.pack_into("<I", h, 248, zlib.crc32(bytes(h)))
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(h)
+            at = head
+            for off, data in blobs:
+                f.write(b"\0" * (off - at))
+                f.write(memoryview(data))
+                at = off + data.nbytes
+            f.write(b"\0" * (_align(at) - at))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def read(path: str | os.PathLike) -> Snapshot:
+    """Map and check a snapshot: every tensor an array over the copy-on-write mapping."""
+    path = Path(path)
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="c")
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"cannot read the snapshot {path}: {exc}") from None
+    raw = bytes(mm[:HEADER]) if mm.size >= HEADER else b""
+    if len(raw) < HEADER or raw[:8] != MAGIC:
+        raise SnapshotError(f"{path} is not an edgekv cache snapshot (bad magic or truncated)")
+    major, minor, head, n, n_str = struct.unpack_from("<HHIII", raw, 8)
+    if major != MAJOR:
+        raise SnapshotError(f"{path}: snapshot format {major}.{minor}; this edgekv reads {MAJOR}.x — make it again")
+    if head > mm.size or HEADER + ENTRY * n + n_str > head:
+        raise SnapshotError(f"{path}: the header is truncated or corrupt")
+    h = bytearray(mm[:head])
+    stored = struct.unpack_from("<I", h, 248)[0]
+    struct.pack_into("<I", h, 248, 0)
+    if zlib.crc32(bytes(h)) != stored:
+        raise SnapshotError(f"{path}: the header fails its checksum (the file is corrupt)")
+    position, tokens, budget, block, engine, flags = struct.unpack_from("<QQIIII", h, 24)
+    strings = bytes(h[HEADER + ENTRY * n: HEADER + ENTRY * n + n_str]).split(b"\0")[:-1]  # each NUL-terminated
+    if len(strings) < 3:
+        raise SnapshotError(f"{path}: corrupt strings")
+    policy, params, question = (s.decode() for s in strings[:3])
+    extra = strings[3].decode() if len(strings) > 3 else ""
+    program_crc = struct.unpack_from("<I", h, 88)[0]
+    snap = Snapshot(engine=engine, position=position, tokens=tokens, budget=budget, block=block,
+                    weight_hash=bytes(h[56:88]).hex(), policy=policy, policy_params=params, question=question,
+                    program_crc=program_crc, extra=extra)
+    for i in range(n):
+        layer, fld, off, size, crc, _ = struct.unpack_from("<IIQQII", h, HEADER + ENTRY * i)
+        if off + size > mm.size or off % ALIGN:
+            raise SnapshotError(f"{path} is truncated (a tensor runs past the end)")
+        data = mm[off: off + size]
+        if zlib.crc32(data) != crc:
+            raise SnapshotError(f"{path}: a cache tensor fails its checksum (the file is corrupt)")
+        snap.tensors[(layer, fld)] = data
+    return snap
+
+
+def check_matches(snap: Snapshot, path, *, engine: int, weight_hash: str, policy: str, policy_params: str,
+                  budget: int, block: int, program_crc: int = 0) -> None:
+    """Refuse a snapshot made for other weights, another engine/artifact, policy, N or B."""
+    if snap.engine != engine:
+        made = "the eager engine" if snap.engine == ENGINE_EAGER else "a compiled artifact"
+        raise SnapshotError(f"{path} was made by {made}; load it the same way, or make it again here")
+    if snap.weight_hash != weight_hash:
+        raise SnapshotError(f"{path} was made for other model weights ({snap.weight_hash[:12]}…, these are "
+                            f"{weight_hash[:12]}…)")
+    if (snap.policy, snap.policy_params) != (policy, policy_params):
+        raise SnapshotError(f"{path} was made with policy {snap.policy} {snap.policy_params}, this run is {policy} "
+                            f"{policy_params}")
+    if (snap.budget, snap.block) != (budget, block):
+        raise SnapshotError(f"{path} was made at N = {snap.budget}, B = {snap.block}; this run has N = {budget}, "
+                            f"B = {block}")
+    if engine == ENGINE_COMPILED and snap.program_crc != program_crc:
+        raise SnapshotError(f"{path} was made with another artifact (its program differs); make it again")
