@@ -786,3 +786,20 @@ def test_bytes_without_a_token_as_hf(native_lib, unk, fuse):
     tok = NativeTokenizer(data=data)
     for text in ["\x04", "\x04\x06", "a\x04\x04b", "ab\x04ab\x06\x06 \x04", "\x04ab\x04", " \x04x", "ÿ", "aÿb"]:
         assert tok.encode(text) == hf_ids(hf, text), text
+
+
+def test_document_and_question_parts_match_python(native_lib, toy_tok, tmp_path):
+    """The native tokenizer's document / question parts are exactly edgekv.models.chat's, with
+    and without the chat template (the two halves a saved document cache is split at)."""
+    from edgekv.compiler.tokenizer_file import write_tokenizer_file
+    from edgekv.models.chat import encode_document, encode_question
+    from edgekv.runtime.native_tokenizer import NativeTokenizer
+
+    write_tokenizer_file(toy_tok, tmp_path / "t.ekt")
+    nat = NativeTokenizer(tmp_path / "t.ekt")
+    doc = "The door code is 40917.\n\nSome text, 猫 and 😀 and more. "
+    for chat in (False, True):
+        assert nat.encode_part(doc, chat=chat, part="document") == encode_document(toy_tok, doc, chat)
+        assert nat.encode_part("What is the door code?", chat=chat, part="question") == \
+            encode_question(toy_tok, "What is the door code?", chat)
+    assert nat.encode_part(doc, chat=True, part="whole") == nat.encode_chat(doc)

@@ -65,6 +65,8 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
+from ..models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
+
 MAGIC = b"EKVTOKN\0"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
@@ -82,12 +84,6 @@ ADDED_SPECIAL, ADDED_NORMALIZED = 1, 2
 
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = range(0xD800, 0xE000)
-
-# two user contents for checking that the chat template inserts the content verbatim: the
-# second has what templates tend to alter (surrounding whitespace, which `| trim` strips;
-# quotes and brackets, which escaping changes; non-ASCII text)
-CHAT_SENTINEL = "EKVCHATSENTINEL"
-CHAT_PROBE = "  \n A 'quoted' \"text\" {{ x }} <b>&amp;</b> 猫 😀\t\n  "
 
 # strings on which the transformers tokenizer must give exactly the backend's ids (it must add
 # nothing around the text, as the native runtime adds nothing)
@@ -436,30 +432,6 @@ def _joins(pre_tokenizer, chars: list[str], lead: str, tail: str) -> list[bool]:
 # ------------------------------------------------------------------------------------------
 # Chat template and stop ids
 # ------------------------------------------------------------------------------------------
-def chat_pieces(tokenizer) -> dict:
-    """The chat template rendered around one user turn with the generation prompt, as
-    {"prefix", "suffix"} (None, with a "reason", when there is no template or it does not insert
-    the content verbatim)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return {"prefix": None, "suffix": None, "reason": "the tokenizer has no chat template"}
-
-    def render(content: str) -> str:
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-
-    try:
-        first, second = render(CHAT_SENTINEL), render(CHAT_PROBE)
-    except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many kinds
-        return {"prefix": None, "suffix": None, "reason": f"the chat template does not render: {exc}"}
-    if not isinstance(first, str) or first.count(CHAT_SENTINEL) != 1:
-        return {"prefix": None, "suffix": None, "reason": "the chat template does not show the user content once"}
-    prefix, suffix = first.split(CHAT_SENTINEL)
-    if second != prefix + CHAT_PROBE + suffix:
-        return {"prefix": None, "suffix": None,
-                "reason": "the chat template changes the user content (trims or escapes it)"}
-    return {"prefix": prefix, "suffix": suffix, "reason": None}
-
-
 def _stop_ids(tokenizer, n_ids: int) -> list[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     ids = [eos] if isinstance(eos, int) else list(eos or [])

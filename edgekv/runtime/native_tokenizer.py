@@ -47,6 +47,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                 ctypes.c_size_t, _c_size_p]),
         "ekv_tokenizer_encode_chat": (ctypes.c_int, [handle, ctypes.c_char_p, ctypes.c_size_t, _c_int32_p,
                                                      ctypes.c_size_t, _c_size_p]),
+        "ekv_tokenizer_encode_part": (ctypes.c_int, [handle, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                                                     ctypes.c_int, _c_int32_p, ctypes.c_size_t, _c_size_p]),
         "ekv_tokenizer_has_chat_template": (ctypes.c_int, [handle]),
         "ekv_tokenizer_token_bytes": (ctypes.c_void_p, [handle, ctypes.c_int32, _c_size_p]),
         "ekv_tokenizer_is_special": (ctypes.c_int, [handle, ctypes.c_int32]),
@@ -134,6 +136,13 @@ class NativeTokenizer:
     def encode_chat(self, text: str) -> list[int]:
         """Ids of one user turn with the generation prompt, as ``apply_chat_template``."""
         return self._encode(self._lib.ekv_tokenizer_encode_chat, text)
+
+    def encode_part(self, text: str, *, chat: bool, part: str) -> list[int]:
+        """A document ("document") or a question about it ("question") as its own part
+        (``edgekv.models.chat``); "whole" is the plain or chat encoding of the text."""
+        code = {"whole": 0, "document": 1, "question": 2}[part]
+        fn = self._lib.ekv_tokenizer_encode_part
+        return self._encode(lambda h, raw, n, buf, cap, out: fn(h, raw, n, int(chat), code, buf, cap, out), text)
 
     def token_bytes(self, token_id: int) -> bytes:
         n = ctypes.c_size_t()
