@@ -38,6 +38,24 @@ def markdown(results: dict) -> str:
                 dec = f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}×" if a.get("decode_tok_s") and b.get("decode_tok_s") else "—"
                 lines.append(f"| {peer} | {length} | {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}× | {dec} | "
                              f"{a['peak_rss'] / b['peak_rss']:.2f}× |")
+    if "edgekv-native" in systems and "edgekv-compiled" in systems:
+        # the native runtime against the TVM VM runtime on the same artifact, and its memory against its plan
+        lines += ["", "**edgekv-native / edgekv-compiled** (the same artifact; native runtime vs TVM's VM), and the "
+                  "native process's peak RSS against its static plan (weights + KV cache + activations)", "",
+                  "| prompt | prefill | decode | peak RSS | native peak RSS / plan | native start-up (load + first "
+                  "block) |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in results["runs"]:
+            if r["system"] != "edgekv-native" or "error" in r:
+                continue
+            b = _row(results, "edgekv-compiled", r["length"])
+            if not b or "error" in b:
+                continue
+            dec = f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}×" if r.get("decode_tok_s") and b.get("decode_tok_s") else "—"
+            plan = f"{r['peak_rss'] / r['plan_bytes']:.3f}" if r.get("plan_bytes") else "—"
+            start = f"{r['startup_seconds']:.2f} s" if r.get("startup_seconds") is not None else "—"
+            label = f"{r['length']}" + (" (memory run)" if r["memory_only"] else "")
+            lines.append(f"| {label} | {r['prefill_tok_s'] / b['prefill_tok_s']:.2f}× | {dec} | "
+                         f"{r['peak_rss'] / b['peak_rss']:.2f}× | {plan} | {start} |")
     machine = results.get("machine")
     if machine:
         lines.append(f"\nMeasured on {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}, "

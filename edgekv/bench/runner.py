@@ -97,15 +97,20 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
             for length in cfg.memory_only_lengths:
                 plan.append((system, length, 0))
     results: dict = {"config": cfg.__dict__, "skipped": skipped, "runs": []}
+    # the systems side by side at each length, and the repeats as rounds over all points
+    # (A B C at 1K, A B C at 4K, ...; then again), so that a change in the machine's load during
+    # the run falls on every system alike, not on whichever ran then
+    plan.sort(key=lambda p: (p[2] == 0, p[1]))
+    by_point: dict = {}
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("benchmark", total=len(plan) * cfg.repeats)
-        for system, length, decode in plan:
-            ids = prompt_ids_for(length)
-            runs = []
-            for _ in range(cfg.repeats):
-                progress.update(task, description=f"{system} @ {length}")
-                runs.append(run_once(cfg, system, ids, decode))
+        for rep in range(cfg.repeats):
+            for system, length, decode in plan:
+                ids = prompt_ids_for(length)
+                progress.update(task, description=f"{system} @ {length} ({rep + 1}/{cfg.repeats})")
+                by_point.setdefault((system, length, decode), []).append(run_once(cfg, system, ids, decode))
                 progress.advance(task)
-            results["runs"].append({"system": system, "length": length, "memory_only": decode == 0,
-                                    "raw": runs, **summarize(runs)})
+    for (system, length, decode), runs in by_point.items():
+        results["runs"].append({"system": system, "length": length, "memory_only": decode == 0,
+                                "raw": runs, **summarize(runs)})
     return results
