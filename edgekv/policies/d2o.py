@@ -937,6 +937,7 @@ def emit_d2o_site(bb, kernel, site, spec, block, caches, inputs, k_blk, v_blk, p
 @dataclass
 class D2OPolicy(Policy):
     name = "d2o"
+    summary = "D2O: per-layer budgets from attention variance; H2O-style keeping, evicted entries merged into similar kept ones"
     needs_queries = True
     observes_every_step = True
     entry_state = (STATE,)
