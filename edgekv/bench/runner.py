@@ -27,7 +27,7 @@ class BenchConfig:
     policy: str = "keydiff"
     decode_tokens: int = 32
     repeats: int = 3
-    threads: int = 2
+    threads: int = 1  # the CLI passes edgekv.threads.choose_threads(--threads)
     artifact: str | None = None
     onnx: str | None = None  # past_key_values-form ONNX file for the onnxruntime peer
     timeout: int = 900
@@ -98,6 +98,8 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
             runs = []
             for _ in range(cfg.repeats):
                 progress.update(task, description=f"{system} @ {length}")
+                if console is not None and not console.is_terminal:  # no live bar: one line per run
+                    console.print(f"bench: {system} @ {length} tokens", highlight=False)
                 runs.append(run_once(cfg, system, ids, decode))
                 progress.advance(task)
             results["runs"].append({"system": system, "length": length, "memory_only": decode == 0,
