@@ -503,7 +503,8 @@ def cache_cmd(
     root = cache_root()
     entries = cached_conversions()
     total = sum(e["bytes"] for e in entries)
-    table = Table(title=f"edgekv cache · {root} (EDGEKV_CACHE moves it)")
+    out.print(f"edgekv cache: {root} (EDGEKV_CACHE moves it)", soft_wrap=True, highlight=False)
+    table = Table(title="converted models")
     table.add_column("converted copy")
     table.add_column("of")
     table.add_column("source sha256", no_wrap=True)
@@ -513,7 +514,7 @@ def cache_cmd(
     out.print(table)
     if not clear:
         err.print(f"{len(entries)} converted cop{'y' if len(entries) == 1 else 'ies'}, {human_bytes(total)}; "
-                  "`edgekv cache --clear` deletes them (or delete the folder yourself)")
+                  "`edgekv cache --clear` deletes them (or delete the folder yourself)", soft_wrap=True)
         return
     for e in entries:
         shutil.rmtree(e["path"], ignore_errors=True)

@@ -104,8 +104,9 @@ def available_bytes() -> tuple[int, str]:
     return avail, source
 
 
-class MemoryPlanError(ValueError):
-    """The static memory plan does not fit the limit or the machine; the message gives the numbers."""
+class MemoryPlanError(ValueError, MemoryError):
+    """The static memory plan does not fit the limit or the machine; the message gives the numbers.
+    (A MemoryError too: under ``edgekv simulate``'s cap it means "does not fit".)"""
 
 
 def check_plan(plan: MemoryPlan, *, mem_limit: int | None = None, resident: int = 0, hint: str = "") -> None:
