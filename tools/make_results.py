@@ -9,6 +9,8 @@ section itself):
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
   compiled_agreement*.md  tools/check_compiled_vs_engine.py (compiled artifact vs eager engine)
   onnx_agreement.md       tools/check_onnx_path.py          (ONNX input vs torch.export, ONNX Runtime)
+  demo.md       tools/pick_demo.py               (how the README's main job was chosen)
+  threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = [
+    ("The README's main job", "demo.md"),
+    ("Threads: idle and loaded", "threads.md"),
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
