@@ -83,6 +83,7 @@ def test_recompiling_replaces_the_whole_artifact(tiny_dir, tmp_path):
     code, text = cli("compile", str(tiny_dir), "--budget", "32", "--block", "8",
                      "--target", profile(tmp_path, HOST_FAST, "host-test"), "-o", str(out))
     assert code == 0, text
+    assert "edgekv: exporting and lowering" in text and "edgekv: compiling with TVM" in text  # one line per phase
     host_files = {p.name for p in out.iterdir()}
     assert "model.so" in host_files
     code, text = cli("compile", str(tiny_dir), "--budget", "32", "--block", "8",

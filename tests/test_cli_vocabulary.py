@@ -153,3 +153,21 @@ def test_truncated_gguf_says_so(smol, cache, tmp_path):
     header_only.write_bytes(b"GGUF\x03\x00\x00\x00")
     r = runner.invoke(app, ["run", str(header_only), "--prompt", "hi"])
     assert r.exit_code == 2 and "is truncated or corrupt" in " ".join(r.output.split()), r.output
+
+
+def test_running_out_of_memory_while_loading_is_not_called_damage(tiny_dir, monkeypatch):
+    """Under `edgekv simulate`'s cap, reading the weights can fail to allocate: that is "does not
+    fit" (a MemoryError for the child), not a damaged file."""
+    import safetensors.torch
+
+    from edgekv.models import load_model
+    from edgekv.models.errors import ModelError
+
+    def no_memory(path, *a, **k):
+        raise safetensors.SafetensorError("Error while deserializing: Cannot allocate memory (os error 12)")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", no_memory)
+    with pytest.raises(MemoryError) as info:
+        load_model(str(tiny_dir))
+    assert isinstance(info.value, ModelError)
+    assert "not enough memory to load the weights" in str(info.value) and "damaged" not in str(info.value)

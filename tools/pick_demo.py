@@ -79,7 +79,8 @@ def one_run(model, text: str, policy: str, budget: int | None, threads: int) -> 
     res = run_eager(model, ids, policy_name=policy if budget is not None else "full", policy_args={}, budget=b,
                     block=128, max_new_tokens=MAX_NEW, sampler=Sampler())
     full_kv = kv_cache_bytes(model.config, n + len(res.generated_ids))
-    return {"prompt_tokens": n, "answer": res.text.strip(), "seconds": round(time.perf_counter() - t0, 1),
+    return {"prompt_tokens": n, "answer": res.text.strip(), "generated_tokens": len(res.generated_ids),
+            "seconds": round(time.perf_counter() - t0, 1),
             "kv_bytes": res.report["memory"]["plan"]["kv_cache"], "full_kv_bytes": full_kv, "threads": threads}
 
 
@@ -133,7 +134,7 @@ def sweep(args) -> dict:
     return data
 
 
-def candidates(data: dict) -> list[dict]:
+def candidates(data: dict, tokenizer=None) -> list[dict]:
     """Runs whose answer is right at their budget and at every larger budget tried (same prompt and
     policy), with the full cache right too; best first."""
     runs = data["runs"]
@@ -153,10 +154,21 @@ def candidates(data: dict) -> list[dict]:
             continue
         out.append({**r, "robust_budgets": sorted([r["budget"]] + [x["budget"] for x in larger]),
                     "answerable_without_document": bool(no_doc.get(r["question"])),
-                    "kv_share": r["kv_bytes"] / r["full_kv_bytes"]})
-    # prefer: the document is needed, then the smallest share of the full cache, then a longer prompt
-    out.sort(key=lambda c: (c["answerable_without_document"], c["kv_share"], -c["prompt_tokens"]))
+                    "kv_share": r["kv_bytes"] / r["full_kv_bytes"], "ends_by_itself": ends_by_itself(r, tokenizer)})
+    # prefer: the document is needed, then the smallest share of the full cache, then an answer that
+    # ends by itself (the model stops instead of rambling on to the token limit), then a longer prompt
+    out.sort(key=lambda c: (c["answerable_without_document"], round(c["kv_share"], 2), not c["ends_by_itself"],
+                            -c["prompt_tokens"]))
     return out
+
+
+def ends_by_itself(run: dict, tokenizer) -> bool:
+    """The model stopped (EOS) before the token limit."""
+    if "generated_tokens" in run:
+        return run["generated_tokens"] < MAX_NEW
+    if tokenizer is None:
+        return False
+    return len(tokenizer(run["answer"])["input_ids"]) < MAX_NEW - 2  # runs recorded before the count was
 
 
 def verify(model, cand: dict) -> list[dict]:
@@ -174,15 +186,14 @@ def verify(model, cand: dict) -> list[dict]:
 def choose(args, data: dict) -> dict:
     from edgekv.models import load_model
 
-    cands = candidates(data)
+    model = load_model(args.model)
+    cands = candidates(data, model.tokenizer)
     if not cands:
         raise SystemExit("no candidate answered right under an evicting budget; widen the sweep")
-    model = None
     data.setdefault("verified", {})
     for c in cands:
         k = key(c)
         if k not in data["verified"]:
-            model = model or load_model(args.model)
             data["verified"][k] = verify(model, c)
             save(args.json, data)
         if all(v["right"] for v in data["verified"][k]):
@@ -191,6 +202,7 @@ def choose(args, data: dict) -> dict:
                               "kv_bytes": c["kv_bytes"], "full_kv_bytes": c["full_kv_bytes"],
                               "robust_budgets": c["robust_budgets"],
                               "answerable_without_document": c["answerable_without_document"],
+                              "ends_by_itself": c["ends_by_itself"],
                               "verified": data["verified"][k],
                               "command": (f"edgekv run --prompt-file examples/long_document.txt --chat "
                                           f"--budget {c['budget']} --policy {c['policy']}")}
@@ -233,6 +245,11 @@ def markdown(data: dict) -> str:
                        if not c["answerable_without_document"] else
                        "The model answers this question without the document too (no candidate needed it)."), "",
          f"Answer: “{c['answer']}”", "",
+         "How the choice is made: among runs whose answer is right at their budget and at every larger budget "
+         "tried for the same prompt and policy (and right with the full cache), prefer a question the model cannot "
+         "answer without the document, then the smallest KV cache as a share of the full cache, then an answer "
+         "that ends by itself rather than running on to the token limit, then the longer prompt; the first that "
+         "is still right when re-run with 1 and with 2 threads is chosen.", "",
          "## Right answers per candidate (✓ right, ✗ wrong, – not run or budget above half the prompt)", ""]
     questions = list(dict.fromkeys(r["question"] for r in runs))
     lengths = sorted({r["tokens"] for r in runs})
