@@ -351,6 +351,7 @@ def compile_cmd(
         say(f"loading {model or 'smollm2-135m'}")
         loaded = load_compile_input(model, tokenizer)
         n = parse_budget(budget, loaded.config, block)
+        check_static_cache(loaded.config, n, block)
         from .compiler import compile_model
 
         t0 = time.perf_counter()
@@ -393,6 +394,18 @@ def compile_cmd(
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
+
+
+def check_static_cache(cfg, budget: int, block: int) -> None:
+    """A compiled cache is one static tensor [H, N (+ B), d] per layer, indexed with 32-bit
+    integers by the generated kernels: refuse a budget past that before exporting anything."""
+    elements = cfg.num_kv_heads * (budget + block) * cfg.head_dim
+    if elements >= 2**31:
+        most = (2**31 - 1) // (cfg.num_kv_heads * cfg.head_dim) - block
+        raise InputError(f"--budget {budget:,} tokens makes each layer's compiled cache tensor "
+                         f"{cfg.num_kv_heads} × {budget + block:,} × {cfg.head_dim} = {elements:,} elements, past the "
+                         f"2^31 that compiled kernels index; compile with --budget {most:,} or less (the eager engine, "
+                         "`edgekv run MODEL`, allocates only what the prompt needs)")
 
 
 def check_output_dir(output: Path) -> None:

@@ -125,3 +125,10 @@ def test_compile_output_that_is_a_file_is_refused(tiny_dir, tmp_path):
     (d / "x").write_text("x")
     code, text = cli("compile", str(tiny_dir), "-o", str(d))
     assert code == 2 and "is not an edgekv artifact" in " ".join(text.split())
+
+
+def test_compile_refuses_a_budget_past_what_kernels_index(tiny_dir, tmp_path):
+    code, text = cli("compile", str(tiny_dir), "--budget", "1000m", "--block", "8", "-o", str(tmp_path / "big"))
+    flat = " ".join(text.split())
+    assert code == 2 and "Traceback" not in flat and "past the 2^31 that compiled kernels index" in flat, text
+    assert not (tmp_path / "big").exists()
