@@ -476,6 +476,10 @@ def export_onnx_cmd(
 
         if form not in FORMS:
             raise InputError(f"unknown --form {form!r}; one of {', '.join(FORMS)}")
+        from .evaluation.command import check_output_folder
+
+        check_output_folder(output)
+        say(f"loading {model or 'smollm2-135m'}")
         loaded = load_model(model, err)
         with err.status(f"exporting {loaded.model_id} to ONNX ({form})…"):
             path = export_onnx(loaded, output, form)
@@ -619,8 +623,10 @@ def bench(
         if unknown:
             raise InputError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
         check_block(block)
-        lengths = [parse_budget(x, block=1) for x in prompt_lengths.split(",") if x.strip()]
-        mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
+        from .evaluation.command import parse_lengths
+
+        lengths = parse_lengths(prompt_lengths, "--prompt-lengths")
+        mem_lengths = parse_lengths(memory_only_lengths, "--memory-only-lengths") if memory_only_lengths.strip() else []
         if onnx is not None and not onnx.is_file():
             raise InputError(f"--onnx {onnx} is not a file; export one with `edgekv export-onnx --form past -o DIR`")
         check_output_folder(output)

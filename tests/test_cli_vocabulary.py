@@ -171,3 +171,20 @@ def test_running_out_of_memory_while_loading_is_not_called_damage(tiny_dir, monk
         load_model(str(tiny_dir))
     assert isinstance(info.value, ModelError)
     assert "not enough memory to load the weights" in str(info.value) and "damaged" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--prompt-lengths", "x"], "--prompt-lengths 'x': write token counts"),
+    (["eval", "--lengths", "1k,zz"], "--lengths 'zz': write token counts"),
+    (["eval", "--threads", "-1"], "--threads -1: give a thread count of 1 or more"),
+])
+def test_list_options_name_themselves(args, message):
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and message in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+def test_export_onnx_to_a_file_is_refused(tiny_dir, tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    r = runner.invoke(app, ["export-onnx", str(tiny_dir), "-o", str(f)])
+    assert r.exit_code == 2 and "is a file" in r.output and "Traceback" not in r.output, r.output

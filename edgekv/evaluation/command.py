@@ -21,10 +21,17 @@ def split_list(text: str, what: str) -> list[str]:
 
 
 def parse_lengths(text: str, what: str) -> list[int]:
+    """Token counts in the forms --budget takes ("1k", "4096"), for the option named ``what``."""
+    from ..budget import BudgetError, _TOKENS
+
     out = []
     for item in split_list(text, what):
-        n = parse_budget(item)  # the same "1k" / "4096" forms as --budget (token counts only)
-        out.append(n)
+        if not _TOKENS.match(item):
+            raise InputError(f"{what} {item!r}: write token counts such as 512, 1k or 4096 (comma-separated)")
+        try:
+            out.append(parse_budget(item, block=1))
+        except BudgetError as exc:
+            raise InputError(f"{what} {item!r}: {exc}") from None
     return out
 
 
