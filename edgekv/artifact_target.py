@@ -31,4 +31,4 @@ def device_artifact_message(path, manifest: dict) -> str:
                      "(docs/TARGETS.md)")
     return (f"{path} was compiled for {name} ({where}), not for this machine's CPU; "
             + "; then ".join(steps)
-            + f". To run on this machine, compile for the host: edgekv compile ... --target host -o DIR")
+            + ". To run on this machine, compile for the host: edgekv compile ... --target host -o DIR")

@@ -9,7 +9,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -59,7 +59,7 @@ def procs_running() -> int:
     return -1
 
 
-def one_run(tree: str, argv: list[str], busy: int, timeout: int) -> dict:
+def one_run(tree: str, argv: list[str], busy: int, timeout: int, env: dict | None = None) -> dict:
     report = Path(tempfile.mkstemp(prefix="edgekv-threads-", suffix=".json")[1])
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
@@ -67,7 +67,7 @@ def one_run(tree: str, argv: list[str], busy: int, timeout: int) -> dict:
         before = {"loadavg": os.getloadavg()[0], "procs_running": procs_running()}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", BOOT, tree, *argv, "--report", str(report)],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
         wall = time.perf_counter() - t0
     finally:
         for h in hogs:
@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--extra-threads", default="1,2", help="after-code rows with these explicit --threads (eager)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="an extra after-code row: SYSTEM:ENV=VALUE[,ENV=VALUE] (e.g. compiled:TVM_BIND_THREADS=1), "
+                         "to compare a thread-pool setting with edgekv's default")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--json", type=Path, default=OUT_JSON)
     ap.add_argument("--md", type=Path, default=OUT_MD)
@@ -108,27 +111,33 @@ def main() -> None:
     job = ["--prompt-file", str(ROOT / "examples" / "long_document.txt"), "--chat",
            "--max-new-tokens", str(args.max_new_tokens)]
     eager = ["run", *job, "--budget", str(choice["budget"]), "--policy", choice["policy"]]
-    configs = [("eager", "before", []), ("eager", "after", [])]
-    configs += [("eager", "after", ["--threads", t]) for t in args.extra_threads.split(",") if t]
+    configs = [("eager", "before", [], {}), ("eager", "after", [], {})]
+    configs += [("eager", "after", ["--threads", t], {}) for t in args.extra_threads.split(",") if t]
     if args.artifact:
-        configs += [("compiled", "before", []), ("compiled", "after", [])]
+        configs += [("compiled", "before", [], {}), ("compiled", "after", [], {})]
+    for v in args.variant:
+        system, _, envs = v.partition(":")
+        configs.append((system, "after", [], dict(e.split("=", 1) for e in envs.split(",") if e)))
     before_tree = export_tree(args.before_rev)
     rows = []
     try:
-        for system, code, extra in configs:
+        for system, code, extra, env in configs:
             argv = (eager if system == "eager" else ["run", str(args.artifact), *job]) + extra
             tree = str(before_tree) if code == "before" else "-"
+            label = " ".join(extra) or "default"
+            if env:
+                label += " + " + " ".join(f"{k}={v}" for k, v in env.items())
             for busy in (0, args.busy):
                 runs = []
                 for rep in range(args.repeats):
-                    r = one_run(tree, argv, busy, args.timeout)
+                    r = one_run(tree, argv, busy, args.timeout, env)
                     runs.append(r)
-                    print(f"{system:<8} {code:<6} {' '.join(extra) or 'default':<12} busy={busy} #{rep}: "
+                    print(f"{system:<8} {code:<6} {label:<12} busy={busy} #{rep}: "
                           + (f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
                              f"threads {r['threads'] or r['threads_torch']} (tvm {r['threads_tvm']}), "
                              f"procs_running {r['procs_running']}" if "error" not in r else f"ERROR {r['error']}"),
                           flush=True)
-                rows.append({"system": system, "code": code, "threads_option": " ".join(extra) or "default",
+                rows.append({"system": system, "code": code, "threads_option": label, "env": env,
                              "busy": busy, "runs": runs,
                              "prefill_tok_s": median(runs, "prefill_tok_s"), "decode_tok_s": median(runs, "decode_tok_s"),
                              "wall_s": median(runs, "wall_s")})
