@@ -59,12 +59,32 @@ def procs_running() -> int:
     return -1
 
 
-def one_run(tree: str, argv: list[str], busy: int, timeout: int, env: dict | None = None) -> dict:
+def wait_quiet(max_wait_s: float, quiet_s: float = 3.0) -> dict:
+    """Wait until no other process is runnable for ``quiet_s`` seconds in a row (the box is shared:
+    another user's job would make an "idle" run a loaded one). Gives up after ``max_wait_s``."""
+    from edgekv.threads import other_runnable
+
+    t0 = time.time()
+    quiet_since = None
+    while time.time() - t0 < max_wait_s:
+        if other_runnable() == 0:
+            quiet_since = quiet_since or time.time()
+            if time.time() - quiet_since >= quiet_s:
+                return {"waited_s": round(time.time() - t0, 1), "quiet": True}
+        else:
+            quiet_since = None
+        time.sleep(0.5)
+    return {"waited_s": round(time.time() - t0, 1), "quiet": False}
+
+
+def one_run(tree: str, argv: list[str], busy: int, timeout: int, env: dict | None = None,
+            max_wait_s: float = 0) -> dict:
     report = Path(tempfile.mkstemp(prefix="edgekv-threads-", suffix=".json")[1])
+    quiet = wait_quiet(max_wait_s) if max_wait_s > 0 else {"waited_s": 0, "quiet": None}
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
         time.sleep(1.0 if busy else 0.2)
-        before = {"loadavg": os.getloadavg()[0], "procs_running": procs_running()}
+        before = {"loadavg": os.getloadavg()[0], "procs_running": procs_running(), **quiet}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", BOOT, tree, *argv, "--report", str(report)],
                               capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
@@ -103,6 +123,8 @@ def main() -> None:
                     help="an extra after-code row: SYSTEM:ENV=VALUE[,ENV=VALUE] (e.g. compiled:TVM_BIND_THREADS=1), "
                          "to compare a thread-pool setting with edgekv's default")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--wait-quiet", type=float, default=600,
+                    help="before each run, wait up to this many seconds for no other runnable process (0: don't)")
     ap.add_argument("--json", type=Path, default=OUT_JSON)
     ap.add_argument("--md", type=Path, default=OUT_MD)
     args = ap.parse_args()
@@ -130,12 +152,13 @@ def main() -> None:
             for busy in (0, args.busy):
                 runs = []
                 for rep in range(args.repeats):
-                    r = one_run(tree, argv, busy, args.timeout, env)
+                    r = one_run(tree, argv, busy, args.timeout, env, args.wait_quiet)
                     runs.append(r)
                     print(f"{system:<8} {code:<6} {label:<12} busy={busy} #{rep}: "
                           + (f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
                              f"threads {r['threads'] or r['threads_torch']} (tvm {r['threads_tvm']}), "
-                             f"procs_running {r['procs_running']}" if "error" not in r else f"ERROR {r['error']}"),
+                             f"procs_running {r['procs_running']}, waited {r['waited_s']} s for quiet ({r['quiet']})"
+                             if "error" not in r else f"ERROR {r['error']}"),
                           flush=True)
                 rows.append({"system": system, "code": code, "threads_option": label, "env": env,
                              "busy": busy, "runs": runs,
@@ -207,8 +230,10 @@ def markdown(res: dict) -> str:
                                             if res["artifact"] else "") + ". "
          f"*Loaded* = {res['busy']} busy process(es) (`python -c \"while True: pass\"`) beside the run. *before* = "
          f"the code at {res['before_rev']} (torch with all cores and its OpenMP defaults; TVM's own pool size), "
-         f"*after* = this tree (edgekv/threads.py). Medians of {res['repeats']} runs. The box is shared: an *idle* "
-         "run may still meet other work (`procs_running` in the JSON).", "",
+         f"*after* = this tree (edgekv/threads.py). Medians of {res['repeats']} runs. The box is shared: each run "
+         "first waits for no other runnable process (up to a limit; `quiet` and `procs_running` per run in the "
+         f"JSON: {sum(1 for r in res['rows'] for x in r['runs'] if x.get('quiet'))} of "
+         f"{sum(len(r['runs']) for r in res['rows'])} runs started on a quiet machine).", "",
          "| system | code | --threads | threads used (idle / loaded) | prefill tok/s idle | loaded | loaded/idle | "
          "decode tok/s idle | loaded | loaded/idle |",
          "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
