@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..artifact_target import artifact_runs_here
 from ..memory import MemoryPlan, plan_memory
 from ..policies import make_policy
 from . import limits
@@ -23,8 +24,6 @@ from .source import Target
 FITS, DOES_NOT_FIT, REFUSED, ERROR = "fits", "does not fit", "refused (plan above cap)", "error"
 NOT_RUN = "not run (cross-compiled artifact)"
 
-
-from ..artifact_target import artifact_runs_here  # noqa: E402,F401 - shared with edgekv run
 
 @dataclass
 class Job:
