@@ -123,7 +123,7 @@ def main() -> None:
                     help="an extra after-code row: SYSTEM:ENV=VALUE[,ENV=VALUE] (e.g. compiled:TVM_BIND_THREADS=1), "
                          "to compare a thread-pool setting with edgekv's default")
     ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--wait-quiet", type=float, default=600,
+    ap.add_argument("--wait-quiet", type=float, default=120,
                     help="before each run, wait up to this many seconds for no other runnable process (0: don't)")
     ap.add_argument("--json", type=Path, default=OUT_JSON)
     ap.add_argument("--md", type=Path, default=OUT_MD)
@@ -142,28 +142,32 @@ def main() -> None:
         configs.append((system, "after", [], dict(e.split("=", 1) for e in envs.split(",") if e)))
     before_tree = export_tree(args.before_rev)
     rows = []
+    plan = []
+    for system, code, extra, env in configs:
+        label = " ".join(extra) or "default"
+        if env:
+            label += " + " + " ".join(f"{k}={v}" for k, v in env.items())
+        for busy in (0, args.busy):
+            rows.append({"system": system, "code": code, "threads_option": label, "env": env, "busy": busy,
+                         "runs": []})
+            plan.append((rows[-1], system, code, extra, env))
     try:
-        for system, code, extra, env in configs:
-            argv = (eager if system == "eager" else ["run", str(args.artifact), *job]) + extra
-            tree = str(before_tree) if code == "before" else "-"
-            label = " ".join(extra) or "default"
-            if env:
-                label += " + " + " ".join(f"{k}={v}" for k, v in env.items())
-            for busy in (0, args.busy):
-                runs = []
-                for rep in range(args.repeats):
-                    r = one_run(tree, argv, busy, args.timeout, env, args.wait_quiet)
-                    runs.append(r)
-                    print(f"{system:<8} {code:<6} {label:<12} busy={busy} #{rep}: "
-                          + (f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
-                             f"threads {r['threads'] or r['threads_torch']} (tvm {r['threads_tvm']}), "
-                             f"procs_running {r['procs_running']}, waited {r['waited_s']} s for quiet ({r['quiet']})"
-                             if "error" not in r else f"ERROR {r['error']}"),
-                          flush=True)
-                rows.append({"system": system, "code": code, "threads_option": label, "env": env,
-                             "busy": busy, "runs": runs,
-                             "prefill_tok_s": median(runs, "prefill_tok_s"), "decode_tok_s": median(runs, "decode_tok_s"),
-                             "wall_s": median(runs, "wall_s")})
+        # interleaved (every configuration idle and loaded, then again): background work on a shared box
+        # then drifts over all configurations alike instead of over some of them
+        for rep in range(args.repeats):
+            for row, system, code, extra, env in plan:
+                argv = (eager if system == "eager" else ["run", str(args.artifact), *job]) + extra
+                tree = str(before_tree) if code == "before" else "-"
+                r = one_run(tree, argv, row["busy"], args.timeout, env, args.wait_quiet)
+                row["runs"].append(r)
+                print(f"{system:<8} {code:<6} {row['threads_option']:<12} busy={row['busy']} #{rep}: "
+                      + (f"prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
+                         f"threads {r['threads'] or r['threads_torch']} (tvm {r['threads_tvm']}), "
+                         f"procs_running {r['procs_running']}, waited {r['waited_s']} s for quiet ({r['quiet']})"
+                         if "error" not in r else f"ERROR {r['error']}"), flush=True)
+        for row in rows:
+            row.update({"prefill_tok_s": median(row["runs"], "prefill_tok_s"),
+                        "decode_tok_s": median(row["runs"], "decode_tok_s"), "wall_s": median(row["runs"], "wall_s")})
     finally:
         subprocess.run(["rm", "-rf", str(before_tree)])
     result = {"command": "python tools/measure_threads.py " + " ".join(sys.argv[1:]),
