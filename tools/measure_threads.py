@@ -119,9 +119,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--extra-threads", default="1,2", help="after-code rows with these explicit --threads (eager)")
+    ap.add_argument("--systems", default="eager,compiled", help="which systems' rows to run")
     ap.add_argument("--variant", action="append", default=[],
-                    help="an extra after-code row: SYSTEM:ENV=VALUE[,ENV=VALUE] (e.g. compiled:TVM_BIND_THREADS=1), "
-                         "to compare a thread-pool setting with edgekv's default")
+                    help="an extra after-code row: SYSTEM:ITEM[,ITEM] where an ITEM is ENV=VALUE or --option=VALUE "
+                         "(e.g. compiled:--threads=2,TVM_BIND_THREADS=1), to compare a setting with edgekv's default")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--wait-quiet", type=float, default=120,
                     help="before each run, wait up to this many seconds for no other runnable process (0: don't)")
@@ -137,9 +138,13 @@ def main() -> None:
     configs += [("eager", "after", ["--threads", t], {}) for t in args.extra_threads.split(",") if t]
     if args.artifact:
         configs += [("compiled", "before", [], {}), ("compiled", "after", [], {})]
+    systems = args.systems.split(",")
+    configs = [c for c in configs if c[0] in systems]
     for v in args.variant:
-        system, _, envs = v.partition(":")
-        configs.append((system, "after", [], dict(e.split("=", 1) for e in envs.split(",") if e)))
+        system, _, items = v.partition(":")
+        opts = [e for e in items.split(",") if e.startswith("--")]
+        env = dict(e.split("=", 1) for e in items.split(",") if e and not e.startswith("--"))
+        configs.append((system, "after", [x for o in opts for x in o.split("=", 1)], env))
     before_tree = export_tree(args.before_rev)
     rows = []
     plan = []
