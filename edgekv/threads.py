@@ -14,10 +14,16 @@ Why this default (measured by ``tools/measure_threads.py``, results in docs/resu
   process may use (CPU affinity, a cgroup CPU quota, physical cores rather than SMT siblings, the
   big cores of a big.LITTLE phone) and subtracts the other processes that are runnable right
   now (``procs_running`` of ``/proc/stat``, sampled a few times).
-- **Waiting threads sleep instead of spinning** (``OMP_WAIT_POLICY=PASSIVE`` for torch's OpenMP,
-  a short TVM thread-pool spin), so load that starts after the choice costs a share of the
-  machine, not a collapse. These are environment settings read when the libraries load, so
-  ``prepare_process`` must run before torch or TVM is imported; a value the user set wins.
+- **torch's waiting threads sleep instead of spinning** (``OMP_WAIT_POLICY=PASSIVE``), so load
+  that starts after the choice costs a share of the machine, not a collapse; torch keeps most of
+  its parallel speed-up that way. **TVM's pool keeps its own spin** (``TVM_THREAD_POOL_SPIN_COUNT``
+  unset): without it two TVM threads ran no faster than one on an idle machine (its kernels are
+  short and a worker woken from sleep arrives late), so a spin count of 0 would undo the reason
+  for more threads; the price is that load arriving *after* a multi-thread choice slows a compiled
+  run badly — set ``TVM_THREAD_POOL_SPIN_COUNT=0`` (or ``--threads 1``) where that is expected.
+  TVM workers are not pinned to cores (``TVM_BIND_THREADS=0``): a pinned worker cannot move away
+  from a core another process is using. These are environment settings read when the libraries
+  load, so ``prepare_process`` must run before torch or TVM is imported; a value the user set wins.
 - **TVM sizes its thread pool once**, from ``TVM_NUM_THREADS`` (else ``OMP_NUM_THREADS``, else
   half the logical CPUs on x86) when the pool is first used; ``runtime.config_threadpool`` can
   later lower the count but never raise it above that size. ``apply_threads`` sets both.
@@ -35,7 +41,6 @@ from pathlib import Path
 # environment defaults applied by prepare_process (the user's own values win)
 PROCESS_ENV = {
     "OMP_WAIT_POLICY": "PASSIVE",  # torch's OpenMP threads sleep at barriers instead of spinning
-    "TVM_THREAD_POOL_SPIN_COUNT": "0",  # TVM's pool workers sleep as soon as they are idle
     "TVM_BIND_THREADS": "0",  # do not pin TVM workers to cores another process may be using
 }
 

@@ -254,6 +254,9 @@ def markdown(res: dict) -> str:
     after = [s for s in res["summary"] if s["code"] == "after" and s["threads_option"] == "default"]
     worst = min((min(x for x in (s["prefill_ratio"], s["decode_ratio"]) if x is not None) for s in after),
                 default=None)
+    L += ["", "Rows with `+ ENV=VALUE` or an explicit `--threads` are the alternatives the defaults were chosen "
+              "against (same job, same interleaving). *Loaded* with an explicit thread count emulates load that "
+              "arrives after the thread choice (the default choice sees a busy process that is already there)."]
     L += ["", f"Goal: a loaded run of the main job within 2× of an idle one with the defaults — the worst "
               f"loaded/idle ratio of the *after* defaults is {f(worst, 2)} "
               f"({'met' if worst is not None and worst >= 0.5 else 'not met'}).", ""]
