@@ -10,6 +10,10 @@ import re
 
 from .models.config import ModelConfig
 
+# the defaults every command shares (`edgekv run`, `compile`, `simulate`, `bench`)
+DEFAULT_BUDGET = "1k"
+DEFAULT_BLOCK = 128
+
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*$", re.IGNORECASE)
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -65,9 +69,9 @@ def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:,.1f}{unit}"
         n /= 1024
     return f"{n}"
 

@@ -1,23 +1,47 @@
-"""The `edgekv` command (typer + rich)."""
+"""The `edgekv` command (typer + rich).
+
+One vocabulary across the subcommands (README, "Using it"): MODEL (or ARTIFACT) is always the
+positional argument; ``--budget``/``--block``/``--policy``/``--policy-arg`` (``key=value`` or
+``policy:key=value``) mean the same everywhere and share their defaults; ``-o/--output`` is where
+a command writes (``--report`` and ``--out`` remain as aliases); ``--threads`` sets the threads of
+every runtime (default: the free cores, ``edgekv/threads.py``); ``--mem-limit`` refuses a memory
+plan above it; ``--allow-beyond-context`` opts in to positions past the trained context."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-from typing import Annotated, Optional
+from .threads import prepare_process
 
-import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
+prepare_process()  # before torch / TVM load: thread pools that sleep instead of spinning
 
-from .budget import human_bytes
-from .errors import USER_ERRORS, InputError
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated, Optional  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from .budget import DEFAULT_BLOCK, DEFAULT_BUDGET, human_bytes  # noqa: E402
+from .errors import USER_ERRORS, InputError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="edgekv: long prompts under a hard KV-cache budget")
 err = Console(stderr=True)
 out = Console()
+DEFAULT_POLICY = "keydiff"  # = edgekv.policies.DEFAULT_POLICY (not imported here: it loads torch)
+
+# the help texts of the options every command shares
+HELP = {
+    "model": "model name (smollm2-135m), GGUF file or HF directory",
+    "budget": f"KV budget N per layer and KV head: tokens (1k, 512, 0.5k) or bytes of KV cache (64MiB); default {DEFAULT_BUDGET}",
+    "block": f"prompt tokens per block B (default {DEFAULT_BLOCK})",
+    "policy": f"eviction policy (`edgekv policies`; default {DEFAULT_POLICY})",
+    "policy_arg": "policy parameter key=value, or policy:key=value for one of several policies (repeatable)",
+    "threads": "threads for every runtime (torch, TVM); default: the free cores",
+    "mem_limit": "refuse when the memory plan (weights + KV cache + activations) is above this, e.g. 1.5GiB",
+    "beyond": "allow prompt + output past the model's trained context",
+}
 
 
 def _fail(exc: Exception) -> None:
@@ -25,14 +49,17 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
-def parse_policy_args(pairs: list[str] | None) -> dict[str, str]:
-    args = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise InputError(f"--policy-arg {pair!r} is not key=value; e.g. --policy-arg sinks=4")
-        key, value = pair.split("=", 1)
-        args[key.strip()] = value.strip()
-    return args
+def say(msg: str) -> None:
+    """One line per phase on stderr, so that long steps show even with output redirected."""
+    err.print(f"[dim]edgekv:[/] {msg}", highlight=False)
+
+
+def parse_policy_args(pairs: list[str] | None, policy: str | None = None) -> dict[str, str]:
+    """``--policy-arg`` values for one policy (``key=value`` or ``policy:key=value``)."""
+    from .policies import policy_arguments
+
+    name = policy or DEFAULT_POLICY
+    return policy_arguments(pairs, [name]).get(name, {})
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -48,12 +75,63 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return prompt
 
 
+def merge_model(positional: str | None, option: str | None, command: str) -> str | None:
+    """MODEL is positional in every command; ``--model`` stays as an alias for older scripts."""
+    if positional is not None and option is not None and positional != option:
+        raise InputError(f"edgekv {command}: MODEL given twice ({positional!r} and --model {option!r}); give it once")
+    return positional if positional is not None else option
+
+
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if temperature < 0:
+        raise InputError(f"--temperature {temperature:g}: give 0 (greedy) or a positive temperature such as 0.7")
+    if not 0 < top_p <= 1:
+        raise InputError(f"--top-p {top_p:g}: give a probability mass in (0, 1], e.g. 0.9 (1 = no nucleus cut)")
+    if max_new_tokens < 0:
+        raise InputError(f"--max-new-tokens {max_new_tokens}: give 0 or more tokens")
+
+
+def check_block(block: int | None) -> None:
+    if block is not None and block <= 0:
+        raise InputError(f"--block {block}: give a positive number of prompt tokens per block, e.g. 128")
+
+
+def parse_mem_limit(mem_limit: str | None) -> int | None:
+    from .budget import parse_size
+
+    return parse_size(mem_limit) if mem_limit else None
+
+
+def setup_threads(threads: int | None):
+    """Choose and apply the thread count (torch and TVM), say it in one line; returns the choice."""
+    from .threads import apply_threads, choose_threads
+
+    choice = choose_threads(threads)
+    apply_threads(choice.count)
+    say(f"threads: {choice.count} ({choice.source}" + ("" if choice.source == "--threads" else f": {choice.reason}")
+        + ")")
+    return choice
+
+
 def prefill_progress(total: int):
     """A rich progress bar over prompt tokens (shown for long prompts only)."""
     progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                         TimeRemainingColumn(), console=err, transient=True)
     task = progress.add_task("prefill", total=total)
     return progress, (lambda n: progress.advance(task, n))
+
+
+def kv_line(report: dict) -> str:
+    """What the budget saved: the KV cache held next to the full cache of the same sequence."""
+    cmp = report["memory"]["vs_full_cache"]
+    held, full = cmp["kv_cache"], cmp["full_cache"]
+    line = (f"KV cache {human_bytes(held)} (N={report['budget_tokens']:,}, B={report['block']}) vs "
+            f"{human_bytes(full)} for the full cache of {cmp['sequence_tokens']:,} tokens")
+    if cmp["saved_fraction"] > 0:
+        return line + f": {100 * cmp['saved_fraction']:.0f} % saved"
+    if report["engine"] == "eager":
+        return line + ": the budget holds the whole sequence, nothing was evicted"
+    return line + ": the artifact's fixed cache is larger than this sequence needs"
 
 
 def summary_table(report: dict) -> Table:
@@ -66,7 +144,13 @@ def summary_table(report: dict) -> Table:
     table.add_row("generated tokens", f"{report['generated_tokens']:,}")
     table.add_row("prefill tok/s", fmt(report["prefill_tok_s"]))
     table.add_row("decode tok/s", fmt(report["decode_tok_s"]))
+    threads = report.get("threads") or {}
+    if threads.get("count"):
+        table.add_row("threads", f"{threads['count']} ({threads.get('source', '')})")
     table.add_row("KV cache (plan)", human_bytes(mem["plan"]["kv_cache"]))
+    cmp = mem.get("vs_full_cache")
+    if cmp:
+        table.add_row("KV cache of the full cache (same tokens)", human_bytes(cmp["full_cache"]))
     table.add_row("peak memory plan (weights+KV+activations)", human_bytes(mem["plan"]["total"]))
     table.add_row("peak memory measured (process RSS)", human_bytes(mem["peak_rss"]))
     return table
@@ -78,133 +162,223 @@ def run(
     prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="file holding the prompt")] = None,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
-    budget: Annotated[str, typer.Option(help="KV budget N per layer and KV head: 2k, 512, 0.5k, or bytes: 512MiB")] = "2k",
-    block: Annotated[int, typer.Option(help="prompt tokens per block B")] = 128,
-    policy: Annotated[str, typer.Option(help="eviction policy")] = "keydiff",
-    policy_arg: Annotated[Optional[list[str]], typer.Option(help="policy parameter key=value (repeatable)")] = None,
+    budget: Annotated[Optional[str], typer.Option(help=HELP["budget"] + "; an artifact's own when running one")] = None,
+    block: Annotated[Optional[int], typer.Option(help=HELP["block"])] = None,
+    policy: Annotated[Optional[str], typer.Option(help=HELP["policy"])] = None,
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling mass, in (0, 1]")] = 1.0,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
-    report: Annotated[Optional[Path], typer.Option(help="write a JSON report here")] = None,
-    allow_beyond_context: Annotated[bool, typer.Option(help="allow prompt + output past the model's trained context")] = False,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
-    runtime: Annotated[str, typer.Option(help="for an artifact: native (C runtime), tvm (TVM's VM), or auto")] = "auto",
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", "--report", help="write the JSON report to this file")] = None,
+    mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
+    allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
+    threads: Annotated[Optional[int], typer.Option(help=HELP["threads"])] = None,
+    runtime: Annotated[str, typer.Option(help="for an ARTIFACT: native (the C runtime, no TVM), tvm (TVM's VM), "
+                                              "or auto (native when built)")] = "auto",
 ):
     """Generate from a long prompt under a KV budget, block by block; print text and a memory table."""
-    from .engine import Sampler
-    from .job import (check_context, check_writable, encode_prompt, open_artifact, run_compiled, run_eager,
-                      write_json_atomic)
-    from .models import load_model
-    from .policies import make_policy
-
     try:
-        check_writable(report)
+        check_writable_early(output)
         text = read_prompt(prompt, prompt_file)
-        if max_new_tokens < 0:
-            raise InputError("--max-new-tokens must be ≥ 0")
-        make_policy(policy, parse_policy_args(policy_arg))  # unknown policy / bad args before loading anything
-        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
-        if threads:
-            import torch
+        check_sampling(temperature, top_p, max_new_tokens)
+        check_block(block)
+        limit = parse_mem_limit(mem_limit)
+        if model is not None and (Path(model) / "manifest.json").is_file():  # a compiled artifact
+            from .job import check_artifact_settings
+            from .runtime import read_manifest
 
-            torch.set_num_threads(threads)
-        compiled = model is not None and (Path(model) / "manifest.json").is_file()
-        if compiled:
-            if policy_arg or budget_given(budget, block, policy):
-                raise InputError("a compiled artifact fixes --policy, --budget and --block at compile time; "
-                                 "drop them or recompile with `edgekv compile`")
-            runtime_, loaded = open_artifact(model, runtime=runtime, threads=threads)
+            check_artifact_settings(model, read_manifest(model), policy=policy,
+                                    policy_args=_artifact_policy_args(policy_arg, policy, model), budget=budget,
+                                    block=block)
+            choice = setup_threads(threads)
+            result = run_compiled_job(model, text, chat=chat, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, seed=seed, mem_limit=limit,
+                                      allow_beyond_context=allow_beyond_context, runtime=runtime,
+                                      threads=choice.count)
         else:
-            loaded = load_model(model, err)
-        ids = encode_prompt(loaded, text, chat)
-        check_context(loaded, int(ids.numel()), max_new_tokens, allow_beyond_context)
-        generated: list[int] = []
-        printed = [""]
+            from .policies import make_policy
 
-        def stream(token: int) -> None:
-            generated.append(token)
-            so_far = loaded.tokenizer.decode(generated, skip_special_tokens=True)
-            if so_far.startswith(printed[0]):
-                sys.stdout.write(so_far[len(printed[0]):])
-                sys.stdout.flush()
-                printed[0] = so_far
+            policy = policy or DEFAULT_POLICY
+            args = parse_policy_args(policy_arg, policy)
+            make_policy(policy, args)  # unknown policy / bad arguments before loading anything
+            choice = setup_threads(threads)
+            result = run_eager_job(model, text, chat=chat, budget=budget or DEFAULT_BUDGET,
+                                   block=block or DEFAULT_BLOCK, policy=policy, policy_args=args,
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                   mem_limit=limit, allow_beyond_context=allow_beyond_context)
+        from .threads import threads_in_use
 
-        bar, advance = prefill_progress(int(ids.numel()))
-        show_bar = ids.numel() > 4 * block
-        if show_bar:
-            bar.start()
-        try:
-            if compiled:
-                result = run_compiled(runtime_, loaded, ids, max_new_tokens=max_new_tokens, sampler=sampler,
-                                      on_token=stream, progress=advance if show_bar else None)
-            else:
-                result = run_eager(loaded, ids, policy_name=policy, policy_args=parse_policy_args(policy_arg),
-                                   budget=budget, block=block, max_new_tokens=max_new_tokens, sampler=sampler,
-                                   on_token=stream, progress=advance if show_bar else None)
-        finally:
-            if show_bar:
-                bar.stop()
-        sys.stdout.write("\n")
+        result.report["threads"] = {**choice.to_dict(), **threads_in_use()}
+        err.print(kv_line(result.report), highlight=False)
         out.print(summary_table(result.report))
-        if report is not None:
-            write_json_atomic(report, result.report)
-            err.print(f"report written to {report}")
+        if output is not None:
+            from .job import write_json_atomic
+
+            write_json_atomic(output, result.report)
+            err.print(f"report written to {output}")
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
 
 
-RUN_DEFAULTS = {"budget": "2k", "block": 128, "policy": "keydiff"}
+def check_writable_early(path) -> None:
+    from .job import check_writable
+
+    check_writable(path, "-o/--output")
 
 
-def budget_given(budget: str, block: int, policy: str) -> bool:
-    """Whether the user changed a setting that a compiled artifact fixes (typer gives no 'was set' flag)."""
-    return (budget, block, policy) != (RUN_DEFAULTS["budget"], RUN_DEFAULTS["block"], RUN_DEFAULTS["policy"])
+def _artifact_policy_args(pairs, policy, artifact) -> dict[str, str]:
+    from .runtime import read_manifest
+
+    name = policy or read_manifest(artifact)["policy"]["name"]
+    from .policies import policy_arguments
+
+    return policy_arguments(pairs, [name]).get(name, {})
+
+
+def _generate(loaded, text: str, chat: bool, max_new_tokens: int, allow_beyond_context: bool, block: int, run):
+    """Encode, check the context, then ``run(ids, on_token, progress, on_phase)`` with streamed text,
+    a progress bar on a terminal and one line per phase."""
+    from .job import TextStream, check_context, encode_prompt
+
+    ids = encode_prompt(loaded, text, chat)
+    check_context(loaded, int(ids.numel()), max_new_tokens, allow_beyond_context)
+    stream = TextStream(loaded.tokenizer) if loaded.tokenizer is not None else None
+
+    def on_token(token: int) -> None:
+        if stream is not None:
+            piece = stream.push(token)
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+    def on_phase(name: str) -> None:
+        if name == "prefill":
+            n = int(ids.numel())
+            say(f"prefill: {n:,} prompt tokens in {-(-n // block)} block(s) of {block}")
+        else:
+            say(f"decode: up to {max_new_tokens} tokens")
+
+    bar, advance = prefill_progress(int(ids.numel()))
+    show_bar = ids.numel() > 4 * block and err.is_terminal
+    if show_bar:
+        bar.start()
+    try:
+        result = run(ids, on_token, advance if show_bar else None, on_phase)
+    finally:
+        if show_bar:
+            bar.stop()
+    if stream is not None:
+        sys.stdout.write(stream.flush())
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return result
+
+
+def run_eager_job(model, text, *, chat, budget, block, policy, policy_args, max_new_tokens, temperature, top_p, seed,
+                  mem_limit, allow_beyond_context):
+    """`edgekv run MODEL`: the eager engine."""
+    from .engine import Sampler
+    from .job import run_eager
+    from .models import load_model
+
+    say(f"loading {model or 'smollm2-135m'}")
+    loaded = load_model(model, err)
+    sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
+    return _generate(loaded, text, chat, max_new_tokens, allow_beyond_context, block,
+                     lambda ids, on_token, progress, on_phase: run_eager(
+                         loaded, ids, policy_name=policy, policy_args=policy_args, budget=budget, block=block,
+                         max_new_tokens=max_new_tokens, sampler=sampler, on_token=on_token, progress=progress,
+                         mem_limit=mem_limit, on_phase=on_phase))
+
+
+def run_compiled_job(artifact, text, *, chat, max_new_tokens, temperature, top_p, seed, mem_limit,
+                     allow_beyond_context, runtime="auto", threads=None):
+    """`edgekv run ARTIFACT`: the one place that runs a compiled artifact (``open_artifact`` picks the runtime)."""
+    from .engine import Sampler
+    from .job import open_artifact, run_compiled
+
+    say(f"loading the artifact {artifact}")
+    rt, loaded = open_artifact(artifact, mem_limit=mem_limit, runtime=runtime, threads=threads)
+    if allow_beyond_context and hasattr(rt, "allow_beyond_context"):
+        rt.allow_beyond_context()
+    sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
+    return _generate(loaded, text, chat, max_new_tokens, allow_beyond_context, rt.block,
+                     lambda ids, on_token, progress, on_phase: run_compiled(
+                         rt, loaded, ids, max_new_tokens=max_new_tokens, sampler=sampler, on_token=on_token,
+                         progress=progress, on_phase=on_phase))
 
 
 def compiler_errors() -> tuple[type[Exception], ...]:
     """Errors of the compiled path that are the user's to fix (imported lazily: TVM is optional)."""
+    errors: list[type[Exception]] = []
+    try:
+        from .runtime.host import ArtifactError
+
+        errors.append(ArtifactError)
+    except ImportError:
+        pass
     try:
         from .compiler.attention_sites import AttentionMatchError
         from .compiler.build import CompileError
         from .compiler.kernels import UnsupportedPolicyError
-        from .runtime.host import ArtifactError
+
+        errors += [AttentionMatchError, CompileError, UnsupportedPolicyError]
     except ImportError:
-        return ()
-    return (AttentionMatchError, CompileError, UnsupportedPolicyError, ArtifactError)
+        pass
+    return tuple(errors)
 
 
 @app.command("compile")
 def compile_cmd(
     model: Annotated[Optional[str], typer.Argument(help="model name (smollm2-135m), GGUF file, HF directory or an exported decoder .onnx file")] = None,
-    budget: Annotated[str, typer.Option(help="KV budget N per layer and KV head (8k, 1024, 512MiB)")] = "2k",
-    block: Annotated[int, typer.Option(help="prompt tokens per block B")] = 128,
-    policy: Annotated[str, typer.Option(help="eviction policy compiled into the model")] = "keydiff",
-    policy_arg: Annotated[Optional[list[str]], typer.Option(help="policy parameter key=value (repeatable)")] = None,
+    budget: Annotated[str, typer.Option(help=HELP["budget"])] = DEFAULT_BUDGET,
+    block: Annotated[int, typer.Option(help=HELP["block"])] = DEFAULT_BLOCK,
+    policy: Annotated[str, typer.Option(help="eviction policy compiled into the model (`edgekv policies`)")] = DEFAULT_POLICY,
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
     target: Annotated[str, typer.Option(help="target profile in compile/ (host, ...) or a JSON file")] = "host",
-    output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("build/edgekv"),
-    mem_limit: Annotated[Optional[str], typer.Option(help="refuse if the static memory plan exceeds this (1.5GiB)")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write (replaced as a whole when it holds an artifact)")] = Path("build/edgekv"),
+    mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
+    import warnings
 
-    from .budget import parse_budget, parse_size
+    from .budget import parse_budget
     from .policies import make_policy
 
     try:
-        if output.exists() and any(output.iterdir()) and not (output / "manifest.json").is_file():
-            raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
-        pol = make_policy(policy, parse_policy_args(policy_arg))
-        limit = parse_size(mem_limit) if mem_limit else None
+        check_output_dir(output)
+        check_block(block)
+        pol = make_policy(policy, parse_policy_args(policy_arg, policy))
+        limit = parse_mem_limit(mem_limit)
+        say(f"loading {model or 'smollm2-135m'}")
         loaded = load_compile_input(model, tokenizer)
         n = parse_budget(budget, loaded.config, block)
+        check_static_cache(loaded.config, n, block)
         from .compiler import compile_model
 
         t0 = time.perf_counter()
-        with err.status("compiling…") as status:
-            result = compile_model(loaded, pol, n, block, target, output, mem_limit=limit,
-                                   progress=lambda msg: status.update(msg))
+        tmp = staging_dir(output)
+        try:
+            with err.status("compiling…") as status, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+
+                def progress(msg: str) -> None:
+                    status.update(msg)
+                    if not err.is_terminal:
+                        say(msg.replace(str(tmp), str(output)))
+
+                result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress)
+            replace_dir(tmp, output)
+        finally:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        for w in caught:  # re-said with the final directory (the build wrote a staging one)
+            err.print(f"[yellow]{w.category.__name__}:[/] {str(w.message).replace(str(tmp), str(output))}")
         manifest = result.manifest
         table = Table(title=f"edgekv compile · {loaded.model_id} · {policy} · N={n} B={block}")
         table.add_column("item")
@@ -221,10 +395,62 @@ def compile_cmd(
         if toolchain:
             table.add_row("device toolchain", str(toolchain.get("status", "")))
             if toolchain.get("finish"):
-                table.add_row("finish on a machine with it", str(toolchain["finish"]))
+                table.add_row("finish on a machine with it", str(toolchain["finish"]).replace("<artifact dir>", str(output)))
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
+
+
+def check_static_cache(cfg, budget: int, block: int) -> None:
+    """A compiled cache is one static tensor [H, N (+ B), d] per layer, indexed with 32-bit
+    integers by the generated kernels: refuse a budget past that before exporting anything."""
+    elements = cfg.num_kv_heads * (budget + block) * cfg.head_dim
+    if elements >= 2**31:
+        most = (2**31 - 1) // (cfg.num_kv_heads * cfg.head_dim) - block
+        raise InputError(f"--budget {budget:,} tokens makes each layer's compiled cache tensor "
+                         f"{cfg.num_kv_heads} × {budget + block:,} × {cfg.head_dim} = {elements:,} elements, past the "
+                         f"2^31 that compiled kernels index; compile with --budget {most:,} or less (the eager engine, "
+                         "`edgekv run MODEL`, allocates only what the prompt needs)")
+
+
+def check_output_dir(output: Path) -> None:
+    """``edgekv compile -o DIR``: a new folder, an empty one, or an earlier artifact (replaced)."""
+    if output.exists() and not output.is_dir():
+        raise InputError(f"-o {output} is a file; give a directory for the artifact (a new or empty one, or an "
+                         "earlier artifact to replace)")
+    if output.is_dir() and any(output.iterdir()) and not (output / "manifest.json").is_file():
+        raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
+    parent = output.parent if str(output.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"-o {output}: {parent} is a file, not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".check", dir=parent)).rmdir()
+    except OSError as exc:
+        raise InputError(f"-o {output}: cannot write in {parent} ({exc.strerror or exc})") from None
+
+
+def staging_dir(output: Path) -> Path:
+    """A fresh folder beside ``output`` that the build writes; it replaces ``output`` only when
+    the build succeeded (so a recompile leaves no file of an earlier target, and a failed one
+    leaves the earlier artifact as it was)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".building", dir=output.parent))
+
+
+def replace_dir(new: Path, output: Path) -> None:
+    import shutil
+
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{new.name.split('.')[-2]}")
+        output.rename(old)
+        new.rename(output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(output)
 
 
 def load_compile_input(model: str | None, tokenizer: Path | None):
@@ -255,6 +481,10 @@ def export_onnx_cmd(
 
         if form not in FORMS:
             raise InputError(f"unknown --form {form!r}; one of {', '.join(FORMS)}")
+        from .evaluation.command import check_output_folder
+
+        check_output_folder(output)
+        say(f"loading {model or 'smollm2-135m'}")
         loaded = load_model(model, err)
         with err.status(f"exporting {loaded.model_id} to ONNX ({form})…"):
             path = export_onnx(loaded, output, form)
@@ -268,16 +498,50 @@ def export_onnx_cmd(
 
 @app.command("policies")
 def list_policies():
-    """List the eviction policies and their parameters."""
+    """List the eviction policies: what each does, and its parameters (`--policy-arg key=value`)."""
     from .policies import REGISTRY
 
     table = Table(title="eviction policies")
-    table.add_column("name")
+    table.add_column("name", no_wrap=True)
+    table.add_column("what it does")
     table.add_column("parameters (defaults)")
     for name in sorted(REGISTRY):
-        params = REGISTRY[name]().params()
-        table.add_row(name, ", ".join(f"{k}={v}" for k, v in params.items()) or "—")
+        cls = REGISTRY[name]
+        params = cls().params()
+        table.add_row(name, cls.summary or "—", ", ".join(f"{k}={v}" for k, v in params.items()) or "—")
     out.print(table)
+
+
+@app.command("cache")
+def cache_cmd(
+    clear: Annotated[bool, typer.Option(help="delete edgekv's cached model copies (they are rebuilt on next use)")] = False,
+):
+    """Show edgekv's model cache (converted copies of GGUF models), or clear it with --clear."""
+    import shutil
+
+    from .models.loader import cached_conversions
+    from .models.sources import cache_root
+
+    root = cache_root()
+    entries = cached_conversions()
+    total = sum(e["bytes"] for e in entries)
+    out.print(f"edgekv cache: {root} (EDGEKV_CACHE moves it)", soft_wrap=True, highlight=False)
+    table = Table(title="converted models")
+    table.add_column("converted copy")
+    table.add_column("of")
+    table.add_column("source sha256", no_wrap=True)
+    table.add_column("size", justify="right")
+    for e in entries:
+        table.add_row(e["path"].name, e["source"], (e["sha256"] or "?")[:12], human_bytes(e["bytes"]))
+    out.print(table)
+    if not clear:
+        err.print(f"{len(entries)} converted cop{'y' if len(entries) == 1 else 'ies'}, {human_bytes(total)}; "
+                  "`edgekv cache --clear` deletes them (or delete the folder yourself)", soft_wrap=True)
+        return
+    for e in entries:
+        shutil.rmtree(e["path"], ignore_errors=True)
+    err.print(f"deleted {len(entries)} converted cop{'y' if len(entries) == 1 else 'ies'} ({human_bytes(total)}); "
+              "the next run converts its model again (~30 s)")
 
 
 from .simulate.cli import simulate_cmd  # noqa: E402 - the command lives in edgekv/simulate
@@ -287,9 +551,10 @@ app.command("simulate")(simulate_cmd)
 
 @app.command("eval")
 def eval_(
+    model: Annotated[Optional[str], typer.Argument(help=HELP["model"])] = None,
     task: Annotated[str, typer.Option(help="passkey, multikey, fidelity or all (comma-separated)")] = "passkey",
-    policies: Annotated[str, typer.Option(help="comma-separated policies, or 'all' (see `edgekv policies`)")] = "full,keydiff,snapkv,tova,streaming,h2o",
-    budgets: Annotated[str, typer.Option(help="comma-separated budgets N: 128,256,512,1k")] = "128,256,512,1k",
+    policies: Annotated[str, typer.Option("--policy", "--policies", help="comma-separated policies, or 'all' (see `edgekv policies`)")] = "full,keydiff,snapkv,tova,streaming,h2o",
+    budgets: Annotated[str, typer.Option("--budget", "--budgets", help="comma-separated budgets N: 128,256,512,1k")] = "128,256,512,1k",
     block: Annotated[str, typer.Option(help="block size(s) B, comma-separated; 'one' = the whole prompt as one block")] = "128",
     one_block: Annotated[bool, typer.Option(help="also run every budget with the whole prompt as one block")] = False,
     lengths: Annotated[str, typer.Option(help="passkey prompt lengths in tokens")] = "1k,2k,4k",
@@ -301,21 +566,25 @@ def eval_(
     fidelity_lengths: Annotated[str, typer.Option(help="fidelity text lengths in tokens")] = "2k",
     fidelity_window: Annotated[int, typer.Option(help="last positions of the text that are scored")] = 512,
     greedy_tokens: Annotated[int, typer.Option(help="greedy continuation length compared with the full cache")] = 16,
-    policy_arg: Annotated[Optional[list[str]], typer.Option(help="policy:key=value (repeatable)")] = None,
-    model: Annotated[Optional[str], typer.Option(help="model name, GGUF file or HF directory")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (1 is fastest on a busy 2-core box)")] = None,
-    out_dir: Annotated[Path, typer.Option("--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
-    resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --out finished")] = False,
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
+    model_opt: Annotated[Optional[str], typer.Option("--model", hidden=True, help="alias of MODEL")] = None,
+    threads: Annotated[Optional[int], typer.Option(help=HELP["threads"])] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", "--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
+    resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --output finished")] = False,
+    allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
 ):
     """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
-    from .evaluation.command import build_spec, run_eval
+    from .evaluation.command import build_spec, check_output_folder, run_eval
 
     try:
+        model = merge_model(model, model_opt, "eval")
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
                           max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg)
-        data = run_eval(spec, out_dir, model_name=model, threads=threads, console=err, argv=["edgekv", *sys.argv[1:]],
-                        resume=resume)
-        out.print((out_dir / "results.md").read_text())
+        check_output_folder(output)
+        setup_threads(threads)
+        data = run_eval(spec, output, model_name=model, console=err, argv=["edgekv", *sys.argv[1:]],
+                        resume=resume, allow_beyond_context=allow_beyond_context)
+        out.print((output / "results.md").read_text())
         err.print("written: " + ", ".join(data["_files"]))
     except USER_ERRORS as exc:
         _fail(exc)
@@ -327,19 +596,20 @@ def main():  # pragma: no cover
 
 @app.command()
 def bench(
-    model: Annotated[str, typer.Option(help="model name or GGUF path")] = "smollm2-135m",
+    model: Annotated[Optional[str], typer.Argument(help=HELP["model"])] = None,
     prompt_lengths: Annotated[str, typer.Option(help="timed prompt lengths (within the model's context)")] = "1k,4k,8k",
     memory_only_lengths: Annotated[str, typer.Option(help="edgekv-only lengths past the context (memory only)")] = "16k,32k",
-    budget: Annotated[str, typer.Option(help="edgekv KV budget N")] = "1k",
-    block: Annotated[int, typer.Option(help="block size B")] = 128,
-    policy: Annotated[str, typer.Option(help="edgekv eviction policy")] = "keydiff",
+    budget: Annotated[str, typer.Option(help=HELP["budget"])] = DEFAULT_BUDGET,
+    block: Annotated[int, typer.Option(help=HELP["block"])] = DEFAULT_BLOCK,
+    policy: Annotated[str, typer.Option(help=HELP["policy"])] = DEFAULT_POLICY,
     systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp,onnxruntime",
     artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled")] = None,
     onnx: Annotated[Optional[Path], typer.Option(help="ONNX file (past_key_values form, `edgekv export-onnx --form past`) for the onnxruntime peer")] = None,
-    decode_tokens: Annotated[int, typer.Option(help="tokens decoded after the prompt")] = 32,
+    decode_tokens: Annotated[int, typer.Option("--max-new-tokens", "--decode-tokens", help="tokens decoded after the prompt")] = 32,
     repeats: Annotated[int, typer.Option(help="runs per point (median reported)")] = 3,
-    threads: Annotated[int, typer.Option(help="threads for every system")] = 2,
-    out_dir: Annotated[Path, typer.Option("--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
+    threads: Annotated[Optional[int], typer.Option(help=HELP["threads"] + " (every system)")] = None,
+    model_opt: Annotated[Optional[str], typer.Option("--model", hidden=True, help="alias of MODEL")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", "--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
 ):
     """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress, llama.cpp and ONNX Runtime (one process per run)."""
     from .bench.report import markdown, plot
@@ -347,33 +617,40 @@ def bench(
     from .bench.systems import SYSTEMS
     from .budget import parse_budget
     from .corpus import natural_token_ids
-    from .job import check_writable, write_json_atomic
+    from .evaluation.command import check_output_folder
+    from .job import write_json_atomic
     from .models import load_model
 
     try:
+        model = merge_model(model, model_opt, "bench") or "smollm2-135m"
         names = [s.strip() for s in systems.split(",") if s.strip()]
         unknown = [s for s in names if s not in SYSTEMS]
         if unknown:
             raise InputError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-        lengths = [parse_budget(x, block=1) for x in prompt_lengths.split(",") if x.strip()]
-        mem_lengths = [parse_budget(x, block=1) for x in memory_only_lengths.split(",") if x.strip()]
-        out_dir.mkdir(parents=True, exist_ok=True)
-        check_writable(out_dir / "bench.json", "--out")
+        check_block(block)
+        from .evaluation.command import parse_lengths
+
+        lengths = parse_lengths(prompt_lengths, "--prompt-lengths")
+        mem_lengths = parse_lengths(memory_only_lengths, "--memory-only-lengths") if memory_only_lengths.strip() else []
         if onnx is not None and not onnx.is_file():
             raise InputError(f"--onnx {onnx} is not a file; export one with `edgekv export-onnx --form past -o DIR`")
+        check_output_folder(output)
+        choice = setup_threads(threads)
+        say(f"loading {model}")
         loaded = load_model(model, err)
         cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
-                          decode_tokens=decode_tokens, repeats=repeats, threads=threads,
+                          decode_tokens=decode_tokens, repeats=repeats, threads=choice.count,
                           artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
         results["command"] = "edgekv bench " + " ".join(sys.argv[2:])
-        write_json_atomic(out_dir / "bench.json", results)
-        (out_dir / "bench.md").write_text(markdown(results))
-        plot(results, str(out_dir / "bench.png"))
+        output.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(output / "bench.json", results)
+        (output / "bench.md").write_text(markdown(results))
+        plot(results, str(output / "bench.png"))
         out.print(markdown(results))
-        err.print(f"results in {out_dir}/bench.json, bench.md, bench.png")
+        err.print(f"results in {output}/bench.json, bench.md, bench.png")
     except USER_ERRORS as exc:
         _fail(exc)
 

@@ -2,6 +2,7 @@
 them without a traceback and exits with status 2."""
 
 from .budget import BudgetError
+from .memory import MemoryPlanError
 from .models.errors import ModelError
 from .policies.base import PolicyError
 
@@ -10,4 +11,4 @@ class InputError(ValueError):
     """A prompt, path or option the user gave cannot be used."""
 
 
-USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError)
+USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError, MemoryPlanError)

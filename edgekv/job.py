@@ -19,23 +19,48 @@ from .models.loaded import LoadedModel
 from .policies import make_policy
 
 
-def check_writable(path: str | os.PathLike | None, what: str = "--report") -> None:
-    """Refuse an unwritable output path before any work starts."""
+def check_writable(path: str | os.PathLike | None, what: str = "--output") -> None:
+    """Refuse an output file that cannot be written, before any work starts. The test is the
+    write itself: a temporary file is created (and removed) in the target's folder, as
+    ``write_json_atomic`` will do at the end — permission bits alone do not tell (root, read-only
+    file systems, /proc)."""
     if path is None:
         return
     p = Path(path).expanduser()
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise InputError(f"{what} {p} is a directory; give a file path such as {p / 'report.json'}")
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"{what} {p}: {parent} is a file, not a folder; choose another path")
     if not parent.is_dir():
         raise InputError(f"{what} {p}: the folder {parent} does not exist; create it or choose another path")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise InputError(f"{what} {p} is not writable; choose a path you can write to")
+    if p.exists() and not p.is_file():  # a device such as /dev/null: written in place
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as exc:
+            raise InputError(f"{what} {p} is not writable ({exc.strerror}); choose a path you can write to") from None
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".check", dir=parent)
+        os.close(fd)
+        os.unlink(tmp)
+        if p.exists():
+            with open(p, "a"):
+                pass
+    except OSError as exc:
+        raise InputError(f"{what} {p} is not writable: cannot create a file in {parent} ({exc.strerror or exc}); "
+                         "choose a path you can write to") from None
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write via a temporary file and rename, so a failed run never leaves half a file."""
+    """Write via a temporary file and rename, so a failed run never leaves half a file
+    (a path that exists and is not a regular file, such as /dev/stdout, is written in place)."""
     p = Path(path).expanduser()
+    if p.exists() and not p.is_file():
+        with open(p, "w") as fh:
+            json.dump(data, fh, indent=2)
+        return
     fd, tmp = tempfile.mkstemp(prefix=p.name + ".", dir=p.parent or ".")
     try:
         with os.fdopen(fd, "w") as fh:
@@ -73,6 +98,41 @@ def check_context(model: LoadedModel, prompt_tokens: int, max_new: int, allow_be
         )
 
 
+class TextStream:
+    """Incremental detokenisation for streamed output: ``push(token)`` returns the new text to
+    print. Byte-level tokenizers split one character's UTF-8 bytes over several tokens (猫, emoji):
+    text that ends in an incomplete character (decoded as U+FFFD) is held back until the
+    character is complete. Only a window of recent tokens is decoded per step (the offsets
+    of text-generation-inference's streamer), so the cost does not grow with the output, and the
+    output never stops when a later token changes how earlier ones decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # first token of the decode window
+        self.read = 0  # tokens already turned into printed text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            new = text[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character stays U+FFFD)."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
+
+
 @dataclass
 class RunResult:
     text: str
@@ -80,19 +140,53 @@ class RunResult:
     report: dict = field(default_factory=dict)
 
 
+def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
+    """The KV cache a run held next to what the full cache of the same sequence would hold."""
+    from .memory import kv_cache_bytes
+
+    full = kv_cache_bytes(cfg, sequence_tokens)
+    return {"kv_cache": kv_bytes, "full_cache": full, "sequence_tokens": sequence_tokens,
+            "saved_fraction": (1 - kv_bytes / full) if full else 0.0}
+
+
 def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
               budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
-              progress=None) -> RunResult:
+              progress=None, mem_limit: int | None = None, on_phase=None) -> RunResult:
+    """``edgekv run`` on the eager engine. The caches hold no more than prompt + output needs
+    (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
+    memory the machine has left before they are allocated. ``on_phase(name)`` is called when
+    prefill and decode start."""
+    from .memory import cache_capacity, check_plan
+
     n_budget = parse_budget(budget, model.config, block)
     policy = make_policy(policy_name, policy_args)
-    engine = BlockEngine(model, policy, n_budget, block)
-    plan = plan_memory(model.config, model.weight_bytes, engine.capacity, block, len(policy.entry_state))
+    policy.check_budget(n_budget, block)
+    n_prompt = int(prompt_ids.numel())
+    capacity = cache_capacity(n_budget, block, int(getattr(policy, "max_extra_tokens", 0)),
+                              n_prompt + max_new_tokens)
+    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state))
+    check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
+               hint="lower --budget or --block, or shorten the prompt")
+    engine = BlockEngine(model, policy, n_budget, block, max_tokens=n_prompt + max_new_tokens)
     eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
     t0 = time.perf_counter()
-    ids = engine.generate(prompt_ids, max_new_tokens, sampler, eos_ids=eos, on_token=on_token, progress=progress)
+    first = [True]
+
+    def token_cb(token: int) -> None:
+        if first[0] and on_phase is not None:
+            on_phase("decode")
+        first[0] = False
+        if on_token is not None:
+            on_token(token)
+
+    if on_phase is not None:
+        on_phase("prefill")
+    ids = engine.generate(prompt_ids, max_new_tokens, sampler, eos_ids=eos, on_token=token_cb, progress=progress)
     wall = time.perf_counter() - t0
     s = engine.stats
     text = model.tokenizer.decode(ids, skip_special_tokens=True) if model.tokenizer is not None else ""
+    from .threads import threads_in_use
+
     report = {
         "engine": "eager",
         "model": model.model_id,
@@ -101,7 +195,8 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
         "policy_params": policy.params(),
         "budget_tokens": n_budget,
         "block": block,
-        "prompt_tokens": int(prompt_ids.numel()),
+        "cache_capacity": engine.capacity,
+        "prompt_tokens": n_prompt,
         "generated_tokens": len(ids),
         "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
         "decode_tok_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
@@ -114,9 +209,11 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
             "plan": plan.to_dict(),
             "kv_cache_allocated": engine.kv_bytes,
             "peak_rss": peak_rss_bytes(),
+            "vs_full_cache": kv_comparison(model.config, plan.kv_cache, n_prompt + len(ids)),
         },
         "text": text,
         "torch_threads": torch.get_num_threads(),
+        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
     }
     return RunResult(text=text, generated_ids=ids, report=report)
 
@@ -134,26 +231,38 @@ class ArtifactModel:
 RUNTIMES = ("auto", "native", "tvm")
 
 
-def open_artifact(path, *, runtime: str = "auto", threads: int | None = None) -> tuple[object, ArtifactModel]:
-    """Load a compiled artifact (refusing a corrupt or mismatched one) and describe its model.
-
-    ``runtime``: ``native`` (the C runtime, no TVM in the process), ``tvm`` (HostRuntime, TVM's
-    Relax VM) or ``auto`` — native when it is built and the artifact carries a program."""
-    from .artifact import PROGRAM_FILE, read_manifest
+def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
+                  threads: int | None = None) -> tuple[object, ArtifactModel]:
+    """Load a compiled artifact for ``edgekv run ARTIFACT`` and describe its model: refuses a corrupt
+    or mismatched one, one compiled for another target (before anything tries to load it), and one
+    whose memory plan does not fit ``mem_limit`` or the machine (before its caches are allocated).
+    This is the one place that picks the runtime that runs an artifact: ``native`` (the C runtime,
+    no TVM in the process), ``tvm`` (HostRuntime, TVM's Relax VM) or ``auto`` — native when it is
+    built and the artifact carries a program."""
+    from .artifact import PROGRAM_FILE
+    from .artifact_target import artifact_runs_here, device_artifact_message
+    from .memory import MemoryPlan, check_plan
     from .models.config import ModelConfig
+    from .runtime import ArtifactError, read_manifest
     from .runtime import native
 
     if runtime not in RUNTIMES:
         raise InputError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
     manifest = read_manifest(path)
+    if not artifact_runs_here(manifest):
+        raise ArtifactError(device_artifact_message(path, manifest))
+    mp = manifest.get("memory_plan") or {}
+    if mp:
+        check_plan(MemoryPlan(weights=int(mp["weights_bytes"]), kv_cache=int(mp["cache_bytes"]),
+                              activations=int(mp["activation_bytes"])), mem_limit=mem_limit,
+                   hint="the plan is fixed at compile time: recompile with a lower --budget or --block")
     has_program = (Path(path) / PROGRAM_FILE).is_file()
-    use_native = runtime == "native" or (runtime == "auto" and native.available() and has_program)
-    if use_native:
+    if runtime == "native" or (runtime == "auto" and native.available() and has_program):
         if not has_program:
             raise InputError(f"{path} has no {PROGRAM_FILE} for the native runtime; recompile it with this edgekv, "
                              "or run it with --runtime tvm")
         try:
-            rt = native.NativeRuntime(path, threads=threads)
+            rt = native.NativeRuntime(path, threads=threads, mem_limit=mem_limit)
         except native.NativeRuntimeMissing as exc:
             raise InputError(str(exc)) from None
     else:
@@ -165,9 +274,58 @@ def open_artifact(path, *, runtime: str = "auto", threads: int | None = None) ->
                              chat=bool(model.get("chat")))
 
 
+def check_artifact_settings(path, manifest: dict, *, policy: str | None, policy_args: dict[str, str] | None,
+                            budget: str | None, block: int | None) -> None:
+    """The rule for options that a compiled artifact fixes at compile time (policy, its arguments,
+    budget, block): an option the user gave must equal the artifact's value — then it is
+    accepted — and any that differs is refused, naming the artifact's settings."""
+    from .policies import make_policy
+
+    fixed_policy = manifest["policy"]["name"]
+    fixed_params = dict(manifest["policy"].get("params") or {})
+    fixed_budget, fixed_block = int(manifest["budget"]), int(manifest["block"])
+    differs = []
+    if policy is not None and policy != fixed_policy:
+        differs.append(f"--policy {policy}")
+    if block is not None and int(block) != fixed_block:
+        differs.append(f"--block {block}")
+    if budget is not None:
+        from .models.config import ModelConfig
+
+        n = parse_budget(budget, ModelConfig(**manifest["model"]["config"]), fixed_block)
+        if n != fixed_budget:
+            differs.append(f"--budget {budget}" + (f" ({n} tokens)" if str(n) != str(budget).strip() else ""))
+    if policy_args:
+        given = make_policy(policy or fixed_policy, policy_args).params() if (policy or fixed_policy) else {}
+        for key in policy_args:
+            if key in given and given[key] != fixed_params.get(key):
+                differs.append(f"--policy-arg {key}={policy_args[key]}")
+    if differs:
+        args = "".join(f" --policy-arg {k}={v}" for k, v in fixed_params.items())
+        raise InputError(
+            f"{path} was compiled with --policy {fixed_policy} --budget {fixed_budget} --block {fixed_block}"
+            f"{args}; {', '.join(differs)} differ{'s' if len(differs) == 1 else ''}. A compiled artifact's settings "
+            f"are fixed: drop the option{'s' if len(differs) > 1 else ''} (or give the artifact's own value), "
+            f"or recompile with `edgekv compile MODEL ... -o DIR`")
+
+
 def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_new_tokens: int, sampler: Sampler,
-                 on_token=None, progress=None) -> RunResult:
-    """The compiled counterpart of ``run_eager``: same report keys, measured by the host runtime."""
+                 on_token=None, progress=None, on_phase=None) -> RunResult:
+    """The compiled counterpart of ``run_eager``: same report keys, measured by the runtime."""
+    from .threads import threads_in_use
+
+    first = [True]
+    user_on_token = on_token
+
+    def on_token(token: int) -> None:  # noqa: F811 - wraps the caller's callback
+        if first[0] and on_phase is not None:
+            on_phase("decode")
+        first[0] = False
+        if user_on_token is not None:
+            user_on_token(token)
+
+    if on_phase is not None:
+        on_phase("prefill")
     eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
     t0 = time.perf_counter()
     ids = rt.generate(prompt_ids.numpy(), max_new_tokens, sampler=lambda logits: sampler(torch.from_numpy(logits)),
@@ -180,7 +338,6 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
     report = {
         "engine": "compiled",
         "runtime": "native" if native else "tvm",
-        "threads": getattr(rt, "threads", None),
         "artifact": str(rt.path),
         "target": rt.manifest["target"],
         "model": described.model_id,
@@ -202,7 +359,9 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
                 "weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
                 "activations": plan["activation_bytes"], "total": plan["total_bytes"]},
             "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
+            "vs_full_cache": kv_comparison(described.config, plan["cache_bytes"], int(prompt_ids.numel()) + len(ids)),
         },
         "text": text,
+        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
     }
     return RunResult(text=text, generated_ids=ids, report=report)

@@ -46,6 +46,18 @@ def block_activation_bytes(cfg: ModelConfig, block: int, capacity: int, dtype_by
     return dtype_bytes * (b * per_row + scores + cfg.vocab_size)
 
 
+def cache_capacity(budget: int, block: int, extra_rows: int = 0, max_tokens: int | None = None) -> int:
+    """Entries per layer and KV head that the cache buffers hold: N + B (+ a policy's pseudo rows)
+    — but never more than the sequence can fill. With ``max_tokens`` = prompt + output ≤ N
+    nothing is ever evicted (and no pseudo rows are appended), so ``max_tokens`` entries suffice;
+    above N, a step never writes past the sequence's length, so at most ``max_tokens`` + pseudo rows."""
+    full = budget + block + extra_rows
+    if max_tokens is None:
+        return full
+    max_tokens = max(1, int(max_tokens))
+    return min(full, max_tokens if max_tokens <= budget else max_tokens + extra_rows)
+
+
 def plan_memory(cfg: ModelConfig, weight_bytes: int, capacity: int, block: int, state_buffers: int = 0) -> MemoryPlan:
     return MemoryPlan(
         weights=weight_bytes,
@@ -58,6 +70,63 @@ def peak_rss_bytes() -> int:
     """Process RSS high-water mark (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def available_bytes() -> tuple[int, str]:
+    """Memory a new allocation can still get, and what sets it: the machine's available memory
+    (``MemAvailable``), or less where a cgroup v2 ``memory.max`` or an address-space / data
+    rlimit of this process leaves less."""
+    import psutil
+
+    avail, source = int(psutil.virtual_memory().available), "available memory of this machine"
+    try:
+        from pathlib import Path
+
+        rel = next((ln.split("::", 1)[1] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.startswith("0::")), None)
+        if rel is not None:
+            d = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            limit = (d / "memory.max").read_text().strip() if (d / "memory.max").is_file() else "max"
+            if limit != "max":
+                left = int(limit) - int((d / "memory.current").read_text())
+                if left < avail:
+                    avail, source = max(0, left), f"memory left under this cgroup's memory.max ({int(limit)} bytes)"
+    except (OSError, ValueError, StopIteration):
+        pass
+    for name, field in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft != resource.RLIM_INFINITY:
+            from .simulate.limits import proc_status
+
+            used = proc_status("self").get(field, 0)
+            if soft - used < avail:
+                avail, source = max(0, soft - used), f"what this process's {name} leaves"
+    return avail, source
+
+
+class MemoryPlanError(ValueError, MemoryError):
+    """The static memory plan does not fit the limit or the machine; the message gives the numbers.
+    (A MemoryError too: under ``edgekv simulate``'s cap it means "does not fit".)"""
+
+
+def check_plan(plan: MemoryPlan, *, mem_limit: int | None = None, resident: int = 0, hint: str = "") -> None:
+    """Refuse a plan before anything of it is allocated: above ``mem_limit`` (the whole plan), or
+    above what the machine can still give (the plan minus ``resident``: bytes of it already in
+    memory, such as loaded weights)."""
+    from .budget import human_bytes as h
+
+    parts = (f"weights {h(plan.weights)} + KV cache {h(plan.kv_cache)} + activations {h(plan.activations)}")
+    if mem_limit is not None and plan.weights > mem_limit:
+        raise MemoryPlanError(f"the model's weights alone need {h(plan.weights)}, above --mem-limit {h(mem_limit)} "
+                              f"(the whole plan: {h(plan.total)} = {parts}); raise --mem-limit or use a smaller model")
+    if mem_limit is not None and plan.total > mem_limit:
+        raise MemoryPlanError(f"the memory plan needs {h(plan.total)} ({parts}), above --mem-limit {h(mem_limit)}"
+                              + (f"; {hint}" if hint else ""))
+    need = plan.total - resident
+    avail, source = available_bytes()
+    if need > avail:
+        raise MemoryPlanError(f"the memory plan needs {h(plan.total)} ({parts}); {h(need)} of it is still to be "
+                              f"allocated and only {h(avail)} is free ({source})" + (f"; {hint}" if hint else ""))
 
 
 def current_rss_bytes() -> int:

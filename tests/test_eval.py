@@ -25,9 +25,13 @@ def test_option_parsing():
     assert parse_tasks("all") == ["passkey", "multikey", "fidelity"]
     assert parse_blocks("128", one_block=True) == [128, ONE_BLOCK]
     assert parse_blocks("one,64", one_block=False) == [64, ONE_BLOCK]  # the reference runs at a real B
-    spec = build_spec("passkey", "full,keydiff", "128,1k", "128", False, "1k,2k", "0.5", "0,1", 4, "text", 10,
-                      "2k", 512, 16, ["streaming:sinks=8"])
+    spec = build_spec("passkey", "full,keydiff,streaming", "128,1k", "128", False, "1k,2k", "0.5", "0,1", 4, "text",
+                      10, "2k", 512, 16, ["streaming:sinks=8"])
     assert spec.budgets == [128, 1024] and spec.lengths == [1024, 2048] and spec.seeds == [0, 1]
+    assert spec.policy_args == {"streaming": {"sinks": "8"}}
+    with pytest.raises(Exception, match="not among the chosen ones"):  # a typo'd or forgotten policy
+        build_spec("passkey", "full,keydiff", "128", "128", False, "1k", "0.5", "0", 4, "text", 10, "2k", 512, 16,
+                   ["streaming:sinks=8"])
     with pytest.raises(Exception, match="unknown policy"):
         build_spec("passkey", "nope", "128", "128", False, "1k", "0.5", "0", 4, "text", 10, "2k", 512, 16, None)
     with pytest.raises(InputError):

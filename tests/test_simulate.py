@@ -151,14 +151,15 @@ def test_run_under_a_sufficient_cap_fits_and_peak_stays_under_it(tiny_target, me
 
 
 def test_full_cache_under_a_too_small_cap_fails_cleanly_and_the_parent_survives(mech):
-    # A full cache sized for ~1.4M tokens (≈ 0.7 GB of KV) — the plan is under the cap, but the plan
-    # plus what Python and torch need at run time is not: the child hits the cap while
-    # allocating the cache and the parent reports it.
+    # A full cache sized for ~1.4M tokens (≈ 0.7 GB of KV: a short prompt and a very long output, as the
+    # cache holds what prompt + output need) — the plan is under the cap, but the plan plus what Python
+    # and torch need at run time is not: the child hits the cap (or sees that the plan no longer fits
+    # what the cap leaves) before the cache exists, and the parent reports it.
     target = describe(TINY)
     n = 1_400_000
-    plan = plan_for(target, "full", {}, n, 1)
+    plan = plan_for(target, "full", {}, n, 1, n)
     cap = plan.total + 150 * MiB
-    out = run_job(Job(target, list(range(48)), "full", {}, n, 1, 2, cap, mech, threads=1))
+    out = run_job(Job(target, list(range(48)), "full", {}, n, 1, n - 48, cap, mech, threads=1))
     assert out.status == DOES_NOT_FIT and not out.fits
     assert out.needs_bytes > cap and out.needs_bytes >= plan.total
     assert out.measured_peak is None or out.measured_peak <= cap
@@ -184,14 +185,34 @@ def test_mechanism_choice():
 cli = CliRunner()
 
 
-def test_cli_refuses_a_cap_below_the_plan_and_writes_the_report(tmp_path):
+def test_cli_refuses_a_cap_below_the_plan_exit_2_and_writes_nothing(tmp_path):
     report = tmp_path / "r.json"
     res = cli.invoke(app, ["simulate", TINY, "--prompt", "hello " * 30, "--mem-limit", "100KiB", "--policy", "full",
                            "--block", "32", "--max-new-tokens", "2", "--device", "midrange-android", "--report", str(report)])
-    assert res.exit_code == 0, res.output
-    assert "does not fit" in res.output and "refused" in res.output
+    assert res.exit_code == 2, res.output
+    flat = " ".join(res.output.split())
+    assert "does not fit" in flat and "refused" in flat and "Traceback" not in flat
+    assert "error: the memory plan is above the cap of 100.0KiB (--mem-limit): full N=" in flat
+    assert "nothing ran and no report was written" in flat
+    assert not report.exists()
+
+
+def test_cli_exit_1_when_one_of_several_runs_does_not_fit(tmp_path):
+    from edgekv.simulate.runner import plan_for
+
+    report = tmp_path / "r.json"
+    target = describe(TINY)
+    prompt_tokens = len(target.tokenizer("hello " * 30)["input_ids"])
+    fits = plan_for(target, "streaming", {}, 64, 32, prompt_tokens + 2).total
+    refused = plan_for(target, "full", {}, prompt_tokens + 2, 32, prompt_tokens + 2).total
+    assert fits < refused
+    cap = (fits + refused) // 2
+    res = cli.invoke(app, ["simulate", TINY, "--prompt", "hello " * 30, "--mem-limit", f"{cap}B", "--policy",
+                           "full,streaming", "--budget", "64", "--block", "32", "--max-new-tokens", "2", "--device",
+                           "midrange-android", "-o", str(report)])
     data = json.loads(report.read_text())
-    assert data["runs"][0]["status"] == REFUSED and data["runs"][0]["estimates"][0]["device"] == "midrange-android"
+    statuses = {r["policy"]: r["status"] for r in data["runs"]}
+    assert statuses["full"] == REFUSED and res.exit_code == (0 if statuses["streaming"] == FITS else 1)
 
 
 def test_cli_bad_inputs_exit_2_and_write_nothing(tmp_path):

@@ -12,6 +12,8 @@ section itself):
   native_agreement.md     tools/check_native_vs_host.py     (native runtime vs HostRuntime and the eager engine)
   native_footprint.md     tools/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
   native_aarch64.md       tools/check_native_aarch64.py     (the aarch64 build under qemu-user)
+  demo.md       tools/pick_demo.py               (how the README's main job was chosen)
+  threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = [
+    ("The README's main job", "demo.md"),
+    ("Threads: idle and loaded", "threads.md"),
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),

@@ -27,7 +27,7 @@ class BenchConfig:
     policy: str = "keydiff"
     decode_tokens: int = 32
     repeats: int = 3
-    threads: int = 2
+    threads: int = 1  # the CLI passes edgekv.threads.choose_threads(--threads)
     artifact: str | None = None
     onnx: str | None = None  # past_key_values-form ONNX file for the onnxruntime peer
     timeout: int = 900
@@ -108,6 +108,8 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
             for system, length, decode in plan:
                 ids = prompt_ids_for(length)
                 progress.update(task, description=f"{system} @ {length} ({rep + 1}/{cfg.repeats})")
+                if console is not None and not console.is_terminal:  # no live bar: one line per run
+                    console.print(f"bench: {system} @ {length} tokens ({rep + 1}/{cfg.repeats})", highlight=False)
                 by_point.setdefault((system, length, decode), []).append(run_once(cfg, system, ids, decode))
                 progress.advance(task)
     for (system, length, decode), runs in by_point.items():

@@ -48,7 +48,8 @@ def run_edgekv_eager(ids, args):
 
     model = load_model(args["model"])
     BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"]).prefill(ids[: args["block"]])
-    engine = BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"])
+    engine = BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"],
+                         max_tokens=int(ids.numel()) + args["decode_tokens"])  # as `edgekv run` allocates
     logits, prefill = _timed(lambda: engine.prefill(ids))
     dec = _timed_greedy_decode(engine.decode, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec, "kv_bytes": engine.kv_bytes}

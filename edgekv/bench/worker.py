@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
+from ..threads import prepare_process
+
+prepare_process()
+
+import torch  # noqa: E402
 
 
 def main(spec_path: str) -> None:
@@ -14,7 +18,9 @@ def main(spec_path: str) -> None:
     from .systems import SYSTEMS
 
     spec = json.loads(open(spec_path).read())
-    torch.set_num_threads(spec["threads"])
+    from ..threads import apply_threads
+
+    apply_threads(spec["threads"])  # torch and TVM (edgekv-compiled) alike
     ids = torch.tensor(spec["ids"], dtype=torch.long)
     result = SYSTEMS[spec["system"]](ids, spec)
     n = ids.numel()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..memory import cache_capacity
 from ..models.loaded import LoadedModel
 from ..policies.base import EvictionContext, Policy, PolicyError
 from .cache import LayerCache
@@ -56,7 +57,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class BlockEngine:
     def __init__(self, model: LoadedModel, policy: Policy, budget: int, block: int = 128, *,
-                 record_kept: bool = False):
+                 record_kept: bool = False, max_tokens: int | None = None):
+        """``max_tokens``: prompt + output when known; the caches then hold no more entries than
+        the sequence can fill (``memory.cache_capacity``), whatever the budget."""
         if budget <= 0:
             raise PolicyError("the budget must be a positive number of tokens")
         if block <= 0:
@@ -67,7 +70,7 @@ class BlockEngine:
         self.record_kept = record_kept
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.extra_rows = int(getattr(policy, "max_extra_tokens", 0))
-        self.capacity = budget + block + self.extra_rows
+        self.capacity = cache_capacity(budget, block, self.extra_rows, max_tokens)
         self.layer_budgets = self._layer_budgets()
         self.caches = [
             LayerCache(self.cfg.num_kv_heads, self.capacity, self.cfg.head_dim, policy.entry_state)

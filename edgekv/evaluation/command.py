@@ -21,10 +21,17 @@ def split_list(text: str, what: str) -> list[str]:
 
 
 def parse_lengths(text: str, what: str) -> list[int]:
+    """Token counts in the forms --budget takes ("1k", "4096"), for the option named ``what``."""
+    from ..budget import BudgetError, _TOKENS
+
     out = []
     for item in split_list(text, what):
-        n = parse_budget(item)  # the same "1k" / "4096" forms as --budget (token counts only)
-        out.append(n)
+        if not _TOKENS.match(item):
+            raise InputError(f"{what} {item!r}: write token counts such as 512, 1k or 4096 (comma-separated)")
+        try:
+            out.append(parse_budget(item, block=1))
+        except BudgetError as exc:
+            raise InputError(f"{what} {item!r}: {exc}") from None
     return out
 
 
@@ -74,18 +81,16 @@ def parse_depths(text: str) -> list[float]:
 
 
 def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], dict[str, dict[str, str]]]:
-    from ..policies import make_policy, policy_names
+    """The policies and their ``--policy-arg`` values (``key=value`` for every chosen policy that
+    has the argument, ``policy:key=value`` for one), as every edgekv command reads them."""
+    from ..policies import make_policy, policy_arguments, policy_names
 
-    names = split_list(text, "--policies")
+    names = split_list(text, "--policy")
     if names == ["all"]:
         names = policy_names()
-    args: dict[str, dict[str, str]] = {}
-    for pair in pairs or []:  # policy:key=value
-        if ":" not in pair or "=" not in pair:
-            raise InputError(f"--policy-arg {pair!r} is not policy:key=value; e.g. --policy-arg streaming:sinks=4")
-        pol, kv = pair.split(":", 1)
-        key, value = kv.split("=", 1)
-        args.setdefault(pol.strip(), {})[key.strip()] = value.strip()
+    for name in names:
+        make_policy(name)  # unknown names first
+    args = policy_arguments(pairs, names)
     for name in names:
         make_policy(name, args.get(name, {}))  # unknown names / bad arguments fail before any work
     return list(dict.fromkeys(names)), args
@@ -129,6 +134,8 @@ class _Bar:
 
     def describe(self, text: str) -> None:
         self.progress.update(self.task, description=text)
+        if not self.progress.console.is_terminal:  # no live bar: one line per run instead
+            self.progress.console.print(f"eval: {text}", highlight=False)
 
     def advance(self, n: int) -> None:
         self.progress.advance(self.task, n)
@@ -156,8 +163,30 @@ def earlier_results(json_path: Path, model_id: str) -> dict | None:
     return prior
 
 
+def check_output_folder(path: Path, what: str = "-o/--output") -> None:
+    """An output folder that can be written (new, or an existing folder), before any work starts."""
+    import os
+    import tempfile
+
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{what} {p} is a file; give a folder (it is created if missing)")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent if str(probe.parent) != str(probe) else Path(".")
+    if not probe.is_dir():
+        raise InputError(f"{what} {p}: {probe} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".edgekv-check.", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise InputError(f"{what} {p}: cannot write in {probe} ({exc.strerror or exc}); choose another folder") from None
+
+
 def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, threads: int | None = None,
-             console=None, argv: list[str] | None = None, progress: bool = True, resume: bool = False) -> dict:
+             console=None, argv: list[str] | None = None, progress: bool = True, resume: bool = False,
+             allow_beyond_context: bool = False) -> dict:
     """Run the sweep and write DIR/results.json, DIR/results.md and DIR/*.png; returns the data.
 
     ``resume``: prompts that DIR/results.json (an earlier, possibly interrupted run) already
@@ -178,7 +207,8 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
         raise InputError(f"model {model.model_id} has no tokenizer with a chat template; eval needs one")
     prompts = build_prompts(spec, model.tokenizer)
     for p in prompts:
-        check_context(model, p.tokens, spec.greedy_tokens if p.task == "fidelity" else spec.max_new_tokens, False)
+        check_context(model, p.tokens, spec.greedy_tokens if p.task == "fidelity" else spec.max_new_tokens,
+                      allow_beyond_context)
     data = {"schema": report.SCHEMA, "meta": report.meta(model, argv or sys.argv), "config": spec.to_dict()}
     json_path = out_dir / "results.json"
     prior = earlier_results(json_path, model.model_id) if resume else None

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
 
 CONVERSION_FORMAT = 1  # bump when the cached copy's layout changes
+_OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|bad_alloc|ENOMEM|os error 12", re.I)
+
+
+class ModelMemoryError(ModelError, MemoryError):
+    """The model does not fit in the memory left (an allocation failed while loading it)."""
 
 
 def _sha256(path: Path) -> str:
@@ -95,16 +101,42 @@ def quiet_transformers():
     hf_logging.set_verbosity_error()
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse a truncated or corrupt GGUF before converting it (transformers' own errors do not
+    say so): the header must parse and every tensor's data must lie inside the file."""
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:  # noqa: BLE001 - gguf raises many kinds for a damaged header
+        raise ModelError(f"'{path}' is truncated or corrupt: its GGUF header cannot be read ({type(exc).__name__}: "
+                         f"{exc}); download the file again") from None
+    if end > size:
+        raise ModelError(f"'{path}' is truncated or corrupt: its tensors need {end:,} bytes but the file has "
+                         f"{size:,}; download the file again")
+
+
+def _status(console: Console, msg: str):
+    """A spinner on a terminal; one line otherwise (output redirected)."""
+    if not console.is_terminal:
+        console.print(f"edgekv: {msg}", highlight=False)
+    return console.status(msg)
+
+
 def convert_gguf(path: Path, dest: Path, console: Console) -> None:
     """Dequantise a GGUF through transformers and write an HF directory at ``dest`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
 
+    check_gguf(path)
     quiet_transformers()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
-        with console.status(f"converting {path.name} once to a cached safetensors copy (~30 s)…"):
+        with _status(console, f"converting {path.name} once to a cached safetensors copy in {dest.parent} (~30 s; "
+                              "`edgekv cache --clear` deletes it)…"):
             with contextlib.redirect_stderr(io.StringIO()):
                 model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
                 converted_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -127,10 +159,58 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def converted_dir(path: Path) -> Path:
+def source_sha256(path: Path) -> str:
+    """sha256 of a model file, remembered per (path, size, mtime) in the cache so that a file is
+    hashed once, not on every load."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CONVERSION_FORMAT}".encode())
-    return cache_root() / "converted" / f"{path.stem}-{key.hexdigest()[:12]}"
+    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = cache_root() / "converted" / "hashes.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if memo_key in known:
+        return known[memo_key]
+    digest = _sha256(path)
+    known[memo_key] = digest
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="hashes.", dir=memo.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(known, fh, indent=1)
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a read-only cache still works, it just hashes again next time
+    return digest
+
+
+def cached_conversions() -> list[dict]:
+    """The converted copies in the cache: path, the source they came from, its sha256, bytes."""
+    out = []
+    root = cache_root() / "converted"
+    for d in sorted(root.glob("*")) if root.is_dir() else []:
+        meta_file = d / "edgekv.json"
+        if not d.is_dir() or not meta_file.is_file():
+            continue
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, ValueError):
+            meta = {}
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        out.append({"path": d, "source": meta.get("source", "?"), "sha256": meta.get("source_sha256"),
+                    "format": meta.get("format"), "bytes": size})
+    return out
+
+
+def converted_dir(path: Path) -> Path:
+    """The cached conversion of a GGUF, keyed by the file's content (not its path or mtime): the
+    same model reached through two paths (the installed wheel, the fetched copy) is converted and
+    stored once. An earlier copy of the same content under another name is reused."""
+    digest = source_sha256(path)
+    for entry in cached_conversions():
+        if entry["sha256"] == digest and entry["format"] == CONVERSION_FORMAT:
+            return entry["path"]
+    return cache_root() / "converted" / f"{path.stem}-{digest[:12]}-v{CONVERSION_FORMAT}"
 
 
 def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | None = None) -> LoadedModel:
@@ -148,6 +228,9 @@ def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | No
         try:
             weights.update({k: v.float() for k, v in load_file(str(file)).items()})
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            if isinstance(exc, MemoryError) or _OUT_OF_MEMORY.search(str(exc)):
+                raise ModelMemoryError(f"not enough memory to load the weights {file} ({file.stat().st_size:,} "
+                                       f"bytes on disk, held as float32): {exc}") from None
             raise ModelError(f"cannot read weights {file}: {exc}; the file is damaged or not safetensors") from None
     if "model.embed_tokens.weight" not in weights:
         raise ModelError(f"{path} holds no 'model.embed_tokens.weight': not a Llama-family checkpoint")

@@ -31,6 +31,9 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
+DEFAULT_POLICY = "keydiff"
+
+
 def policy_names() -> list[str]:
     return sorted(REGISTRY)
 
@@ -49,6 +52,39 @@ def _coerce(value: str, annotation: typing.Any, policy: str, key: str):
         raise PolicyError(f"policy '{policy}': argument {key}={value!r} is not a valid {kind.__name__}") from None
 
 
+def policy_arguments(pairs: list[str] | None, policies: list[str]) -> dict[str, dict[str, str]]:
+    """``--policy-arg`` values for the chosen ``policies``, one form for every command:
+    ``key=value`` applies to each chosen policy that has the argument ``key`` (an error when none
+    has it), ``policy:key=value`` to that policy only (which must be among the chosen ones).
+    Returns {policy: {key: value}} (values are checked by ``make_policy``)."""
+    out: dict[str, dict[str, str]] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise PolicyError(f"--policy-arg {pair!r} is not key=value or policy:key=value; "
+                              "e.g. --policy-arg sinks=4 or --policy-arg streaming:sinks=4")
+        lhs, value = pair.split("=", 1)
+        target = None
+        if ":" in lhs:
+            target, lhs = (x.strip() for x in lhs.split(":", 1))
+        key, value = lhs.strip(), value.strip()
+        if target is not None:
+            if target not in policies:
+                raise PolicyError(f"--policy-arg {pair!r} names policy '{target}', which is not among the chosen "
+                                  f"ones ({', '.join(policies)})")
+            out.setdefault(target, {})[key] = value
+            continue
+        takers = [p for p in policies if p in REGISTRY and key in {f.name for f in dataclasses.fields(REGISTRY[p])}]
+        if not takers:
+            if len(policies) == 1:  # make_policy names the policy's arguments
+                out.setdefault(policies[0], {})[key] = value
+                continue
+            raise PolicyError(f"--policy-arg {pair!r}: none of the chosen policies ({', '.join(policies)}) has an "
+                              f"argument '{key}' (see `edgekv policies`)")
+        for p in takers:
+            out.setdefault(p, {})[key] = value
+    return out
+
+
 def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
     """Build a policy from its name and ``key=value`` strings (CLI ``--policy-arg``)."""
     if name not in REGISTRY:
@@ -64,4 +100,5 @@ def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
     return cls(**kwargs)
 
 
-__all__ = ["EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy", "policy_names", "topk_keep"]
+__all__ = ["DEFAULT_POLICY", "EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy",
+           "policy_arguments", "policy_names", "topk_keep"]

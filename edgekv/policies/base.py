@@ -146,6 +146,8 @@ class Policy:
     """Base class. Subclasses are dataclasses whose fields are the paper's defaults."""
 
     name: ClassVar[str] = "base"
+    # what the policy does, in one line (`edgekv policies`)
+    summary: ClassVar[str] = ""
     # The engine passes the block's queries (post-RoPE) only to policies that need them.
     needs_queries: ClassVar[bool] = False
     # Called on every step, even without eviction (to accumulate per-entry state).

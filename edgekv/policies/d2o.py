@@ -1128,6 +1128,7 @@ def emit_d2o_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, bud
 @dataclass
 class D2OPolicy(Policy):
     name = "d2o"
+    summary = "D2O: per-layer budgets from attention variance; H2O-style keeping, evicted entries merged into similar kept ones"
     needs_queries = True
     observes_every_step = True
     entry_state = (STATE,)

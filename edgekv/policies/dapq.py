@@ -439,6 +439,7 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
 @dataclass
 class DapQPolicy(Policy):
     name = "dapq"
+    summary = "DapQ: scores entries with pseudo queries at the positions the answer will take"
     needs_queries = True  # only used when a step has no pseudo rows (decoding)
     evict_kernel = staticmethod(build_dapq_evict_kernel)
     # the compiled kernels also take the step's post-RoPE queries (the pseudo rows' among them)

@@ -17,6 +17,7 @@ def build_full_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
 @dataclass
 class FullPolicy(Policy):
     name = "full"
+    summary = "keeps every entry, no eviction (the reference); refuses a sequence longer than N"
     evict_kernel = staticmethod(build_full_evict_kernel)
 
     def kernel_params(self, budget: int) -> dict:

@@ -72,6 +72,7 @@ def build_h2o_observe_kernel(num_kv_heads: int, budget: int, block: int, head_di
 @dataclass
 class H2OPolicy(Policy):
     name = "h2o"
+    summary = "H2O: keeps the recent tokens and the heavy hitters (most attention accumulated so far)"
     needs_queries = True
     observes_every_step = True
     entry_state = (STATE,)

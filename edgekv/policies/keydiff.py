@@ -181,6 +181,7 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
 @dataclass
 class KeyDiffPolicy(Policy):
     name = "keydiff"
+    summary = "KeyDiff: keeps the keys least similar to their mean (the most diverse); no attention scores needed"
     evict_kernel = staticmethod(build_keydiff_evict_kernel)
     # Guard for zero-norm keys / a zero anchor (not a paper parameter, hence not a field).
     EPS = 1e-6

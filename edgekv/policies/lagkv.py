@@ -209,6 +209,7 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
 @dataclass
 class LagKVPolicy(Policy):
     name = "lagkv"
+    summary = "LagKV: scores each partition of tokens against the next one's min/max statistics; no attention scores"
     evict_kernel = staticmethod(build_lagkv_evict_kernel)
     EPS = 1e-6  # guard on the per-channel range max − min (not a paper parameter)
 

@@ -113,6 +113,7 @@ def window_select(ctx: EvictionContext, score: torch.Tensor, window: int, policy
 @dataclass
 class SnapKVPolicy(Policy):
     name = "snapkv"
+    summary = "SnapKV: keeps what the last `window` queries attend to most (pooled scores)"
     needs_queries = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkv_evict_kernel)

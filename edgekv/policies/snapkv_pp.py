@@ -48,6 +48,7 @@ def build_snapkvpp_evict_kernel(num_kv_heads: int, budget: int, block: int, head
 @dataclass
 class SnapKVPlusPlusPolicy(Policy):
     name = "snapkv++"
+    summary = "SnapKV++ (RocketKV stage 1): SnapKV with group-summed scores and wide max pooling"
     needs_queries = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkvpp_evict_kernel)

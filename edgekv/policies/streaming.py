@@ -51,6 +51,7 @@ def build_streaming_evict_kernel(num_kv_heads: int, budget: int, block: int, hea
 @dataclass
 class StreamingPolicy(Policy):
     name = "streaming"
+    summary = "StreamingLLM: keeps the first `sinks` tokens and the most recent ones"
     evict_kernel = staticmethod(build_streaming_evict_kernel)
     sinks: int = 4
 

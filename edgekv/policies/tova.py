@@ -46,6 +46,7 @@ def build_tova_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
 @dataclass
 class TOVAPolicy(Policy):
     name = "tova"
+    summary = "TOVA: keeps what the last query attends to most"
     needs_queries = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_tova_evict_kernel)

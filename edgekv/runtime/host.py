@@ -70,6 +70,11 @@ class HostRuntime:
         t0 = time.perf_counter()
         path = Path(artifact)
         manifest = read_manifest(path)
+        if device is None:  # a device artifact on this CPU: say where it runs instead of TVM's linker output
+            from ..artifact_target import artifact_runs_here, device_artifact_message
+
+            if not artifact_runs_here(manifest):
+                raise ArtifactError(device_artifact_message(path, manifest))
         verify_artifact(path, manifest, check_hashes=check_hashes, tvm_version=str(tvm.__version__))
         if expected_weight_hash and expected_weight_hash != manifest["model"]["weight_hash"]:
             raise ArtifactError("the artifact was compiled from different weights than the model given "

@@ -118,7 +118,9 @@ def main(job_path: str) -> int:
         from .source import build_model
 
         if job.get("threads"):
-            torch.set_num_threads(int(job["threads"]))
+            from ..threads import apply_threads
+
+            apply_threads(int(job["threads"]))  # torch and TVM (an artifact) alike
         stage = "load"
         events.emit(kind="stage", stage="loading", status=sampler.sample())
         with open(job["prompt_ids"]) as fh:

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..budget import human_bytes, parse_budget, parse_size
+from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET, human_bytes, parse_budget, parse_size
 from ..errors import InputError
 from ..policies import make_policy
 from . import limits
@@ -34,8 +34,8 @@ class SimRequest:
     mem_limit: str | int | None = None
     policies: list[str] = field(default_factory=lambda: ["keydiff"])
     policy_args: dict = field(default_factory=dict)
-    budget: str = "512"
-    block: int = 128
+    budget: str = DEFAULT_BUDGET
+    block: int = DEFAULT_BLOCK
     max_new_tokens: int = 16
     chat: bool = False
     allow_beyond_context: bool = False
@@ -56,7 +56,8 @@ def _policies(names: list[str]) -> list[str]:
     return out
 
 
-def simulate(req: SimRequest, console: Console | None = None, err: Console | None = None) -> dict:
+def simulate(req: SimRequest, console: Console | None = None, err: Console | None = None, say=None) -> dict:
+    """Run the request; returns the result. ``say(line)``: one line per phase (the CLI's)."""
     from ..job import check_context, check_writable, encode_prompt
 
     console = console or Console()
@@ -119,9 +120,16 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
         progress = Progress(TextColumn(f"{name} N={n_budget:,}"), TextColumn("{task.description}"), BarColumn(),
                             MofNCompleteColumn(), TextColumn("tokens"), TimeElapsedColumn(), console=err, transient=True)
         task = progress.add_task("starting", total=len(ids))
+        if say is not None:
+            say(f"simulate: {name} N={n_budget:,} B={block}, {len(ids):,} prompt tokens, cap {human_bytes(cap)}")
+
+        def on_stage(stage: str) -> None:
+            progress.update(task, description=stage)
+            if say is not None and not err.is_terminal:
+                say(f"simulate: {name}: {stage}")
+
         with progress:
-            outcome = run_job(job, on_progress=lambda n: progress.update(task, completed=n),
-                              on_stage=lambda s: progress.update(task, description=s))
+            outcome = run_job(job, on_progress=lambda n: progress.update(task, completed=n), on_stage=on_stage)
         sched = Schedule(len(ids), req.max_new_tokens, n_budget, block, name != "full")
         ests = []
         for p in profiles:
@@ -146,6 +154,10 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
                              "bandwidth_GBps": p.bandwidth.value, "sources": p.sources()} for p in profiles},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    from .runner import REFUSED
+
+    if all(o.status == REFUSED for o in outcomes):
+        return result  # nothing ran: the caller reports the refusal, and nothing is written
     if req.sweep_json is not None or req.plot is not None:
         sweep = sweep_from_runs(target, runs, block, req.max_new_tokens, profiles, work, mech.name, req.unit)
         result["sweep"] = sweep

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..artifact_target import artifact_runs_here
 from ..memory import MemoryPlan, plan_memory
 from ..policies import make_policy
 from . import limits
@@ -22,12 +23,6 @@ from .source import Target
 
 FITS, DOES_NOT_FIT, REFUSED, ERROR = "fits", "does not fit", "refused (plan above cap)", "error"
 NOT_RUN = "not run (cross-compiled artifact)"
-
-
-def artifact_runs_here(manifest: dict) -> bool:
-    """A host-built artifact (LLVM without a cross triple) can run in the host runtime."""
-    tgt = (manifest.get("target") or {}).get("tvm") or {}
-    return tgt.get("kind") == "llvm" and "mtriple" not in tgt
 
 
 @dataclass
@@ -81,11 +76,15 @@ class Outcome:
         return d
 
 
-def plan_for(target: Target, policy: str, policy_args: dict, budget: int, block: int) -> MemoryPlan:
-    """The engine's static plan, exactly as ``run_eager`` computes it (no weights loaded)."""
+def plan_for(target: Target, policy: str, policy_args: dict, budget: int, block: int,
+             max_tokens: int | None = None) -> MemoryPlan:
+    """The engine's static plan, exactly as ``run_eager`` computes it (no weights loaded);
+    ``max_tokens`` = prompt + output bounds the cache as it does in the engine."""
+    from ..memory import cache_capacity
+
     pol = make_policy(policy, policy_args)
     pol.check_budget(budget, block)
-    capacity = budget + block + int(getattr(pol, "max_extra_tokens", 0))
+    capacity = cache_capacity(budget, block, int(getattr(pol, "max_extra_tokens", 0)), max_tokens)
     return plan_memory(target.config, target.weight_bytes, capacity, block, len(pol.entry_state))
 
 
@@ -137,7 +136,7 @@ def _signal_name(sig: int) -> str:
 def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
     t = job.target
     pol = make_policy(job.policy, job.policy_args)
-    plan = plan_for(t, job.policy, job.policy_args, job.budget, job.block)
+    plan = plan_for(t, job.policy, job.policy_args, job.budget, job.block, len(job.prompt_ids) + job.max_new_tokens)
     if t.kind == "artifact":  # the compiled module's own static plan decides the refusal
         mp = t.manifest["memory_plan"]
         plan = MemoryPlan(weights=int(mp["weights_bytes"]), kv_cache=int(mp["cache_bytes"]),
