@@ -213,7 +213,7 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
         },
         "text": text,
         "torch_threads": torch.get_num_threads(),
-        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
+        "threads": threads_in_use(),
     }
     return RunResult(text=text, generated_ids=ids, report=report)
 

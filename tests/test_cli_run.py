@@ -117,10 +117,12 @@ def test_a_plan_above_the_free_memory_is_refused_with_the_numbers(tiny_dir, tmp_
 
 def test_the_compiled_plan_is_checked_before_loading(tmp_path):
     """`edgekv run ARTIFACT --mem-limit` refuses from the manifest, before TVM loads anything."""
+    from edgekv.artifact import ARTIFACT_VERSION
+
     art = tmp_path / "art"
     art.mkdir()
     (art / "manifest.json").write_text(json.dumps({
-        "format": "edgekv-artifact", "format_version": 1, "model": {"id": "m", "config": {}},
+        "format": "edgekv-artifact", "format_version": ARTIFACT_VERSION, "model": {"id": "m", "config": {}},
         "policy": {"name": "keydiff", "params": {}}, "budget": 32, "block": 8, "target": {"tvm": {"kind": "llvm"}},
         "memory_plan": {"weights_bytes": 3 << 30, "cache_bytes": 1 << 20, "activation_bytes": 1 << 20,
                         "total_bytes": (3 << 30) + (2 << 20)}}))
