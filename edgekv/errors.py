@@ -1,6 +1,7 @@
 """User-facing errors: each names what the user did and how to fix it. The CLI prints
 them without a traceback and exits with status 2."""
 
+from .artifact.snapshot_file import SnapshotError
 from .budget import BudgetError
 from .memory import MemoryPlanError
 from .models.errors import ModelError
@@ -11,4 +12,4 @@ class InputError(ValueError):
     """A prompt, path or option the user gave cannot be used."""
 
 
-USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError, MemoryPlanError)
+USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError, MemoryPlanError, SnapshotError)

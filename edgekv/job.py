@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .budget import parse_budget
@@ -149,6 +150,23 @@ def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
             "saved_fraction": (1 - kv_bytes / full) if full else 0.0}
 
 
+def eager_engine(model: LoadedModel, policy_name: str, policy_args: dict, budget: str, block: int,
+                 max_tokens: int | None, mem_limit: int | None):
+    """The engine of a run and its memory plan, checked against ``mem_limit`` and the machine
+    before the caches are allocated. ``max_tokens`` (prompt + output) bounds the caches; None
+    gives them their full N + B, as a saved document cache needs for any later question."""
+    from .memory import cache_capacity, check_plan
+
+    n_budget = parse_budget(budget, model.config, block)
+    policy = make_policy(policy_name, policy_args)
+    policy.check_budget(n_budget, block)
+    capacity = cache_capacity(n_budget, block, int(getattr(policy, "max_extra_tokens", 0)), max_tokens)
+    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state))
+    check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
+               hint="lower --budget or --block, or shorten the prompt")
+    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens), plan
+
+
 def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
               budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
               progress=None, mem_limit: int | None = None, on_phase=None) -> RunResult:
@@ -156,18 +174,9 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
     (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
     memory the machine has left before they are allocated. ``on_phase(name)`` is called when
     prefill and decode start."""
-    from .memory import cache_capacity, check_plan
-
-    n_budget = parse_budget(budget, model.config, block)
-    policy = make_policy(policy_name, policy_args)
-    policy.check_budget(n_budget, block)
     n_prompt = int(prompt_ids.numel())
-    capacity = cache_capacity(n_budget, block, int(getattr(policy, "max_extra_tokens", 0)),
-                              n_prompt + max_new_tokens)
-    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state))
-    check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
-               hint="lower --budget or --block, or shorten the prompt")
-    engine = BlockEngine(model, policy, n_budget, block, max_tokens=n_prompt + max_new_tokens)
+    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, n_prompt + max_new_tokens, mem_limit)
+    policy, n_budget = engine.policy, engine.budget
     eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
     t0 = time.perf_counter()
     first = [True]
@@ -355,9 +364,7 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
         "wall_seconds": wall,
         "cache_lengths": rt.cache_lengths(),
         "memory": {
-            "plan": rt.memory_plan() if native else {
-                "weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
-                "activations": plan["activation_bytes"], "total": plan["total_bytes"]},
+            "plan": _compiled_plan(rt),
             "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
             "vs_full_cache": kv_comparison(described.config, plan["cache_bytes"], int(prompt_ids.numel()) + len(ids)),
         },
@@ -365,3 +372,98 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
         "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
     }
     return RunResult(text=text, generated_ids=ids, report=report)
+
+
+# ---- a document read once, questions answered from its state (edgekv/document.py) ----------------
+
+def document_report(doc, tokenizer, cfg, kv_bytes: int) -> dict:
+    """The report keys a one-shot run has, for a document run (the document is the prompt; the
+    answers are the output), plus the document's own section. Fills each answer's text."""
+    answers = doc.answers
+    for a in answers:
+        a.text = tokenizer.decode(a.generated_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    decoded = sum(max(0, len(a.generated_ids) - 1) for a in answers)
+    decode_s = sum(a.decode_seconds for a in answers)
+    longest = max((a.question_tokens + len(a.generated_ids) for a in answers), default=0)
+    return {
+        "prompt_tokens": doc.document_tokens,
+        "generated_tokens": sum(len(a.generated_ids) for a in answers),
+        "prefill_tok_s": doc.document_tokens / doc.prefill_seconds if doc.prefill_seconds else None,
+        "decode_tok_s": decoded / decode_s if decode_s else None,
+        "prefill_seconds": doc.prefill_seconds,
+        "decode_seconds": decode_s,
+        "text": "\n\n".join(a.text for a in answers),
+        "vs_full_cache": kv_comparison(cfg, kv_bytes, doc.document_tokens + longest),
+        "document": doc.to_dict(),
+    }
+
+
+def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_name: str, policy_args: dict,
+                       budget: str, block: int, max_new_tokens: int, new_sampler, chat: bool = False,
+                       save_cache=None, load_cache=None, made_from: str = "", on_token=None, on_question=None,
+                       progress=None, mem_limit: int | None = None) -> RunResult:
+    """``edgekv run MODEL --question ...`` / ``--save-cache`` / ``--load-cache`` on the eager engine.
+    The caches get their full N + B (a saved state must take any later question)."""
+    from .document import run_document
+    from .threads import threads_in_use
+
+    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, None, mem_limit)
+    eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
+    doc = run_document(engine, document_ids=document_ids, questions=questions, new_sampler=new_sampler,
+                       max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
+                       load_cache=load_cache, made_from=made_from, progress=progress, on_token=on_token,
+                       on_question=on_question)
+    fields = document_report(doc, model.tokenizer, model.config, plan.kv_cache)
+    report = {
+        "engine": "eager", "model": model.model_id, "weight_sha256": model.weight_hash, "policy": policy_name,
+        "policy_params": engine.policy.params(), "budget_tokens": engine.budget, "block": block,
+        "cache_capacity": engine.capacity, **{k: v for k, v in fields.items() if k != "vs_full_cache"},
+        "eviction_events": engine.stats.eviction_events, "cache_lengths": engine.cache_lengths(),
+        "memory": {"plan": plan.to_dict(), "kv_cache_allocated": engine.kv_bytes, "peak_rss": peak_rss_bytes(),
+                   "vs_full_cache": fields["vs_full_cache"]},
+        "torch_threads": torch.get_num_threads(), "threads": threads_in_use(),
+    }
+    return RunResult(text=report["text"], generated_ids=[t for a in doc.answers for t in a.generated_ids],
+                     report=report)
+
+
+def run_compiled_document(rt, described: ArtifactModel, document_ids, questions, *, max_new_tokens: int,
+                          new_sampler, chat: bool = False, save_cache=None, load_cache=None, on_token=None,
+                          on_question=None, progress=None) -> RunResult:
+    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime)."""
+    from .document import run_document
+    from .threads import threads_in_use
+
+    eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
+    doc = run_document(rt, document_ids=None if document_ids is None else np.asarray(document_ids),
+                       questions=questions, new_sampler=lambda: _numpy_sampler(new_sampler()),
+                       max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
+                       load_cache=load_cache, progress=progress, on_token=on_token, on_question=on_question)
+    plan = rt.manifest["memory_plan"]
+    native = hasattr(rt, "memory_plan")
+    fields = document_report(doc, described.tokenizer, described.config, plan["cache_bytes"])
+    report = {
+        "engine": "compiled", "runtime": "native" if native else "tvm", "artifact": str(rt.path),
+        "target": rt.manifest["target"], "model": described.model_id,
+        "weight_sha256": rt.manifest["model"]["weight_hash"], "policy": rt.manifest["policy"]["name"],
+        "policy_params": rt.manifest["policy"]["params"], "budget_tokens": rt.budget, "block": rt.block,
+        **{k: v for k, v in fields.items() if k != "vs_full_cache"}, "cache_lengths": rt.cache_lengths(),
+        "memory": {"plan": _compiled_plan(rt), "peak_rss": max(rt.stats.peak_rss_bytes, peak_rss_bytes()),
+                   "vs_full_cache": fields["vs_full_cache"]},
+        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
+    }
+    return RunResult(text=report["text"], generated_ids=[t for a in doc.answers for t in a.generated_ids],
+                     report=report)
+
+
+def _numpy_sampler(sampler):
+    return lambda logits: sampler(torch.from_numpy(logits))
+
+
+def _compiled_plan(rt) -> dict:
+    """The plan of a compiled run: the native runtime's own (exact), else the manifest's."""
+    if hasattr(rt, "memory_plan"):
+        return rt.memory_plan()
+    plan = rt.manifest["memory_plan"]
+    return {"weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
+            "activations": plan["activation_bytes"], "total": plan["total_bytes"]}

@@ -130,3 +130,31 @@ def test_fuzzed_inputs_fail_cleanly(asan_run, artifact, tmp_path):
     assert refused[PARAMS_FILE] == 40
     assert refused[PROGRAM_FILE] >= 0.9 * 140, refused
     assert refused[TOKENIZER_FILE] >= 0.9 * 120, refused
+
+
+def test_document_snapshots_under_asan(asan_run, artifact, tmp_path):
+    """Read once, ask twice, then answer from the saved cache; then seeded corruptions of that
+    cache (truncations, byte flips), each refused with one error line or — where a flip hits
+    padding nothing reads — answered normally, never a crash or a sanitizer report."""
+    snap, report = tmp_path / "doc.ekv", tmp_path / "r.json"
+    res = run(asan_run, artifact, "--prompt", PROMPT, "--chat", "--question", "What sat?", "--question", "Where?",
+              "--max-new-tokens", 4, "--save-cache", snap, "--report", report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    first = json.loads(report.read_text())["answers"]
+    res = run(asan_run, artifact, "--load-cache", snap, "--question", "Where?", "--max-new-tokens", 4, "--report",
+              report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first[1]["generated_ids"]
+    rng = random.Random(20261126)
+    refused = 0
+    cases = list(_mutants(snap, rng, 60))
+    for what, blob in cases:
+        bad = tmp_path / "bad.ekv"
+        bad.write_bytes(blob)
+        res = run(asan_run, artifact, "--load-cache", bad, "--question", "Where?", "--max-new-tokens", 2, "--quiet",
+                  timeout=120)
+        assert res.returncode in (0, 2), (what, res.returncode, res.stderr[-2000:])
+        if res.returncode == 2:
+            assert "error: " in res.stderr and len(res.stderr) < 2000, res.stderr
+            refused += 1
+    assert refused >= 0.9 * len(cases), refused  # the header and every tensor carry a CRC-32

@@ -151,8 +151,15 @@ def test_compiled_round_trip_across_runtimes(artifacts, name, tmp_path):
     nat = native.NativeRuntime(art)
     nat.prefill(DOC)
     nat.save_cache(tmp_path / "native.ekv")
-    # the same bytes: one format, one cache layout
-    assert (tmp_path / "native.ekv").read_bytes() == (tmp_path / "host.ekv").read_bytes()
+    # the same bytes: one format, one cache layout — but for the document's measured prefill time
+    # (header bytes 104..112) and the header checksum that covers it (248..252)
+    host_bytes, native_bytes = (tmp_path / "host.ekv").read_bytes(), (tmp_path / "native.ekv").read_bytes()
+    assert len(host_bytes) == len(native_bytes)
+    for lo, hi in ((0, 104), (112, 248), (252, len(host_bytes))):
+        assert native_bytes[lo:hi] == host_bytes[lo:hi], (lo, hi)
+    host_info, native_info = sf.read_header(tmp_path / "host.ekv"), sf.read_header(tmp_path / "native.ekv")
+    assert host_info.made_from == native_info.made_from == str(art.resolve())
+    assert host_info.document_seconds > 0 and native_info.document_seconds > 0
     for _ in range(2):  # each question from the saved state
         nat.load_cache(tmp_path / "host.ekv")
         assert nat.generate(QUESTION, 12) == want

@@ -3,7 +3,7 @@
 The native runtime (``runtime/src/snapshot.c``) and this module read and write the same file;
 HostRuntime and the native runtime share a compiled artifact's cache layout, so a snapshot
 made by one loads in the other. The eager engine writes the same container with its own
-layout (``engine`` = 1) and loads only its own. Layout, little-endian, version 1.0::
+layout (``engine`` = 1) and loads only its own. Layout, little-endian, version 1.1::
 
     header (256 bytes)
       0   8s   magic b"EKVSNAP\\0"
@@ -15,16 +15,19 @@ layout (``engine`` = 1) and loads only its own. Layout, little-endian, version 1
       32  u64  tokens: the document tokens prefilled
       40  u32  budget N, u32 block B
       48  u32  engine: 1 the eager engine, 2 a compiled artifact
-      52  u32  flags: bit 0 — made knowing a question (a query-aware policy's cache)
+      52  u32  flags: bit 0 — made knowing a question (a query-aware policy's cache); bit 1 — the
+               document was read with the chat template (its questions must be too)
       56  32s  the model weights' sha256
       88  u32  CRC-32 of the artifact's program.ekv (0 for the eager engine)
       92  u32  CRC-32 of the policy's parameters (the string below)
       96  u32  CRC-32 of the question
       100 u32  KV dtype: 0 float32
+      104 f64  (1.1) the document's prefill seconds when the snapshot was made (0 unknown)
       248 u32  CRC-32 of header_bytes bytes with this field zero
     tensor table at 256: n × 32 bytes: u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, u32 0
-    strings: the policy name, its parameters (JSON), the question, [eager: the engine's state
-             as JSON] — each NUL-terminated
+    strings: the policy name, its parameters (JSON), the question, the engine's state as JSON
+             (eager; "" compiled), (1.1) what it was made from: the model as given to `edgekv run`
+             (eager) or the artifact's absolute path (compiled) — each NUL-terminated
     data: each tensor 64-byte aligned
 
 Written atomically (``<path>.part``, fsync, rename); read by mapping the file copy-on-write
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"EKVSNAP\0"
-MAJOR, MINOR = 1, 0
+MAJOR, MINOR = 1, 1
 HEADER, ENTRY, ALIGN = 256, 32, 64
 ENGINE_EAGER, ENGINE_COMPILED = 1, 2
 
@@ -66,16 +69,25 @@ class Snapshot:
     policy: str
     policy_params: str          # canonical JSON, as the artifact records it
     question: str = ""
+    chat: bool = False
     program_crc: int = 0
     extra: str = ""             # eager: the engine's per-prompt state as JSON
+    made_from: str = ""         # what to open to continue from it (`edgekv ask` opens it)
+    document_seconds: float = 0.0  # the document's prefill time when it was made
     tensors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (layer, field) → array (bytes)
+
+    def info(self) -> dict:
+        """What a runtime reports of a loaded snapshot (``snapshot_info``; the native runtime's
+        ``ekv_snapshot_info`` has the same fields)."""
+        return {"question": self.question, "made_from": self.made_from, "chat": self.chat, "tokens": self.tokens,
+                "document_seconds": self.document_seconds}
 
 
 def write(snap: Snapshot, path: str | os.PathLike) -> int:
     """Write atomically; returns the size. A failure leaves nothing behind."""
     path = Path(path)
     keys = sorted(snap.tensors)
-    parts = (snap.policy, snap.policy_params, snap.question) + ((snap.extra,) if snap.extra else ())
+    parts = (snap.policy, snap.policy_params, snap.question, snap.extra, snap.made_from)
     strings = b"".join(s.encode() + b"\0" for s in parts)
     head = _align(HEADER + ENTRY * len(keys) + len(strings))
     table, offset, blobs = [], head, []
@@ -88,10 +100,10 @@ def write(snap: Snapshot, path: str | os.PathLike) -> int:
     h[0:8] = MAGIC
     struct.pack_into("<HHIII", h, 8, MAJOR, MINOR, head, len(keys), len(strings))
     struct.pack_into("<QQIIII", h, 24, snap.position, snap.tokens, snap.budget, snap.block, snap.engine,
-                     int(bool(snap.question)))
+                     int(bool(snap.question)) | (2 if snap.chat else 0))
     h[56:88] = bytes.fromhex(snap.weight_hash) if len(snap.weight_hash) == 64 else bytes(32)
-    struct.pack_into("<IIII", h, 88, snap.program_crc, zlib.crc32(snap.policy_params.encode()),
-                     zlib.crc32(snap.question.encode()), 0)
+    struct.pack_into("<IIIId", h, 88, snap.program_crc, zlib.crc32(snap.policy_params.encode()),
+                     zlib.crc32(snap.question.encode()), 0, float(snap.document_seconds))
     h[HEADER: HEADER + ENTRY * len(keys)] = b"".join(table)
     h[HEADER + ENTRY * len(keys): HEADER + ENTRY * len(keys) + len(strings)] = strings
     struct.pack_into("<I", h, 248, zlib.crc32(bytes(h)))
@@ -114,13 +126,15 @@ def write(snap: Snapshot, path: str | os.PathLike) -> int:
     return path.stat().st_size
 
 
-def read(path: str | os.PathLike) -> Snapshot:
-    """Map and check a snapshot: every tensor an array over the copy-on-write mapping."""
-    path = Path(path)
+def _map(path: Path):
     try:
-        mm = np.memmap(path, dtype=np.uint8, mode="c")
+        return np.memmap(path, dtype=np.uint8, mode="c")
     except (OSError, ValueError) as exc:
         raise SnapshotError(f"cannot read the snapshot {path}: {exc}") from None
+
+
+def _parse_header(mm, path: Path) -> tuple[Snapshot, bytearray, int]:
+    """The checked header: the Snapshot without tensors, the header bytes and the tensor count."""
     raw = bytes(mm[:HEADER]) if mm.size >= HEADER else b""
     if len(raw) < HEADER or raw[:8] != MAGIC:
         raise SnapshotError(f"{path} is not an edgekv cache snapshot (bad magic or truncated)")
@@ -140,10 +154,26 @@ def read(path: str | os.PathLike) -> Snapshot:
         raise SnapshotError(f"{path}: corrupt strings")
     policy, params, question = (s.decode() for s in strings[:3])
     extra = strings[3].decode() if len(strings) > 3 else ""
-    program_crc = struct.unpack_from("<I", h, 88)[0]
+    made_from = strings[4].decode() if minor >= 1 and len(strings) > 4 else ""
+    seconds = struct.unpack_from("<d", h, 104)[0] if minor >= 1 else 0.0
     snap = Snapshot(engine=engine, position=position, tokens=tokens, budget=budget, block=block,
                     weight_hash=bytes(h[56:88]).hex(), policy=policy, policy_params=params, question=question,
-                    program_crc=program_crc, extra=extra)
+                    chat=bool(flags & 2), program_crc=struct.unpack_from("<I", h, 88)[0], extra=extra,
+                    made_from=made_from, document_seconds=seconds if 0 <= seconds < 1e9 else 0.0)
+    return snap, h, n
+
+
+def read_header(path: str | os.PathLike) -> Snapshot:
+    """The settings a snapshot records, checked against its header checksum (no tensors)."""
+    path = Path(path)
+    return _parse_header(_map(path), path)[0]
+
+
+def read(path: str | os.PathLike) -> Snapshot:
+    """Map and check a snapshot: every tensor an array over the copy-on-write mapping."""
+    path = Path(path)
+    mm = _map(path)
+    snap, h, n = _parse_header(mm, path)
     for i in range(n):
         layer, fld, off, size, crc, _ = struct.unpack_from("<IIQQII", h, HEADER + ENTRY * i)
         if off + size > mm.size or off % ALIGN:

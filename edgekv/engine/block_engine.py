@@ -242,9 +242,10 @@ class BlockEngine:
                 "policy_params": json.dumps(self.policy.params(), sort_keys=True), "budget": self.budget,
                 "block": self.block}
 
-    def save_cache(self, path, question: str | None = None) -> None:
+    def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
         """Save every layer's cache buffers, lengths, the position and the policy's per-prompt
-        state to one file, atomically."""
+        state to one file, atomically. ``made_from``: the model as given to `edgekv run` (a name,
+        or an absolute path), which `edgekv ask` opens to continue from the file."""
         import json
 
         from ..artifact import snapshot_file as sf
@@ -256,7 +257,8 @@ class BlockEngine:
         extra = json.dumps({"lengths": self.cache_lengths(), "layer_budgets": self.layer_budgets,
                             "policy_state": self.policy.state_dict()})
         sf.write(sf.Snapshot(engine=sf.ENGINE_EAGER, position=self.position, tokens=self.stats.prefill_tokens,
-                             question=question or "", extra=extra, tensors=tensors, **self._snapshot_identity()),
+                             question=question or "", chat=chat, extra=extra, tensors=tensors, made_from=made_from,
+                             document_seconds=self.stats.prefill_seconds, **self._snapshot_identity()),
                  path)
 
     def load_cache(self, path) -> str:
@@ -285,6 +287,7 @@ class BlockEngine:
         self.layer_budgets = list(state.get("layer_budgets", self.layer_budgets))
         self.policy.load_state_dict(state.get("policy_state", {}))
         self.position = snap.position
+        self.snapshot_info = snap.info()
         return snap.question
 
     def decode(self, token_id: int) -> torch.Tensor:

@@ -217,14 +217,18 @@ class HostRuntime:
                 "policy_params": json.dumps(self.manifest["policy"]["params"], sort_keys=True),
                 "budget": self.budget, "block": self.block, "program_crc": crc32_file(self.path / "program.ekv")}
 
-    def save_cache(self, path, question: str | None = None) -> None:
-        """Save every cache tensor and the position to one file, atomically."""
+    def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
+        """Save every cache tensor and the position to one file, atomically. The file names this
+        artifact (its absolute path, as the native runtime writes it; ``made_from`` is ignored)."""
+        import os
+
         from ..artifact import snapshot_file as sf
 
         ident = self._snapshot_identity()
         tensors = {(i // self._stride, i % self._stride): c.numpy() for i, c in enumerate(self.caches)}
         sf.write(sf.Snapshot(engine=sf.ENGINE_COMPILED, position=self.position, tokens=self.stats.prefill_tokens,
-                             question=question or "", tensors=tensors, **ident), path)
+                             question=question or "", chat=chat, tensors=tensors, made_from=os.path.realpath(self.path),
+                             document_seconds=self.stats.prefill_seconds, **ident), path)
 
     def load_cache(self, path) -> str:
         """Map a snapshot back: the caches become views of the copy-on-write mapping (nothing is
@@ -247,6 +251,7 @@ class HostRuntime:
         self.caches = caches
         self._tail = self.caches + self.params
         self.position = snap.position
+        self.snapshot_info = snap.info()
         self.stats = RuntimeStats(load_seconds=self.stats.load_seconds, peak_rss_bytes=self.stats.peak_rss_bytes)
         return snap.question
 

@@ -99,6 +99,11 @@ class _Stats(ctypes.Structure):
                                                "mapped_bytes")]
 
 
+class _SnapshotInfo(ctypes.Structure):
+    _fields_ = [("question", ctypes.c_char_p), ("made_from", ctypes.c_char_p), ("chat", ctypes.c_int),
+                ("tokens", ctypes.c_uint64), ("document_seconds", ctypes.c_double)]
+
+
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
 STATUS_NAMES = {1: "io", 2: "format", 3: "mismatch", 4: "invalid input", 5: "no memory", 6: "kernel", 7: "cancelled",
                 8: "capacity"}
@@ -127,9 +132,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ekv_session_kept_positions": (c.c_int, [P, c.c_int32, c.POINTER(c.c_int32), c.c_size_t,
                                                  c.POINTER(c.c_int32), c.POINTER(c.c_int32)]),
         "ekv_session_get_stats": (None, [P, c.POINTER(_Stats)]),
-        "ekv_session_save": (c.c_int, [P, c.c_char_p, c.c_char_p]),
+        "ekv_session_save": (c.c_int, [P, c.c_char_p, c.c_char_p, c.c_int]),
+        "ekv_session_snapshot_info": (c.c_int, [P, c.POINTER(_SnapshotInfo)]),
         "ekv_session_load": (c.c_int, [P, c.c_char_p]),
-        "ekv_session_snapshot_question": (c.c_char_p, [P]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -278,11 +283,12 @@ class NativeRuntime:
             logits = self.decode(tok)
         return out
 
-    def save_cache(self, path, question: str | None = None) -> None:
-        """Save the cache state to one file, atomically (``ekv_session_save``)."""
+    def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
+        """Save the cache state to one file, atomically (``ekv_session_save``; it records the
+        artifact's absolute path itself, ``made_from`` is ignored)."""
         from ..artifact.snapshot_file import SnapshotError
 
-        st = self.lib.ekv_session_save(self._session, str(path).encode(), (question or "").encode())
+        st = self.lib.ekv_session_save(self._session, str(path).encode(), (question or "").encode(), int(chat))
         if st != 0:
             raise SnapshotError(self.lib.ekv_session_last_error(self._session).decode(errors="replace"))
 
@@ -293,7 +299,12 @@ class NativeRuntime:
         st = self.lib.ekv_session_load(self._session, str(path).encode())
         if st != 0:
             raise SnapshotError(self.lib.ekv_session_last_error(self._session).decode(errors="replace"))
-        return (self.lib.ekv_session_snapshot_question(self._session) or b"").decode()
+        info = _SnapshotInfo()
+        self.lib.ekv_session_snapshot_info(self._session, ctypes.byref(info))
+        self.snapshot_info = {"question": (info.question or b"").decode(errors="replace"),
+                              "made_from": (info.made_from or b"").decode(errors="replace"), "chat": bool(info.chat),
+                              "tokens": int(info.tokens), "document_seconds": float(info.document_seconds)}
+        return self.snapshot_info["question"]
 
     def kept_positions(self, layer: int):
         """Original positions of layer ``layer``'s kept entries, [H, fill]."""

@@ -4,7 +4,9 @@
  *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3 [--chat]
  *              [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--threads N]
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
- *              [--verify-weights] [--quiet] [--check]
+ *              [--verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
+ *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
+ *   edgekv-run ARTIFACT --load-cache F --question Q ...
  *
  * Exit status: 0 done, 2 bad input or artifact (the message says what to change), 130 cancelled. */
 #include <errno.h>
@@ -51,7 +53,12 @@ static void usage(FILE *f) {
   fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3) [--chat]\n"
         "                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads N]\n"
         "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--verify-weights]\n"
-        "                  [--quiet] [--check]\n"
+        "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
+        "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q [--question Q2 ...] [--save-cache F]\n"
+        "       edgekv-run ARTIFACT --load-cache F --question Q [--question Q2 ...]\n"
+        "  --question         a question about the prompt (the document): each answered from the document's state\n"
+        "  --save-cache       save the document's compressed cache to F (atomically)\n"
+        "  --load-cache       answer from a saved cache instead of reading a document (its --chat form is kept)\n"
         "Runs an artifact written by `edgekv compile` (program.ekv, model.so, params, tokenizer.ekt).\n"
         "  --check            open and validate the artifact, then exit\n"
         "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
@@ -292,6 +299,8 @@ typedef struct {
   double question_start, ttft; /* time to first token of the current question */
   double document_seconds;     /* the document's prefill (0 when it came from --load-cache) */
   size_t document_tokens;
+  ekv_snapshot_info loaded;    /* what --load-cache's snapshot records */
+  int reported;                /* an error was already printed (the CLI's own checks) */
   struct answer {
     const char *question;
     char *text;
@@ -402,7 +411,11 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
     json_uint(&w, "document_tokens", r->document_tokens);
     json_double(&w, "document_prefill_seconds", r->document_seconds);
     if (o->save_cache != NULL) json_string(&w, "saved_cache", o->save_cache);
-    if (o->load_cache != NULL) json_string(&w, "loaded_cache", o->load_cache);
+    if (o->load_cache != NULL) {
+      json_string(&w, "loaded_cache", o->load_cache);
+      json_double(&w, "document_prefill_seconds_when_saved", r->loaded.document_seconds);
+      json_string(&w, "made_for_question", r->loaded.question);
+    }
     json_array(&w, "answers");
     for (int i = 0; i < r->n_answers; i++) {
       const struct answer *a = &r->answers[i];
@@ -413,7 +426,7 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
       for (size_t k = 0; k < a->n_ids; k++) json_int(&w, NULL, a->ids[k]);
       json_end_array(&w);
       json_uint(&w, "question_tokens", a->prompt_tokens);
-      json_double(&w, "cache_load_seconds", a->load_seconds);
+      json_double(&w, "load_seconds", a->load_seconds);
       json_double(&w, "question_prefill_seconds", a->prefill_seconds);
       json_double(&w, "decode_seconds", a->decode_seconds);
       /* from the state of the document being ready (loaded or just read) to the first answer token */
@@ -452,20 +465,30 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     snapshot = tmp_path;
   }
   double t0 = now_seconds();
+  int chat = o->chat;
   if (o->load_cache != NULL) {
     st = ekv_session_load(s, o->load_cache);
     r->answers[0].load_seconds = now_seconds() - t0;
-    const char *made_for = ekv_session_snapshot_question(s);
-    if (st == EKV_OK && made_for != NULL && made_for[0] != '\0')
-      for (int q = 0; q < o->n_questions; q++)
-        if (strcmp(made_for, o->questions[q]) != 0 && !o->quiet)
-          fprintf(stderr, "warning: %s was made knowing the question \"%s\" (a query-aware policy's cache); "
-                  "answers to other questions may miss what it evicted\n", o->load_cache, made_for);
+    if (st == EKV_OK) {
+      ekv_session_snapshot_info(s, &r->loaded);
+      r->document_tokens = (size_t)r->loaded.tokens;
+      if (o->chat && !r->loaded.chat) { /* the questions follow the document's form */
+        r->reported = 1;
+        fail("%s holds a document read without the chat template: ask without --chat%s", o->load_cache, "");
+        return EKV_ERR_INVALID_ARG;
+      }
+      chat = r->loaded.chat;
+      if (r->loaded.question[0] != '\0')
+        for (int q = 0; q < o->n_questions; q++)
+          if (strcmp(r->loaded.question, o->questions[q]) != 0 && !o->quiet)
+            fprintf(stderr, "warning: %s was made knowing the question \"%s\" (a query-aware policy's cache); "
+                    "answers to other questions may miss what it evicted\n", o->load_cache, r->loaded.question);
+    }
   } else {
     st = ekv_session_prefill(s, doc, n_doc, on_progress, r);
     r->document_seconds = now_seconds() - t0;
     r->document_tokens = n_doc;
-    if (st == EKV_OK && snapshot != NULL) st = ekv_session_save(s, snapshot, NULL);
+    if (st == EKV_OK && snapshot != NULL) st = ekv_session_save(s, snapshot, NULL, o->chat);
     if (st == EKV_OK && o->save_cache != NULL && !o->quiet)
       fprintf(stderr, "saved the document's cache (%zu tokens) to %s\n", n_doc, o->save_cache);
   }
@@ -480,7 +503,8 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     }
     int32_t *ids = NULL;
     size_t n = 0;
-    if (encode_text(model, a->question, strlen(a->question), o->chat, EKV_PART_QUESTION, &ids, &n) != 0) {
+    if (encode_text(model, a->question, strlen(a->question), chat, EKV_PART_QUESTION, &ids, &n) != 0) {
+      r->reported = 1;
       st = EKV_ERR_INVALID_ARG;
       break;
     }
@@ -578,7 +602,7 @@ int main(int argc, char **argv) {
     const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
     if (o.report != NULL) write_report(&o, model, s, &r, n, st == EKV_OK ? "ok" : ekv_status_string(st), err);
     if (st == EKV_ERR_CANCELLED) rc = 130;
-    else if (st != EKV_OK) rc = fail("%s%s", err, "");
+    else if (st != EKV_OK) rc = r.reported ? 2 : fail("%s%s", err, "");
     g_session = NULL;
   }
   free(r.out_ids);

@@ -178,14 +178,26 @@ ekv_status ekv_session_kept_positions(const ekv_session *session, int32_t layer,
 
 /* Save the cache state — every layer's kept K/V and positions, the policy's cache state, the
  * position — to one file, atomically (written beside it, then renamed). `question` (or NULL)
- * records that the cache was made knowing a question (query-aware policies). */
-ekv_status ekv_session_save(ekv_session *session, const char *path, const char *question);
+ * records that the cache was made knowing a question (query-aware policies); `chat` that the
+ * document was read with the chat template (its questions must be too). The file also names
+ * the artifact it was made with (its absolute path) and the document's prefill time. */
+ekv_status ekv_session_save(ekv_session *session, const char *path, const char *question, int chat);
 /* Map a snapshot back (copy-on-write: nothing is copied, the file never changes) and continue
  * from it; refused when it was made for other weights, another artifact or other settings, or
  * fails its checksums. Load it again to answer another question from the same state. */
 ekv_status ekv_session_load(ekv_session *session, const char *path);
-/* The question a loaded snapshot was made with ("" none; NULL when no snapshot is loaded). */
-const char *ekv_session_snapshot_question(const ekv_session *session);
+
+/* What a loaded snapshot records (strings point into the mapping; valid until the next load,
+ * reset or free). */
+typedef struct ekv_snapshot_info {
+  const char *question;    /* the question it was made knowing ("" none) */
+  const char *made_from;   /* the artifact it was made with ("" when not recorded) */
+  int chat;                /* the document was read with the chat template */
+  uint64_t tokens;         /* document tokens prefilled */
+  double document_seconds; /* that prefill's time when the snapshot was made (0 unknown) */
+} ekv_snapshot_info;
+/* EKV_ERR_INVALID_ARG when no snapshot is loaded. */
+ekv_status ekv_session_snapshot_info(const ekv_session *session, ekv_snapshot_info *info);
 
 typedef struct ekv_stats {
   uint64_t prefill_tokens, prefill_blocks, decode_tokens;

@@ -2,6 +2,7 @@
  * kernels, map the weights. Setup in stages so that running is a flat loop later. */
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -149,6 +150,16 @@ static ekv_status plan_memory(ekv_model *m, uint64_t limit) {
   return EKV_OK;
 }
 
+/* The absolute path of the artifact, which a snapshot records so that `edgekv ask` finds it. */
+static ekv_status remember_dir(ekv_model *m, const char *dir) {
+  char abs[PATH_MAX];
+  const char *use = realpath(dir, abs) != NULL ? abs : dir;
+  m->dir = ekv_alloc(strlen(use) + 1, EKV_MEM_RUNTIME);
+  if (m->dir == NULL) return ekv_fail(&m->err, EKV_ERR_NO_MEMORY, "out of memory");
+  memcpy(m->dir, use, strlen(use) + 1);
+  return EKV_OK;
+}
+
 ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opts, ekv_model **out) {
   double t0 = ekv_now();
   ekv_model_options defaults;
@@ -160,6 +171,7 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   m->device = ekv_device_cpu();
   ekv_status st = artifact_dir == NULL ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory given")
                                        : read_program(m, artifact_dir);
+  if (st == EKV_OK) st = remember_dir(m, artifact_dir);
   if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
   if (st == EKV_OK) st = load_library(m, artifact_dir);
   if (st == EKV_OK) st = map_weights(m, artifact_dir, opts->verify_weights);
@@ -177,6 +189,7 @@ void ekv_model_close(ekv_model *m) {
   ekv_library_close(&m->lib);
   ekv_free(m->kernels);
   ekv_program_free(&m->prog);
+  ekv_free(m->dir);
   ekv_free(m);
 }
 

@@ -26,6 +26,7 @@ struct ekv_model {
   int fill_field, pos_field;
   uint64_t cache_bytes, input_bytes, plan_bytes;
   uint32_t program_crc; /* CRC-32 of program.ekv: the artifact a snapshot was made with */
+  char *dir;            /* the artifact directory, absolute: recorded in snapshots */
   double load_seconds;
 };
 
@@ -44,8 +45,7 @@ struct ekv_session {
   int32_t stop_ids[8];
   int n_stop_ids; /* -1: the tokenizer's */
   ekv_mapped_file snapshot; /* a loaded cache snapshot the caches point into (copy-on-write) */
-  uint64_t snapshot_tokens;
-  const char *snapshot_question; /* in the mapping; "" when made without one */
+  ekv_snapshot_info snapshot_info; /* strings in the mapping */
   ekv_stats stats;
 };
 

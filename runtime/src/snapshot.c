@@ -3,11 +3,14 @@
  *
  *   header (256 bytes): magic "EKVSNAP\0", u16 major, u16 minor, u32 header_bytes, u32 n_tensors,
  *     u32 strings_bytes, u64 position, u64 tokens, u32 budget, u32 block, u32 engine (2 =
- *     compiled artifact), u32 flags (bit 0: made with a question), 32 bytes weight sha256,
+ *     compiled artifact), u32 flags (bit 0: made with a question; bit 1: the document was read
+ *     with the chat template), 32 bytes weight sha256,
  *     u32 program crc32, u32 params crc32, u32 question crc32, u32 kv dtype (0 = float32),
- *     reserved, u32 header crc32 at 248 (of the header, table and strings with itself zero)
+ *     (1.1) f64 the document's prefill seconds at 104, reserved,
+ *     u32 header crc32 at 248 (of the header, table and strings with itself zero)
  *   tensor table at 256: n × 32 bytes {u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, 0}
- *   strings: policy name, policy parameters, question — each NUL-terminated
+ *   strings: policy name, policy parameters, question, engine state ("" here), (1.1) what the
+ *     snapshot was made from (the artifact's absolute path) — each NUL-terminated
  *   data: each tensor 64-byte aligned
  *
  * Saving writes <path>.part, fsyncs it and renames it over <path>: a full disk or a kill
@@ -23,7 +26,7 @@
 #include "model.h"
 
 #define SNAP_MAJOR 1
-#define SNAP_MINOR 0
+#define SNAP_MINOR 1
 #define HEADER 256u
 #define ENTRY 32u
 #define ENGINE_COMPILED 2u
@@ -49,6 +52,13 @@ static int hex_to_bytes(const char *hex, unsigned char out[32]) {
 
 static uint32_t str_crc(const char *s) { return ekv_crc32(0, s, strlen(s)); }
 
+/* The k-th NUL-terminated string of a strings section whose last byte is NUL (NULL when absent). */
+static const char *nth_string(const char *str, size_t bytes, int k) {
+  size_t at = 0;
+  for (int i = 0; i < k && at < bytes; i++) at += strlen(str + at) + 1;
+  return at < bytes ? str + at : NULL;
+}
+
 static int write_all(int fd, const void *data, size_t n) {
   const unsigned char *p = data;
   while (n > 0) {
@@ -61,13 +71,15 @@ static int write_all(int fd, const void *data, size_t n) {
   return 1;
 }
 
-ekv_status ekv_session_save(ekv_session *s, const char *path, const char *question) {
+ekv_status ekv_session_save(ekv_session *s, const char *path, const char *question, int chat) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   const char *policy = ekv_program_str(p, "policy"), *params = ekv_program_str(p, "policy_params");
   if (question == NULL) question = "";
+  const char *parts[5] = {policy, params, question, "", m->dir};
   size_t n = (size_t)p->num_layers * p->n_fields;
-  size_t strings = strlen(policy) + strlen(params) + strlen(question) + 3;
+  size_t strings = 0;
+  for (int i = 0; i < 5; i++) strings += strlen(parts[i]) + 1;
   size_t head = ekv_align_up(HEADER + ENTRY * n + strings, EKV_ALIGN);
   unsigned char *h = ekv_alloc(head, EKV_MEM_RUNTIME);
   if (h == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the snapshot header");
@@ -82,12 +94,15 @@ ekv_status ekv_session_save(ekv_session *s, const char *path, const char *questi
   put32(h + 40, (uint32_t)p->budget);
   put32(h + 44, (uint32_t)p->block);
   put32(h + 48, ENGINE_COMPILED);
-  put32(h + 52, question[0] != '\0');
+  put32(h + 52, (uint32_t)(question[0] != '\0') | (chat ? 2u : 0u));
   if (!hex_to_bytes(ekv_program_str(p, "weight_hash"), h + 56)) memset(h + 56, 0, 32);
   put32(h + 88, m->program_crc);
   put32(h + 92, str_crc(params));
   put32(h + 96, str_crc(question));
   put32(h + 100, 0); /* float32 KV */
+  uint64_t seconds_bits;
+  memcpy(&seconds_bits, &s->stats.prefill_seconds, sizeof seconds_bits);
+  put64(h + 104, seconds_bits);
   uint64_t offset = head;
   for (size_t k = 0; k < n; k++) {
     uint32_t id = p->cache_buffer[k];
@@ -101,9 +116,10 @@ ekv_status ekv_session_save(ekv_session *s, const char *path, const char *questi
     offset = ekv_align_up(offset + b->nbytes, EKV_ALIGN);
   }
   char *str = (char *)h + HEADER + ENTRY * n;
-  strcpy(str, policy);
-  strcpy(str + strlen(policy) + 1, params);
-  strcpy(str + strlen(policy) + strlen(params) + 2, question);
+  for (int i = 0; i < 5; i++) {
+    memcpy(str, parts[i], strlen(parts[i]) + 1);
+    str += strlen(parts[i]) + 1;
+  }
   put32(h + 248, ekv_crc32(0, h, head));
 
   char tmp[4096];
@@ -177,9 +193,9 @@ ekv_status ekv_session_load(ekv_session *s, const char *path) {
   if (stored != computed) return refuse(s, &f, EKV_ERR_FORMAT, path, "the header fails its checksum (corrupt)");
   const char *str = (const char *)d + HEADER + (size_t)ENTRY * n;
   if (strings < 3 || str[strings - 1] != '\0') return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
-  const char *policy = str, *params = policy + strlen(policy) + 1;
-  if ((size_t)(params - str) >= strings || (size_t)(params + strlen(params) + 1 - str) >= strings)
-    return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
+  const char *policy = str, *params = nth_string(str, strings, 1), *question = nth_string(str, strings, 2);
+  if (params == NULL || question == NULL) return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
+  const char *made_from = ekv_le16(d + 10) >= 1 ? nth_string(str, strings, 4) : NULL;
   unsigned char weights[32];
   if (ekv_le32(d + 48) != ENGINE_COMPILED)
     return refuse(s, &f, EKV_ERR_MISMATCH, path, "made by the eager engine; load it with `edgekv run` without an "
@@ -236,11 +252,19 @@ ekv_status ekv_session_load(ekv_session *s, const char *path) {
   double load = s->stats.load_seconds;
   memset(&s->stats, 0, sizeof s->stats);
   s->stats.load_seconds = load;
-  s->snapshot_tokens = ekv_le64(d + 32);
-  s->snapshot_question = params + strlen(params) + 1;
+  ekv_snapshot_info *info = &s->snapshot_info;
+  info->question = question;
+  info->made_from = made_from != NULL ? made_from : "";
+  info->chat = (ekv_le32(d + 52) & 2u) != 0;
+  info->tokens = ekv_le64(d + 32);
+  uint64_t seconds_bits = ekv_le16(d + 10) >= 1 ? ekv_le64(d + 104) : 0;
+  memcpy(&info->document_seconds, &seconds_bits, sizeof info->document_seconds);
+  if (!(info->document_seconds >= 0.0 && info->document_seconds < 1e9)) info->document_seconds = 0.0; /* NaN, junk */
   return EKV_OK;
 }
 
-const char *ekv_session_snapshot_question(const ekv_session *s) {
-  return s->snapshot.data != NULL ? s->snapshot_question : NULL;
+ekv_status ekv_session_snapshot_info(const ekv_session *s, ekv_snapshot_info *info) {
+  if (s->snapshot.data == NULL) return EKV_ERR_INVALID_ARG;
+  *info = s->snapshot_info;
+  return EKV_OK;
 }

@@ -1,0 +1,169 @@
+"""Read a document once, ask many questions (``--question``, ``--save-cache``, ``edgekv ask``).
+
+The document is prefilled block-wise once; its compressed cache is saved to a snapshot
+(``edgekv/artifact/snapshot_file.py``: ``--save-cache``, or a temporary file when several
+questions need it) and mapped back before every question but the first, so no answer leaks
+into the next question's cache. Each question is the question part of the chat split
+(``edgekv.models.chat``), prefilled as a continuation of the document, then decoded.
+
+One loop serves every runtime: the eager engine, HostRuntime and the native runtime all have
+``prefill`` / ``decode`` / ``save_cache`` / ``load_cache`` over the same snapshot format. Times are
+taken here, around the calls, so they mean the same thing in each."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import InputError
+
+
+@dataclass
+class Answer:
+    question: str
+    question_tokens: int
+    generated_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    load_seconds: float = 0.0          # mapping the snapshot back before this question (0: continued live)
+    prefill_seconds: float = 0.0       # the question's own prefill
+    first_token_seconds: float = 0.0   # from the start of this question (load included) to its first token
+    decode_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        decoded = max(0, len(self.generated_ids) - 1)  # the first token comes from the prefill's logits
+        return {"question": self.question, "question_tokens": self.question_tokens, "text": self.text,
+                "generated_ids": self.generated_ids, "generated_tokens": len(self.generated_ids),
+                "load_seconds": self.load_seconds, "question_prefill_seconds": self.prefill_seconds,
+                "time_to_first_token_seconds": self.first_token_seconds,
+                "decode_tok_s": decoded / self.decode_seconds if self.decode_seconds else None}
+
+
+@dataclass
+class DocumentRun:
+    """What the document part of a run did, for the report."""
+
+    document_tokens: int
+    prefill_seconds: float = 0.0           # this run's document prefill (0 when it came from a snapshot)
+    saved_cache: str | None = None
+    snapshot_bytes: int | None = None
+    loaded_cache: str | None = None
+    prefill_seconds_when_saved: float = 0.0  # the loaded snapshot's document prefill, measured when it was made
+    made_for_question: str = ""
+    answers: list[Answer] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        answers = [a.to_dict() for a in self.answers]
+        fresh_document = self.prefill_seconds or self.prefill_seconds_when_saved
+        # each answer's first token from the saved state, against reading the document again first
+        ttft = [{"question": a.question, "from_snapshot_seconds": a.first_token_seconds,
+                 "with_document_prefill_seconds": fresh_document + a.first_token_seconds - a.load_seconds}
+                for a in self.answers if a.load_seconds > 0]
+        return {"document_tokens": self.document_tokens, "document_prefill_seconds": self.prefill_seconds,
+                "saved_cache": self.saved_cache, "snapshot_bytes": self.snapshot_bytes,
+                "loaded_cache": self.loaded_cache,
+                "document_prefill_seconds_when_saved": self.prefill_seconds_when_saved or None,
+                "made_for_question": self.made_for_question or None,
+                "answers": answers, "time_to_first_token": ttft}
+
+
+def snapshot_settings(path: str | os.PathLike) -> dict:
+    """The header of a snapshot, for choosing what opens it (``edgekv ask``): engine, made_from,
+    policy, its parameters, N, B, chat. Refuses what is not a snapshot, naming the file."""
+    import json
+
+    from .artifact import snapshot_file as sf
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InputError(f"the saved cache {p} does not exist; make one with "
+                         "`edgekv run ... --prompt-file DOC --save-cache FILE`")
+    snap = sf.read_header(p)
+    return {"engine": "eager" if snap.engine == sf.ENGINE_EAGER else "compiled", "made_from": snap.made_from,
+            "policy": snap.policy, "policy_params": json.loads(snap.policy_params or "{}"), "budget": snap.budget,
+            "block": snap.block, "chat": snap.chat, "tokens": snap.tokens, "position": snap.position}
+
+
+def check_snapshot_destination(path: str | os.PathLike | None) -> None:
+    """``--save-cache`` is checked by writing before any work, as every output is."""
+    if path is not None:
+        from .job import check_writable
+
+        check_writable(path, "--save-cache")
+
+
+def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
+                 new_sampler: Callable[[], Callable[[object], int]],
+                 max_new_tokens: int, eos_ids=(), chat: bool = False, save_cache=None, load_cache=None,
+                 made_from: str = "", progress=None, on_token: Callable[[int, int], None] | None = None,
+                 on_question: Callable[[int, str], None] | None = None) -> DocumentRun:
+    """Prefill ``document_ids`` (or map ``load_cache`` back), save the state when asked or when
+    several questions need it, then answer each question from that state.
+
+    ``questions``: (text, question-part ids). ``new_sampler()`` gives each question its own sampler
+    (``sampler(logits) -> token``), so a seeded answer does not depend on the questions before it.
+    ``on_token(i, token)``
+    streams question i's tokens; ``on_question(i, text)`` is called before question i starts."""
+    run = DocumentRun(document_tokens=len(document_ids) if document_ids is not None else 0)
+    snapshot = load_cache or save_cache
+    tmp = None
+    if snapshot is None and len(questions) > 1:
+        fd, tmp = tempfile.mkstemp(prefix="edgekv-doc-", suffix=".ekv")
+        os.close(fd)
+        snapshot = tmp
+    try:
+        if load_cache is not None:
+            t0 = time.perf_counter()
+            run.made_for_question = rt.load_cache(load_cache)
+            first_load = time.perf_counter() - t0
+            info = rt.snapshot_info
+            if bool(info["chat"]) != bool(chat):
+                raise InputError(f"{load_cache} holds a document read {'with' if info['chat'] else 'without'} "
+                                 f"the chat template: ask {'with --chat' if info['chat'] else 'without --chat'}")
+            run.loaded_cache, run.document_tokens = str(load_cache), int(info["tokens"])
+            run.prefill_seconds_when_saved = float(info["document_seconds"])
+        else:
+            first_load = 0.0
+            t0 = time.perf_counter()
+            rt.prefill(document_ids, progress=progress)
+            run.prefill_seconds = time.perf_counter() - t0
+            if snapshot is not None:
+                try:
+                    rt.save_cache(snapshot, chat=chat, made_from=made_from)
+                except OSError as exc:  # a full disk, a folder gone: the writer left nothing behind
+                    raise InputError(f"cannot write --save-cache {snapshot}: {exc.strerror or exc}; nothing was "
+                                     "written — free space or choose another path") from None
+            if save_cache is not None:
+                run.saved_cache, run.snapshot_bytes = str(save_cache), Path(save_cache).stat().st_size
+        for i, (text, ids) in enumerate(questions):
+            if on_question is not None:
+                on_question(i, text)
+            start = time.perf_counter()
+            answer = Answer(question=text, question_tokens=len(ids))
+            if i > 0:
+                rt.load_cache(snapshot)
+            answer.load_seconds = time.perf_counter() - start if i > 0 else first_load
+            sample = new_sampler()
+            t0 = time.perf_counter()
+            logits = rt.prefill(ids)
+            answer.prefill_seconds = time.perf_counter() - t0
+            for n in range(max_new_tokens):
+                token = int(sample(logits))
+                if n == 0:  # the first question after --load-cache: its load came before this loop
+                    answer.first_token_seconds = time.perf_counter() - start + (first_load if i == 0 else 0.0)
+                    t0 = time.perf_counter()
+                answer.generated_ids.append(token)
+                if on_token is not None:
+                    on_token(i, token)
+                if token in eos_ids or n == max_new_tokens - 1:
+                    break
+                logits = rt.decode(token)
+            answer.decode_seconds = time.perf_counter() - t0 if len(answer.generated_ids) > 1 else 0.0
+            run.answers.append(answer)
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return run
