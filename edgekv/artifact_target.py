@@ -7,9 +7,20 @@ from __future__ import annotations
 
 
 def artifact_runs_here(manifest: dict) -> bool:
-    """A host-built artifact (LLVM without a cross triple, no device) runs on this machine's CPU."""
+    """A host-built artifact (LLVM without a cross triple, no device) runs on this machine's CPU; an
+    OpenCL one whose host code is this machine's (``--target opencl-host``) runs here through the
+    native runtime's OpenCL device (``needs_native_device``)."""
     tgt = (manifest.get("target") or {}).get("tvm") or {}
-    return tgt.get("kind") == "llvm" and "mtriple" not in tgt and not (manifest.get("target") or {}).get("host")
+    return (tgt.get("kind") == "llvm" and "mtriple" not in tgt and not (manifest.get("target") or {}).get("host")) \
+        or needs_native_device(manifest)
+
+
+def needs_native_device(manifest: dict) -> bool:
+    """An artifact the native runtime runs on a device here (OpenCL kernels, this machine as the host):
+    TVM's Python runtime (HostRuntime) has no OpenCL, so only the native runtime runs it."""
+    target = manifest.get("target") or {}
+    host = target.get("host") or {}
+    return (target.get("tvm") or {}).get("kind") == "opencl" and host.get("kind") == "llvm" and "mtriple" not in host
 
 
 def device_artifact_message(path, manifest: dict) -> str:

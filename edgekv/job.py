@@ -221,6 +221,7 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
             "vs_full_cache": kv_comparison(model.config, plan.kv_cache, n_prompt + len(ids)),
         },
         "text": text,
+        "generated_ids": list(ids),
         "torch_threads": torch.get_num_threads(),
         "threads": threads_in_use(),
     }
@@ -266,6 +267,13 @@ def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
                               activations=int(mp["activation_bytes"])), mem_limit=mem_limit,
                    hint="the plan is fixed at compile time: recompile with a lower --budget or --block")
     has_program = (Path(path) / PROGRAM_FILE).is_file()
+    from .artifact_target import needs_native_device
+
+    if needs_native_device(manifest):  # OpenCL: TVM's Python runtime has no OpenCL device
+        if runtime == "tvm":
+            raise InputError(f"{path} runs on OpenCL, which TVM's Python runtime (--runtime tvm) does not have: run it "
+                             "with --runtime native (the default)")
+        runtime = "native"
     if runtime == "native" or (runtime == "auto" and native.available() and has_program):
         if not has_program:
             raise InputError(f"{path} has no {PROGRAM_FILE} for the native runtime; recompile it with this edgekv, "
@@ -369,6 +377,7 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
             "vs_full_cache": kv_comparison(described.config, plan["cache_bytes"], int(prompt_ids.numel()) + len(ids)),
         },
         "text": text,
+        "generated_ids": list(ids),
         "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
     }
     return RunResult(text=text, generated_ids=ids, report=report)

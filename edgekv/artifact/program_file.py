@@ -2,7 +2,7 @@
 memory plan — the file the native runtime (``runtime/src/program.c``) reads without a general
 parser. This module writes it (``edgekv compile``) and reads it back (tests, ``targets.finish``).
 
-Layout, little-endian, version 1.0::
+Layout, little-endian, version 1.1::
 
     header (64 bytes)
       0   8s   magic  b"EKVPROG\\0"
@@ -38,12 +38,23 @@ Layout, little-endian, version 1.0::
       CACHE_FIELDS record 24: u32 name_off, u32 name_len, u32 role (0 state, 1 k, 2 v,
                              3 positions, 4 fill), u32 init (0 zeros, 1 constant), u64 init
                              constant offset in CONSTANTS (one layer's bytes; 0 when zeros)
+    (1.1, GPU programs only; a CPU program has neither)
+      DEVICE_KERNELS record 32: u32 name_off, u32 name_len, u32 arg_begin, u32 arg_count,
+                             u32 tag_count, u8 tags[8], u32 flags (bit 0: one of edgekv's
+                             eviction kernels — score, select, observe, prepare) — a kernel the host code calls
+                             through __TVMFFIFunctionCall: its arguments (kinds in DEVICE_ARGS),
+                             then one launch extent per tag (0-2 blockIdx.x/y/z, 3-5 threadIdx.x/y/z,
+                             6 dynamic shared memory bytes)
+      DEVICE_ARGS record 1:  u8 argument kind (0 buffer, 1 int32, 2 int64, 3 float32, 4 float64,
+                             5 uint32)
 
 Every intermediate tensor of a function lives in the arena at the offset the exporter gave
 its TVM storage (``StaticPlanBlockMemory``'s plan; functions run one at a time, so they share
 one arena). A reshape is a VIEW of its base. The settings hold the model geometry, the run
 settings (budget, block, pseudo rows, ...), the memory plan and the files with their sizes
-and CRC-32s.
+and CRC-32s. A GPU program's settings add ``device`` ("opencl"), the device source file
+(``device_source_name`` / ``_bytes`` / ``_crc32``) and ``arena_align``: the alignment of its
+arena regions, which a device needs for sub-buffers.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAGIC = b"EKVPROG\0"
-MAJOR, MINOR = 1, 0
+MAJOR, MINOR = 1, 1
 HEADER_BYTES = 64
 SECTION_ENTRY = 32
 ALIGN = 64
@@ -62,8 +73,11 @@ MAX_DIMS = 8
 
 # section ids
 STRINGS, SETTINGS, KERNELS, BUFFERS, CONSTANTS, FUNCTIONS, CALLS, ARGS, FUNC_BUFFERS, CACHE_FIELDS = range(1, 11)
+DEVICE_KERNELS, DEVICE_ARGS = 11, 12
 RECORD_SIZE = {STRINGS: 1, SETTINGS: 24, KERNELS: 8, BUFFERS: 96, CONSTANTS: 1, FUNCTIONS: 32, CALLS: 16, ARGS: 16,
                FUNC_BUFFERS: 4, CACHE_FIELDS: 24}
+OPTIONAL_RECORD_SIZE = {DEVICE_KERNELS: 32, DEVICE_ARGS: 1}
+MAX_TAGS = 8
 
 # buffer kinds
 INPUT, CACHE, WEIGHT, CONSTANT, ARENA, VIEW = range(1, 7)
@@ -132,6 +146,17 @@ class CacheField:
 
 
 @dataclass
+class DeviceKernel:
+    name: str
+    args: list[int]  # argument kinds (DEVICE_ARGS)
+    tags: list[int]  # launch tags, one extent each after the arguments
+    flags: int = 0   # DKERNEL_EVICTION: one of edgekv's eviction kernels (runtimes may build it apart)
+
+
+DKERNEL_EVICTION = 1
+
+
+@dataclass
 class Program:
     settings: dict[str, int | float | str] = field(default_factory=dict)
     kernels: list[str] = field(default_factory=list)
@@ -139,6 +164,7 @@ class Program:
     constants: bytearray = field(default_factory=bytearray)
     functions: list[Function] = field(default_factory=list)
     cache_fields: list[CacheField] = field(default_factory=list)
+    device_kernels: list[DeviceKernel] = field(default_factory=list)
 
     def add_constant(self, data: bytes) -> int:
         off = align(len(self.constants))
@@ -220,6 +246,17 @@ def to_bytes(prog: Program) -> bytes:
             for cf in prog.cache_fields]
     sections[CACHE_FIELDS] = (b"".join(recs), len(recs))
     sections[CONSTANTS] = (bytes(prog.constants), len(prog.constants))
+    if prog.device_kernels:
+        recs, dargs = [], bytearray()
+        for k in prog.device_kernels:
+            if len(k.tags) > MAX_TAGS:
+                raise ValueError(f"device kernel {k.name}: {len(k.tags)} launch tags, at most {MAX_TAGS}")
+            tags = bytes(k.tags) + b"\0" * (MAX_TAGS - len(k.tags))
+            recs.append(struct.pack("<IIIII8sI", *strings.ref(k.name), len(dargs), len(k.args), len(k.tags), tags,
+                                    k.flags))
+            dargs.extend(bytes(k.args))
+        sections[DEVICE_KERNELS] = (b"".join(recs), len(recs))
+        sections[DEVICE_ARGS] = (bytes(dargs), len(dargs))
     sections[STRINGS] = (bytes(strings.data), len(strings.data))
 
     order = sorted(sections)
@@ -228,7 +265,8 @@ def to_bytes(prog: Program) -> bytes:
     table, body = [], bytearray()
     for sid in order:
         data, count = sections[sid]
-        table.append(struct.pack("<IIQQII", sid, RECORD_SIZE[sid], offset, len(data), zlib.crc32(data), count))
+        rsize = RECORD_SIZE.get(sid) or OPTIONAL_RECORD_SIZE[sid]
+        table.append(struct.pack("<IIQQII", sid, rsize, offset, len(data), zlib.crc32(data), count))
         pad = align(offset) - offset
         body.extend(data)
         offset += len(data)
@@ -274,6 +312,8 @@ def from_bytes(data: bytes) -> Program:
     for sid in RECORD_SIZE:
         _need(sid in raw, f"section {sid} is missing")
         _need(raw[sid][1] == RECORD_SIZE[sid], f"section {sid} has record size {raw[sid][1]}")
+    for sid, rsize in OPTIONAL_RECORD_SIZE.items():
+        _need(sid not in raw or raw[sid][1] == rsize, f"section {sid} has record size {raw.get(sid, (0, 0))[1]}")
     strings = raw[STRINGS][0]
 
     def s(off: int, length: int) -> str:
@@ -316,6 +356,13 @@ def from_bytes(data: bytes) -> Program:
     for r in records(CACHE_FIELDS):
         no, nl, role, init, off = struct.unpack("<IIIIQ", r)
         prog.cache_fields.append(CacheField(s(no, nl), role, off if init else None))
+    if DEVICE_KERNELS in raw:
+        _need(DEVICE_ARGS in raw, "a program with device kernels lacks their argument kinds")
+        dargs = raw[DEVICE_ARGS][0]
+        for r in records(DEVICE_KERNELS):
+            no, nl, ab, ac, tc, tags, flags = struct.unpack("<IIIII8sI", r)
+            _need(ab + ac <= len(dargs) and tc <= MAX_TAGS, "a device kernel record is corrupt")
+            prog.device_kernels.append(DeviceKernel(s(no, nl), list(dargs[ab: ab + ac]), list(tags[:tc]), flags))
     return prog
 
 

@@ -42,6 +42,8 @@ class BuildResult:
     params: list = None  # [(name, numpy array)] in argument order
     final_module: Any = None  # the Relax module after TVM's pipeline: what program.py exports
     policy: Any = None
+    # a GPU build the native runtime runs: {"kind": "opencl", "source": device file, "kernels": {name: DeviceKernel}}
+    device_kernels: Any = None
 
 
 def versions() -> dict[str, str]:
@@ -281,8 +283,11 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
     out = result.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # the directory is not an artifact until it is complete
-    host_like = tgt.get("kind") == "llvm" and "mtriple" not in tgt
-    lib_name = "model.so" if host_like else "model.tar"
+    # the library is linked here when its host code is for this machine (a CPU build, or a GPU
+    # build with this machine as its host: opencl-host); else a .tar that `finish` links
+    host = (result.manifest.get("target") or {}).get("host")
+    host_code = tgt if tgt.get("kind") == "llvm" else (host or {"kind": None})
+    lib_name = "model.so" if host_code.get("kind") == "llvm" and "mtriple" not in host_code else "model.tar"
     t0 = time.perf_counter()
     result.executable.export_library(str(out / lib_name))
     offsets = write_params(params, out / PARAMS_FILE, {"format": "edgekv-params"})

@@ -27,6 +27,11 @@ import numpy as np
 from ..artifact import program_file as pf
 
 SKIPPED_BUILTINS = ("vm.builtin.check_tensor_info", "vm.builtin.match_shape")
+# a GPU program's arena regions start at multiples of this: a device places an arena tensor as a
+# sub-buffer, whose offset must meet its base-address alignment (128 bytes on PoCL, Adreno and Mali)
+DEVICE_ARENA_ALIGN = 256
+# the kinds of edgekv GPU kernels flagged as eviction kernels in a GPU program (DKERNEL_EVICTION)
+EVICTION_KINDS = ("score", "select", "observe", "prepare")
 
 
 class ProgramExportError(RuntimeError):
@@ -77,8 +82,9 @@ def _tensor_type(var) -> tuple[tuple[int, ...], str]:
 
 class _Walker:
     def __init__(self, mod, prog: pf.Program, weight_offsets: dict[str, tuple[int, int]], weight_names: list[str],
-                 num_layers: int, cache_fields: list[tuple[str, str]]):
+                 num_layers: int, cache_fields: list[tuple[str, str]], region_align: int = pf.ALIGN):
         self.mod = mod
+        self.region_align = region_align
         self.prog = prog
         self.weight_offsets = weight_offsets
         self.weight_names = weight_names
@@ -195,8 +201,9 @@ class _Walker:
                     size = _shape_of(value.args[0])
                     if len(size) != 1 or str(value.args[2].value) != "uint8":
                         raise ProgramExportError(f"{where}: storage of {size} {value.args[2]} (expected bytes)")
-                    storages[var] = (pf.align(top), size[0])
-                    return pf.align(top) + size[0]
+                    at = pf.align(top, self.region_align)
+                    storages[var] = (at, size[0])
+                    return at + size[0]
                 if op.name == "relax.vm.alloc_tensor":
                     base, size = storages[value.args[0]]
                     offset = int(value.args[1].value) if hasattr(value.args[1], "value") else int(value.args[1])
@@ -249,20 +256,21 @@ class _Walker:
 
 def build_program(mod, *, functions: list[tuple[str, int]], params: list[tuple[str, Any]],
                   weight_offsets: dict[str, tuple[int, int]], num_layers: int, cache_fields: list[tuple[str, str]],
-                  cache_init: dict[str, bytes] | None = None, settings: dict[str, Any]) -> pf.Program:
+                  cache_init: dict[str, bytes] | None = None, settings: dict[str, Any],
+                  region_align: int = pf.ALIGN) -> pf.Program:
     """Walk ``functions`` [(name, number of named inputs)] of the final Relax module into a program.
     ``params``: the weights in argument order; ``weight_offsets``: where ``params_file`` put them;
     ``cache_fields``: one layer's [(field, dtype)]; ``cache_init``: a field's initial bytes (one
-    layer's tensor) when it does not start as zeros."""
+    layer's tensor) when it does not start as zeros; ``region_align``: where arena regions start."""
     prog = pf.Program(settings=dict(settings))
-    walker = _Walker(mod, prog, weight_offsets, [n for n, _ in params], num_layers, cache_fields)
+    walker = _Walker(mod, prog, weight_offsets, [n for n, _ in params], num_layers, cache_fields, region_align)
     for name, n_inputs in functions:
         prog.functions.append(walker.function(name, n_inputs))
     for fname, _ in cache_fields:
         init = (cache_init or {}).get(fname)
         prog.cache_fields.append(pf.CacheField(fname, pf.FIELD_ROLES.get(fname, pf.ROLE_STATE),
                                                prog.add_constant(init) if init is not None else None))
-    prog.settings["arena_bytes"] = pf.align(walker.arena_bytes)
+    prog.settings["arena_bytes"] = pf.align(walker.arena_bytes, region_align)
     return prog
 
 
@@ -341,6 +349,18 @@ def cache_init(manifest: dict) -> dict[str, bytes]:
             (manifest.get("cache_init") or {}).items()}
 
 
+def _device_kernels_called(source: str, recorded: dict) -> list:
+    """The recorded launch descriptions of every kernel in the device source, refusing a build
+    with a kernel TVM did not hand to the recorder (the runtime could not launch it)."""
+    import re
+
+    names = sorted(set(re.findall(r"__kernel\s+void\s+(\w+)\s*\(", source)))
+    missing = [n for n in names if n not in recorded]
+    if not names or missing:
+        raise ProgramExportError(f"device kernels without a launch description: {', '.join(missing) or 'all'}")
+    return [recorded[n] for n in names]
+
+
 def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: dict) -> None:
     """Write ``program.ekv`` for a build (``build.write_artifact``), after the library, the params
     and the tokenizer file, whose sizes and CRC-32s it records."""
@@ -359,9 +379,23 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
     if manifest.get("prepare"):
         functions.append(("prepare", 4))
         settings["prepare_min_prompt"] = int(manifest["prepare"]["min_prompt"])
+    device = getattr(result, "device_kernels", None)  # a GPU build: {"kind", "source", "kernels"}
+    if device is not None:
+        source = out / device["source"]
+        settings.update({"device": device["kind"], "device_source_name": device["source"],
+                         "device_source_bytes": source.stat().st_size, "device_source_crc32": crc32_file(source),
+                         "arena_align": DEVICE_ARENA_ALIGN})
     prog = build_program(result.final_module, functions=functions, params=result.params,
                          weight_offsets=weight_offsets, num_layers=int(manifest["num_layers"]), cache_fields=fields,
-                         cache_init=cache_init(manifest), settings=settings)
+                         cache_init=cache_init(manifest), settings=settings,
+                         region_align=DEVICE_ARENA_ALIGN if device is not None else pf.ALIGN)
+    if device is not None:
+        import re
+
+        called = _device_kernels_called((out / device["source"]).read_text(), device["kernels"])
+        kinds = device.get("kinds") or {}  # PrimFunc → the kind of edgekv kernel it is (ReplaceKernels)
+        prog.device_kernels = [pf.DeviceKernel(k.name, k.args, k.tags, pf.DKERNEL_EVICTION if kinds.get(
+            re.sub(r"_kernel(_\d+)?$", "", k.name)) in EVICTION_KINDS else 0) for k in called]
     plan = manifest["memory_plan"]
     plan["arena_bytes"] = prog.settings["arena_bytes"]
     size = pf.write(prog, out / PROGRAM_FILE)

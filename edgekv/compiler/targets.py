@@ -43,7 +43,8 @@ class ToolchainNeededWarning(UserWarning):
     """The artifact is written, but a toolchain that is not here must link it for the device."""
 
 
-DEVICE_TARGETS = ("cuda", "opencl", "metal", "hexagon", "android-cpu", "aarch64-linux")
+DEVICE_TARGETS = ("cuda", "opencl", "opencl-host", "metal", "hexagon", "android-cpu", "aarch64-linux")
+NATIVE_DEVICES = ("opencl",)  # GPU kinds the native runtime runs (runtime/src/device_opencl.c)
 DEVICE_DIR = "device"
 NO_FP64_KINDS = ("metal", "opencl", "vulkan", "webgpu")  # default of a profile's demote_float64
 _SOURCE_SUFFIX = {"cuda": "cu", "opencl": "cl", "metal": "metal"}
@@ -96,10 +97,11 @@ def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None,
                     sink: dict | None = None) -> tuple[Any, dict]:
     """``tvm.compile`` the lowered module for the profile; returns (executable, device info).
 
-    CPU targets (LLVM cross builds: android-cpu, aarch64-linux, hexagon): the Relax module after
-    TVM's pipeline — what ``program.write_program`` turns into ``program.ekv`` for the native
-    runtime — is stored in ``sink["mod"]`` when ``sink`` is given. GPU targets leave it empty:
-    the native runtime has no GPU device yet, so their artifacts carry no program."""
+    CPU targets (LLVM cross builds: android-cpu, aarch64-linux, hexagon) and OpenCL: the Relax
+    module after TVM's pipeline — what ``program.write_program`` turns into ``program.ekv`` for
+    the native runtime — is stored in ``sink["mod"]`` when ``sink`` is given; for OpenCL also each
+    device kernel's launch description in ``sink["device_kernels"]`` (``device_kernels.py``).
+    Other GPU targets (CUDA, Metal) leave it empty: the native runtime has no device for them."""
     import tvm
 
     from .gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline, is_gpu_target
@@ -115,7 +117,16 @@ def compile_lowered(lowered, spec, profile: dict, tgt: dict, host: dict | None,
         rk = ReplaceKernels(spec.policy, spec.policy_params, scales)
         mod = rk(mod)
         check = CheckAllOnDevice()
-        ex = tvm.compile(mod, target=target, relax_pipeline=gpu_pipeline(target, check))
+        if sink is not None and tgt["kind"] in NATIVE_DEVICES:
+            from .device_kernels import record_device_kernels
+            from .program import capture_final_module
+
+            pipeline = capture_final_module(lambda t: gpu_pipeline(t, check), sink)(target)
+            with record_device_kernels(tgt["kind"]) as kernels:
+                ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
+            sink["device_kernels"] = kernels
+        else:
+            ex = tvm.compile(mod, target=target, relax_pipeline=gpu_pipeline(target, check))
         info["edgekv_kernels"] = rk.replaced
         info["device_functions"] = check.device_functions
         info["symbolic_shapes"] = check.symbolic
@@ -188,9 +199,9 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
                            "lower --budget or --block")
     from .gpu_schedule import is_gpu_target
 
-    if not is_gpu_target(tgt):
-        # CPU cross builds run the policy's per-prompt function like the host build (D2O's probe →
-        # layer budgets); their program (program.ekv) calls it. GPU builds have no GPU version of it yet.
+    if not is_gpu_target(tgt) or tgt["kind"] in NATIVE_DEVICES:
+        # builds the native runtime runs carry the policy's per-prompt function like the host build
+        # (D2O's probe → layer budgets) and their program calls it; other GPU builds have no runtime for it
         from .prepare import add_prepare_function
 
         lowered.mod = add_prepare_function(lowered.mod, policy, budget)
@@ -214,9 +225,14 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     info["toolchain"] = tool
     manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan,
                               host=host, device=info)
-    # a CPU build carries the flat program (program.ekv) the native runtime runs; a GPU one none yet
+    # a CPU or OpenCL build carries the flat program (program.ekv) the native runtime runs
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params, final_module=final.get("mod"), policy=policy)
+    if "device_kernels" in final:
+        source = next(n for n in code if n.endswith("." + _SOURCE_SUFFIX[tgt["kind"]]))
+        result.device_kernels = {"kind": tgt["kind"], "source": f"{DEVICE_DIR}/{source}",
+                                 "kernels": final["device_kernels"], "kinds": info.get("edgekv_kernels", {})}
+        manifest["device"]["native_runtime"] = {"device": tgt["kind"], "kernels": len(final["device_kernels"])}
     result.device_code = code
     if out_dir is not None:
         out = Path(out_dir)

@@ -902,6 +902,13 @@ def d2o_gpu_kernel(name: str, func, policy_params: dict, sm_scales: dict):
         H, N, D = shape(0)
         B = shape(4)[2]
         return "select", build_d2o_evict_kernel_gpu(H, N, B, D, "float32", **params)
+    if re.search(r"d2o_layer_budgets_l(\d+)_h(\d+)$", name):  # the per-prompt probe's kernels
+        import json
+
+        settings = json.loads(str(func.attrs[BUDGET_SETTINGS]))
+        return "prepare", build_d2o_budget_kernel(**settings, device=True)
+    if re.search(r"d2o_set_layer_l(\d+)$", name):
+        return "prepare", build_d2o_set_layer_kernel(shape(0)[0], device=True)
     return None
 
 
@@ -934,15 +941,23 @@ def emit_d2o_site(bb, kernel, site, spec, block, caches, inputs, k_blk, v_blk, p
     return new[:5] + [layer_budget, new[5]], [col_sums]
 
 
+BUDGET_SETTINGS = "edgekv.d2o_budget_settings"  # PrimFunc attribute: build_d2o_budget_kernel's arguments
+
+
 def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, budget: int, *, avg_ratio: float,
-                            min_budget: int, recent_ratio: float, variance_norm: str):
+                            min_budget: int, recent_ratio: float, variance_norm: str, device: bool = False):
     """TIR kernel: the first block's column sums → every layer's (N_l, M_l): ``prompt_budgets``
     compiled (float64, serial; 30 layers × a few heads is microseconds). Steps as in
     ``column_sum_variance`` → ``layer_statistic`` → softmax(−σ̃²) → ``allocate_budgets``:
 
         (col_sums[L, Hq, N + B] f32, n_valid[1] i32, prompt_len[1] i64) -> budgets[L, 2] i32
 
-    A prompt that fits (prompt_len ≤ N) gets N everywhere, as the reference skips the probe then."""
+    A prompt that fits (prompt_len ≤ N) gets N everywhere, as the reference skips the probe then.
+
+    ``device``: the GPU form — the same serial steps as one work-item (a 1 × 1 launch; microseconds
+    next to a prefill step), scratch in private memory, and float32 arithmetic: phone GPUs have no
+    fp64 (the profiles demote float64), so a layer's share can round differently from the CPU's
+    float64 in a near-tie of the water-filling (one entry of budget, at most)."""
     from tvm.script import tirx as T
 
     if variance_norm not in ("minmax", "mean", "raw", "head_minmax"):
@@ -951,37 +966,37 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
     floor_ = min(min_budget, cap)
     total = max(min(int(avg_ratio * budget * L), L * cap), L * floor_)  # as allocate_budgets clamps it
     norm = ("minmax", "mean", "raw", "head_minmax").index(variance_norm)
+    F = "float32" if device else "float64"  # the accumulation type
+    scope = "local" if device else "global"
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
-                          prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def allocate(col_sums, n_valid, prompt_len, budgets):
         with T.sblock("d2o_layer_budgets"):
             T.reads(col_sums[0:L, 0:Hq, 0:NB], n_valid[0:1], prompt_len[0:1])
             T.writes(budgets[0:L, 0:2])
-            hv = T.sblock_alloc_buffer((L, Hq), "float64")    # per-head column-sum variance
-            sig = T.sblock_alloc_buffer((L,), "float64")      # σ̃², then the shares
-            alloc = T.sblock_alloc_buffer((L,), "float64")
-            share = T.sblock_alloc_buffer((L,), "float64")
-            free = T.sblock_alloc_buffer((L,), "int32")
-            out = T.sblock_alloc_buffer((L,), "int32")
-            acc = T.sblock_alloc_buffer((4,), "float64")      # sums, min, max, remaining
-            cnt = T.sblock_alloc_buffer((4,), "int32")        # free layers, over, under, rest
+            hv = T.sblock_alloc_buffer((L, Hq), F, scope=scope)    # per-head column-sum variance
+            sig = T.sblock_alloc_buffer((L,), F, scope=scope)      # σ̃², then the shares
+            alloc = T.sblock_alloc_buffer((L,), F, scope=scope)
+            share = T.sblock_alloc_buffer((L,), F, scope=scope)
+            free = T.sblock_alloc_buffer((L,), "int32", scope=scope)
+            out = T.sblock_alloc_buffer((L,), "int32", scope=scope)
+            acc = T.sblock_alloc_buffer((4,), F, scope=scope)      # sums, min, max, remaining
+            cnt = T.sblock_alloc_buffer((4,), "int32", scope=scope)        # free layers, over, under, rest
             n: T.let[T.int32] = n_valid[0]
             for l, h in T.grid(L, Hq):  # unbiased variance over the n valid columns
-                acc[0] = T.float64(0)
+                acc[0] = T.Cast(F, 0)
                 for j in T.serial(NB):
                     if j < n:
-                        acc[0] = acc[0] + T.Cast("float64", col_sums[l, h, j])
-                acc[1] = acc[0] / T.Cast("float64", T.max(n, 1))
-                acc[2] = T.float64(0)
+                        acc[0] = acc[0] + T.Cast(F, col_sums[l, h, j])
+                acc[1] = acc[0] / T.Cast(F, T.max(n, 1))
+                acc[2] = T.Cast(F, 0)
                 for j in T.serial(NB):
                     if j < n:
-                        acc[2] = acc[2] + (T.Cast("float64", col_sums[l, h, j]) - acc[1]) * (
-                            T.Cast("float64", col_sums[l, h, j]) - acc[1])
-                hv[l, h] = T.if_then_else(n < 2, T.float64(0), acc[2] / T.Cast("float64", T.max(n - 1, 1)))
+                        acc[2] = acc[2] + (T.Cast(F, col_sums[l, h, j]) - acc[1]) * (
+                            T.Cast(F, col_sums[l, h, j]) - acc[1])
+                hv[l, h] = T.if_then_else(n < 2, T.Cast(F, 0), acc[2] / T.Cast(F, T.max(n - 1, 1)))
             for l in T.serial(L):  # layer_statistic
-                acc[0] = T.float64(0)
+                acc[0] = T.Cast(F, 0)
                 if norm == 3:  # head_minmax
                     acc[1] = hv[l, 0]
                     acc[2] = hv[l, 0]
@@ -989,13 +1004,13 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
                         acc[1] = T.min(acc[1], hv[l, h])
                         acc[2] = T.max(acc[2], hv[l, h])
                     for h in T.serial(Hq):
-                        acc[0] = acc[0] + (hv[l, h] - acc[1]) / (acc[2] - acc[1] + T.float64(1e-6))
+                        acc[0] = acc[0] + (hv[l, h] - acc[1]) / (acc[2] - acc[1] + T.Cast(F, 1e-6))
                 else:
                     for h in T.serial(Hq):
                         acc[0] = acc[0] + hv[l, h]
-                sig[l] = acc[0] / T.float64(Hq)
+                sig[l] = acc[0] / T.Cast(F, Hq)
             if norm == 0 or norm == 1:
-                acc[0] = T.float64(0)
+                acc[0] = T.Cast(F, 0)
                 acc[1] = sig[0]
                 acc[2] = sig[0]
                 for l in T.serial(L):
@@ -1004,24 +1019,24 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
                     acc[2] = T.max(acc[2], sig[l])
                 for l in T.serial(L):
                     if norm == 0:
-                        sig[l] = (sig[l] - acc[1]) / (acc[2] - acc[1] + T.float64(1e-12))
+                        sig[l] = (sig[l] - acc[1]) / (acc[2] - acc[1] + T.Cast(F, 1e-12))
                     else:
-                        sig[l] = sig[l] / T.max(acc[0] / T.float64(L), T.float64(1e-12))
+                        sig[l] = sig[l] / T.max(acc[0] / T.Cast(F, L), T.Cast(F, 1e-12))
             acc[1] = -sig[0]  # softmax(−σ̃²)
             for l in T.serial(L):
                 acc[1] = T.max(acc[1], -sig[l])
-            acc[0] = T.float64(0)
+            acc[0] = T.Cast(F, 0)
             for l in T.serial(L):
                 sig[l] = T.exp(-sig[l] - acc[1])
                 acc[0] = acc[0] + sig[l]
             for l in T.serial(L):
                 sig[l] = sig[l] / acc[0]
-                alloc[l] = T.float64(0)
+                alloc[l] = T.Cast(F, 0)
                 free[l] = 1
-            acc[3] = T.float64(total)  # water-filling: clamp at [floor, cap], re-split the rest
+            acc[3] = T.Cast(F, total)  # water-filling: clamp at [floor, cap], re-split the rest
             for _it in T.serial(L + 1):
                 cnt[0] = 0
-                acc[0] = T.float64(0)
+                acc[0] = T.Cast(F, 0)
                 for l in T.serial(L):
                     if free[l] == 1:
                         cnt[0] = cnt[0] + 1
@@ -1031,24 +1046,24 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
                     cnt[2] = 0
                     for l in T.serial(L):
                         if free[l] == 1:
-                            share[l] = T.if_then_else(acc[0] > T.float64(0), sig[l] / acc[0] * acc[3],
-                                                      acc[3] / T.Cast("float64", cnt[0]))
-                            if share[l] > T.float64(cap):
+                            share[l] = T.if_then_else(acc[0] > T.Cast(F, 0), sig[l] / acc[0] * acc[3],
+                                                      acc[3] / T.Cast(F, cnt[0]))
+                            if share[l] > T.Cast(F, cap):
                                 cnt[1] = cnt[1] + 1
-                            if share[l] < T.float64(floor_):
+                            if share[l] < T.Cast(F, floor_):
                                 cnt[2] = cnt[2] + 1
                     for l in T.serial(L):
                         if free[l] == 1:
                             if cnt[1] > 0:
-                                if share[l] > T.float64(cap):
-                                    alloc[l] = T.float64(cap)
+                                if share[l] > T.Cast(F, cap):
+                                    alloc[l] = T.Cast(F, cap)
                                     free[l] = 0
-                                    acc[3] = acc[3] - T.float64(cap)
+                                    acc[3] = acc[3] - T.Cast(F, cap)
                             elif cnt[2] > 0:
-                                if share[l] < T.float64(floor_):
-                                    alloc[l] = T.float64(floor_)
+                                if share[l] < T.Cast(F, floor_):
+                                    alloc[l] = T.Cast(F, floor_)
                                     free[l] = 0
-                                    acc[3] = acc[3] - T.float64(floor_)
+                                    acc[3] = acc[3] - T.Cast(F, floor_)
                             else:
                                 alloc[l] = share[l]
                                 free[l] = 0
@@ -1072,21 +1087,34 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
             for l in T.serial(L):
                 out[l] = T.if_then_else(prompt_len[0] <= T.int64(cap), cap, T.min(out[l], cap))
                 budgets[l, 0] = out[l]
-                budgets[l, 1] = T.Cast("int32", T.floor(T.Cast("float64", out[l]) * T.float64(recent_ratio)))
+                budgets[l, 1] = T.Cast("int32", T.floor(T.Cast(F, out[l]) * T.Cast(F, recent_ratio)))
+
+    if device:
+        @T.prim_func(private=True, s_tir=True)
+        def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
+                              prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
+            T.func_attr({"tirx.noalias": True})
+            for _b in T.thread_binding(1, thread="blockIdx.x"):
+                for _t in T.thread_binding(1, thread="threadIdx.x"):
+                    allocate(col_sums, n_valid, prompt_len, budgets)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
+                              prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
+            T.func_attr({"tirx.noalias": True})
+            allocate(col_sums, n_valid, prompt_len, budgets)
 
     return d2o_layer_budgets
 
 
-def build_d2o_set_layer_kernel(num_layers: int):
+def build_d2o_set_layer_kernel(num_layers: int, device: bool = False):
     """TIR kernel, in place: one layer's d2o_budget ← budgets[layer], τ cleared, the cache emptied
-    (the probe block leaves it): ``(budgets[L, 2], layer[1], d2o_budget[2], d2o_tau[2], fill[1])``."""
+    (the probe block leaves it): ``(budgets[L, 2], layer[1], d2o_budget[2], d2o_tau[2], fill[1])``.
+    ``device``: the GPU form (one work-item)."""
     from tvm.script import tirx as T
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
-                      d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
-                      fill: T.Buffer((1,), "int32")):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def set_layer(budgets, layer, d2o_budget, d2o_tau, fill):
         with T.sblock("d2o_set_layer"):
             T.reads(budgets[0:num_layers, 0:2], layer[0:1])
             T.writes(d2o_budget[0:2], d2o_tau[0:2], fill[0:1])
@@ -1094,6 +1122,23 @@ def build_d2o_set_layer_kernel(num_layers: int):
                 d2o_budget[i] = budgets[layer[0], i]
                 d2o_tau[i] = T.float32(0)
             fill[0] = 0
+
+    if device:
+        @T.prim_func(private=True, s_tir=True)
+        def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
+                          d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
+                          fill: T.Buffer((1,), "int32")):
+            T.func_attr({"tirx.noalias": True})
+            for _b in T.thread_binding(1, thread="blockIdx.x"):
+                for _t in T.thread_binding(1, thread="threadIdx.x"):
+                    set_layer(budgets, layer, d2o_budget, d2o_tau, fill)
+    else:
+        @T.prim_func(private=True, s_tir=True)
+        def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
+                          d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
+                          fill: T.Buffer((1,), "int32")):
+            T.func_attr({"tirx.noalias": True})
+            set_layer(budgets, layer, d2o_budget, d2o_tau, fill)
 
     return d2o_set_layer
 
@@ -1103,6 +1148,8 @@ def emit_d2o_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, bud
     prompt's first block; ``probe`` its outputs: logits, caches, then each layer's col_sums), the
     budget kernel turns the column sums into every layer's (N_l, M_l), and one small in-place kernel
     per layer writes them into ``d2o_budget``, clears τ and empties the cache. Returns the caches."""
+    import json
+
     import numpy as np
     from tvm import relax
 
@@ -1110,9 +1157,12 @@ def emit_d2o_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, bud
     col_sums = probe[-L:]
     Hq, NB = (int(d) for d in col_sums[0].ty.shape.values)
     stacked = bb.emit(relax.op.stack(col_sums, axis=0), "d2o_probe_col_sums")
-    budget_gv = kernel(f"d2o_layer_budgets_l{L}_h{Hq}", lambda: build_d2o_budget_kernel(
-        L, Hq, NB, budget, avg_ratio=float(policy.avg_ratio), min_budget=policy.min_layer_budget(budget),
-        recent_ratio=float(policy.recent_ratio), variance_norm=policy.variance_norm))
+    settings = {"num_layers": L, "num_q_heads": Hq, "candidates": NB, "budget": int(budget),
+                "avg_ratio": float(policy.avg_ratio), "min_budget": int(policy.min_layer_budget(budget)),
+                "recent_ratio": float(policy.recent_ratio), "variance_norm": policy.variance_norm}
+    # the settings ride on the kernel, so that a GPU build can rebuild its device form (d2o_gpu_kernel)
+    budget_gv = kernel(f"d2o_layer_budgets_l{L}_h{Hq}", lambda: build_d2o_budget_kernel(**settings).with_attr(
+        BUDGET_SETTINGS, json.dumps(settings)))
     budgets = bb.emit(relax.call_tir(budget_gv, [stacked, n_valid, prompt_len], relax.TensorType((L, 2), "int32")),
                       "d2o_budgets")
     set_gv = kernel(f"d2o_set_layer_l{L}", lambda: build_d2o_set_layer_kernel(L))

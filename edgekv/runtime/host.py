@@ -71,8 +71,11 @@ class HostRuntime:
         path = Path(artifact)
         manifest = read_manifest(path)
         if device is None:  # a device artifact on this CPU: say where it runs instead of TVM's linker output
-            from ..artifact_target import artifact_runs_here, device_artifact_message
+            from ..artifact_target import artifact_runs_here, device_artifact_message, needs_native_device
 
+            if needs_native_device(manifest):
+                raise ArtifactError(f"{path} runs on OpenCL, which TVM's Python runtime does not have: run it with the "
+                                    "native runtime (edgekv run ARTIFACT, or edgekv-run ARTIFACT)")
             if not artifact_runs_here(manifest):
                 raise ArtifactError(device_artifact_message(path, manifest))
         verify_artifact(path, manifest, check_hashes=check_hashes, tvm_version=str(tvm.__version__))

@@ -61,6 +61,22 @@ def available() -> bool:
     return p is not None and p.is_file()
 
 
+def opencl_unavailable_reason() -> str | None:
+    """Why an OpenCL artifact cannot run here (None when it can): the runtime built without its
+    OpenCL device, no OpenCL library, or no platform (driver) behind it."""
+    lib = _declare(load_library())
+    if b"opencl" not in lib.ekv_runtime_devices().split(b","):
+        return "this runtime was built without OpenCL"
+    try:
+        cl = ctypes.CDLL("libOpenCL.so.1")
+    except OSError:
+        return "no OpenCL library (apt-get install ocl-icd-libopencl1 pocl-opencl-icd)"
+    count = ctypes.c_uint(0)
+    if cl.clGetPlatformIDs(0, None, ctypes.byref(count)) != 0 or count.value == 0:
+        return "no OpenCL platform (apt-get install pocl-opencl-icd: OpenCL on the CPU)"
+    return None
+
+
 @lru_cache(maxsize=None)
 def load_library(path: str | None = None) -> ctypes.CDLL:
     """Load the runtime library (once). RTLD_GLOBAL: the TVM-generated kernel library that the
@@ -88,7 +104,8 @@ class _ModelInfo(ctypes.Structure):
                [(n, ctypes.c_int32) for n in ("num_layers", "vocab_size", "max_position", "budget", "block",
                                                "pseudo_rows", "threads", "chat")] + \
                [(n, ctypes.c_uint64) for n in ("weights_bytes", "cache_bytes", "arena_bytes", "plan_bytes")] + \
-               [(n, ctypes.c_int32) for n in ("n_kernels", "n_calls_prefill", "n_calls_decode")]
+               [(n, ctypes.c_int32) for n in ("n_kernels", "n_calls_prefill", "n_calls_decode")] + \
+               [("device", ctypes.c_char_p)]
 
 
 class _Stats(ctypes.Structure):
@@ -96,7 +113,7 @@ class _Stats(ctypes.Structure):
                [(n, ctypes.c_double) for n in ("prefill_seconds", "decode_seconds", "prepare_seconds", "load_seconds",
                                                 "first_block_seconds")] + \
                [(n, ctypes.c_uint64) for n in ("runtime_bytes_peak", "workspace_bytes_peak", "peak_rss_bytes",
-                                               "mapped_bytes")]
+                                               "mapped_bytes", "device_bytes_peak")]
 
 
 class _SnapshotInfo(ctypes.Structure):
@@ -106,7 +123,7 @@ class _SnapshotInfo(ctypes.Structure):
 
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
 STATUS_NAMES = {1: "io", 2: "format", 3: "mismatch", 4: "invalid input", 5: "no memory", 6: "kernel", 7: "cancelled",
-                8: "capacity"}
+                8: "capacity", 9: "device"}
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -115,6 +132,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     P, c = ctypes.c_void_p, ctypes
     sig = {
         "ekv_model_options_init": (None, [c.POINTER(_ModelOptions)]),
+        "ekv_runtime_devices": (c.c_char_p, []),
         "ekv_model_open": (c.c_int, [c.c_char_p, c.POINTER(_ModelOptions), c.POINTER(P)]),
         "ekv_model_close": (None, [P]),
         "ekv_model_last_error": (c.c_char_p, [P]),

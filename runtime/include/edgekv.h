@@ -40,7 +40,8 @@ typedef enum ekv_status {
   EKV_ERR_NO_MEMORY = 5,    /* an allocation failed, or the memory plan is above the limit */
   EKV_ERR_KERNEL = 6,       /* a compiled kernel reported an error */
   EKV_ERR_CANCELLED = 7,    /* ekv_session_cancel() or a progress callback stopped the work */
-  EKV_ERR_CAPACITY = 8      /* a policy that never evicts ('full') ran out of cache entries */
+  EKV_ERR_CAPACITY = 8,     /* a policy that never evicts ('full') ran out of cache entries */
+  EKV_ERR_DEVICE = 9        /* the device (OpenCL) is missing, failed to build the kernels, or failed a call */
 } ekv_status;
 
 /* "ok", "io error", ... (static strings) */
@@ -120,6 +121,8 @@ typedef struct ekv_model_options {
 } ekv_model_options;
 
 void ekv_model_options_init(ekv_model_options *opts);
+/* The devices this build of the runtime runs artifacts on: "cpu" or "cpu,opencl". */
+const char *ekv_runtime_devices(void);
 /* Open an artifact directory: program.ekv (validated whole: every index, offset and size),
  * the library (CPU features and architecture checked before dlopen, every kernel resolved),
  * the weights mapped read-only, the tokenizer. *out is set even on failure. */
@@ -137,6 +140,7 @@ typedef struct ekv_model_info {
   uint64_t arena_bytes;     /* one session's planned intermediates */
   uint64_t plan_bytes;      /* weights + caches + arena + inputs */
   int32_t n_kernels, n_calls_prefill, n_calls_decode;
+  const char *device; /* "cpu", or "opencl: <platform> / <device>" */
 } ekv_model_info;
 /* Strings point into the model; valid until ekv_model_close. */
 void ekv_model_get_info(const ekv_model *model, ekv_model_info *info);
@@ -206,6 +210,8 @@ typedef struct ekv_stats {
   uint64_t workspace_bytes_peak; /* kernel workspaces at their peak */
   uint64_t peak_rss_bytes;       /* the process's peak resident set (VmHWM) */
   uint64_t mapped_bytes;         /* the params file mapping */
+  uint64_t device_bytes_peak;    /* device memory held at its peak (weights, caches, arena, workspaces;
+                                    0 on the CPU, where it is the runtime's own allocations) */
 } ekv_stats;
 void ekv_session_get_stats(const ekv_session *session, ekv_stats *stats);
 

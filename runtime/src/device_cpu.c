@@ -3,20 +3,26 @@
 #include "alloc.h"
 #include "device.h"
 
-static void *cpu_alloc(size_t bytes) { return ekv_alloc(bytes, EKV_MEM_RUNTIME); }
-static void cpu_free(void *buffer) { ekv_free(buffer); }
-static void cpu_write(void *buffer, size_t offset, const void *src, size_t bytes) {
+static void *cpu_alloc(ekv_device *d, size_t bytes) { return ekv_alloc(bytes, EKV_MEM_RUNTIME); }
+static void cpu_free(ekv_device *d, void *buffer) { ekv_free(buffer); }
+/* views and weights are host memory the CPU's kernels use in place: nothing to release */
+static void *cpu_view(ekv_device *d, void *base, size_t offset, size_t bytes) { return (unsigned char *)base + offset; }
+static void *cpu_upload(ekv_device *d, const void *host, size_t bytes) { return (void *)(uintptr_t)host; }
+static void cpu_drop(ekv_device *d, void *handle) {}
+static ekv_status cpu_write(ekv_device *d, void *buffer, size_t offset, const void *src, size_t bytes) {
   memcpy((unsigned char *)buffer + offset, src, bytes);
+  return EKV_OK;
 }
-static void cpu_read(const void *buffer, size_t offset, void *dst, size_t bytes) {
+static ekv_status cpu_read(ekv_device *d, const void *buffer, size_t offset, void *dst, size_t bytes) {
   memcpy(dst, (const unsigned char *)buffer + offset, bytes);
+  return EKV_OK;
 }
-/* kernels only read weights: the read-only mapping is handed to them as it is */
-static void *cpu_weights(const void *host, size_t bytes) {
-  (void)bytes;
-  return (void *)(uintptr_t)host;
-}
+static ekv_status cpu_finish(ekv_device *d) { return EKV_OK; }
+static void cpu_close(ekv_device *d) {}
 
-static const ekv_device CPU = {"cpu", {kDLCPU, 0}, cpu_alloc, cpu_free, cpu_write, cpu_read, cpu_weights};
+/* One CPU device serves every model: it holds no state. */
+static ekv_device CPU = {.name = "cpu", .dl = {kDLCPU, 0}, .host_memory = 1, .alloc = cpu_alloc, .free = cpu_free,
+                         .view = cpu_view, .upload = cpu_upload, .drop = cpu_drop, .write = cpu_write,
+                         .read = cpu_read, .finish = cpu_finish, .close = cpu_close};
 
-const ekv_device *ekv_device_cpu(void) { return &CPU; }
+ekv_device *ekv_device_cpu(void) { return &CPU; }

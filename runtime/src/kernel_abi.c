@@ -21,6 +21,7 @@ typedef int (*tvm_parallel_lambda)(int task_id, tvm_parallel_group_env *penv, vo
 
 static _Thread_local char t_error[1024];
 static _Thread_local ekv_threadpool *t_pool;
+static _Thread_local ekv_device *t_device; /* the device of the kernels this thread runs */
 static _Thread_local int t_in_parallel;
 
 /* TVM-FFI: a kernel reports an error (wrong shapes, ...) in parts, then returns -1. */
@@ -53,15 +54,23 @@ TVM_FFI_DLL int TVMFFIEnvModRegisterSystemLibSymbol(const char *name, void *symb
 
 const char *ekv_kernel_error(void) { return t_error; }
 void ekv_kernel_error_clear(void) { t_error[0] = '\0'; }
-void ekv_set_current_pool(ekv_threadpool *pool) { t_pool = pool; }
+void ekv_set_current(ekv_threadpool *pool, ekv_device *device) {
+  t_pool = pool;
+  t_device = device;
+}
 
+/* A kernel's temporary buffer: host memory, or (a GPU build's host code asking for device
+ * memory) a buffer of the device the kernels run on. */
 static void *alloc_workspace(int device_type, int device_id, uint64_t nbytes, int code_hint, int bits_hint) {
-  if (device_type != kDLCPU || nbytes > SIZE_MAX / 2) return NULL;
-  return ekv_alloc((size_t)nbytes, EKV_MEM_WORKSPACE);
+  if (nbytes > SIZE_MAX / 2) return NULL;
+  if (device_type == kDLCPU) return ekv_alloc((size_t)nbytes, EKV_MEM_WORKSPACE);
+  if (t_device == NULL || t_device->host_memory || (int)t_device->dl.device_type != device_type) return NULL;
+  return t_device->alloc(t_device, nbytes ? (size_t)nbytes : 1);
 }
 
 static int free_workspace(int device_type, int device_id, void *ptr) {
-  ekv_free(ptr);
+  if (device_type == kDLCPU) ekv_free(ptr);
+  else if (t_device != NULL) t_device->free(t_device, ptr);
   return 0;
 }
 
@@ -173,7 +182,7 @@ static ekv_status check_elf(ekv_error *err, const char *path) {
   return EKV_OK;
 }
 
-ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_library *lib) {
+ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_device *device, ekv_library *lib) {
   lib->handle = NULL;
   EKV_TRY(check_elf(err, path));
   void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -193,6 +202,21 @@ ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_library *lib) 
   for (size_t i = 0; i < sizeof SLOTS / sizeof SLOTS[0]; i++) {
     void (**slot)(void) = dlsym(h, SLOTS[i].slot);
     if (slot != NULL) *slot = SLOTS[i].fn;
+  }
+  /* a CPU library may carry these slots unused (the refusing stubs above stay in them); a GPU
+   * build's host code reaches its kernels through them, so they go to the device */
+  if (device->lookup != NULL) {
+    void (**lookup)(void) = dlsym(h, "__TVMFFIEnvModLookupFromImports");
+    void (**call)(void) = dlsym(h, "__TVMFFIFunctionCall");
+    void **ctx = dlsym(h, "__tvm_ffi__library_ctx");
+    if (lookup == NULL || call == NULL || ctx == NULL) {
+      dlclose(h);
+      return ekv_fail(err, EKV_ERR_MISMATCH, "%s launches no device kernels but the program runs on %s: the library "
+                      "and the program come from different compiles; recompile the artifact", path, device->name);
+    }
+    memcpy(lookup, &device->lookup, sizeof *lookup);
+    memcpy(call, &device->call, sizeof *call);
+    *ctx = device;
   }
   lib->handle = h;
   return EKV_OK;

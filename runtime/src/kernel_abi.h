@@ -12,6 +12,7 @@
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/c_api.h>
 
+#include "device.h"
 #include "status.h"
 #include "threadpool.h"
 
@@ -23,15 +24,15 @@ typedef struct ekv_library {
 
 /* Check that `path` is a shared library for this machine's architecture (ELF header read
  * before dlopen: an aarch64 library, or a .tar of device objects, is refused with what it is),
- * dlopen it and fill its runtime slots. */
-ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_library *lib);
+ * dlopen it and fill its runtime slots — for a GPU build, the device's kernel lookup and launch. */
+ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_device *device, ekv_library *lib);
 void ekv_library_close(ekv_library *lib);
 /* __tvm_ffi_<name>, or NULL */
 ekv_kernel_fn ekv_library_kernel(const ekv_library *lib, const char *name);
 
-/* The pool TVM's parallel loops run on while the calling thread executes kernels
- * (thread-local: each session's runner sets its model's pool). */
-void ekv_set_current_pool(ekv_threadpool *pool);
+/* The pool TVM's parallel loops run on and the device device workspaces come from, while the
+ * calling thread executes kernels (thread-local: each session's runner sets its model's). */
+void ekv_set_current(ekv_threadpool *pool, ekv_device *device);
 /* The message the last failing kernel left on this thread ("" when none); cleared by reading. */
 const char *ekv_kernel_error(void);
 void ekv_kernel_error_clear(void);

@@ -39,7 +39,7 @@ static ekv_status check_file(ekv_model *m, const char *dir, const char *key, int
   snprintf(bytes_key, sizeof bytes_key, "%s_bytes", key);
   snprintf(crc_key, sizeof crc_key, "%s_crc32", key);
   const char *name = ekv_program_str(&m->prog, name_key);
-  if (name[0] == '\0' || strchr(name, '/') != NULL)
+  if (name[0] == '\0' || name[0] == '/' || strstr(name, "..") != NULL) /* inside the artifact only */
     return ekv_fail(&m->err, EKV_ERR_FORMAT, "%s/%s names no valid %s file; recompile the artifact", dir, PROGRAM_FILE,
                     key);
   if (!ekv_path_join(path, cap, dir, name)) return ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "path too long: %s", dir);
@@ -93,11 +93,46 @@ static ekv_status read_program(ekv_model *m, const char *dir) {
   return EKV_OK;
 }
 
+/* The device the program was compiled for: the CPU, or OpenCL (its kernels built from the
+ * artifact's device source, checked against the program's size and CRC first). */
+static ekv_status open_device(ekv_model *m, const char *dir) {
+  const char *kind = ekv_program_str(&m->prog, "device");
+  if (kind[0] == '\0' || strcmp(kind, "cpu") == 0) {
+    m->device = ekv_device_cpu();
+    return EKV_OK;
+  }
+  if (strcmp(kind, "opencl") != 0)
+    return ekv_fail(&m->err, EKV_ERR_MISMATCH, "the artifact was compiled for a %s device, which this runtime has no "
+                    "backend for; compile it with --target host or --target opencl-host", kind);
+  char path[PATH_MAX];
+  EKV_TRY(check_file(m, dir, "device_source", 1, path, sizeof path, NULL));
+  return ekv_device_opencl_open(&m->err, &m->prog, path, m->plan_bytes, &m->device);
+}
+
+/* Weights and constants where the kernels read them: the mapping and the program's constants
+ * themselves on the CPU, one device copy each on a GPU (made once per model, for every session). */
+static ekv_status upload_constants(ekv_model *m) {
+  ekv_device *dev = m->device;
+  m->uploaded = ekv_alloc(sizeof(void *) * (m->prog.n_buffers + 1u), EKV_MEM_RUNTIME);
+  if (m->uploaded == NULL) return ekv_fail(&m->err, EKV_ERR_NO_MEMORY, "cannot allocate the weight table");
+  for (uint32_t i = 0; i < m->prog.n_buffers; i++) {
+    const ekv_buffer_desc *b = &m->prog.buffers[i];
+    const unsigned char *host = b->kind == EKV_BUF_WEIGHT ? m->params.data + b->a
+                                : b->kind == EKV_BUF_CONSTANT ? m->prog.constants + b->a : NULL;
+    if (host == NULL) continue;
+    m->uploaded[i] = dev->upload(dev, host, b->nbytes ? b->nbytes : 1);
+    if (m->uploaded[i] == NULL)
+      return ekv_fail(&m->err, EKV_ERR_DEVICE, "cannot place %s (%llu bytes) on the %s device: %s", b->name,
+                      (unsigned long long)b->nbytes, dev->name, dev->err.msg);
+  }
+  return EKV_OK;
+}
+
 static ekv_status load_library(ekv_model *m, const char *dir) {
   char path[PATH_MAX];
   EKV_TRY(ekv_cpu_check(&m->err, ekv_program_str(&m->prog, "target_arch"), ekv_program_str(&m->prog, "cpu_features")));
   EKV_TRY(check_file(m, dir, "library", 1, path, sizeof path, NULL));
-  EKV_TRY(ekv_library_open(&m->err, path, &m->lib));
+  EKV_TRY(ekv_library_open(&m->err, path, m->device, &m->lib));
   m->kernels = ekv_alloc(sizeof(ekv_kernel_fn) * (m->prog.n_kernels + 1u), EKV_MEM_RUNTIME);
   if (m->kernels == NULL) return ekv_fail(&m->err, EKV_ERR_NO_MEMORY, "cannot allocate the kernel table");
   for (uint32_t k = 0; k < m->prog.n_kernels; k++) {
@@ -168,13 +203,14 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   ekv_model *m = ekv_alloc(sizeof *m, EKV_MEM_RUNTIME);
   *out = m;
   if (m == NULL) return EKV_ERR_NO_MEMORY;
-  m->device = ekv_device_cpu();
   ekv_status st = artifact_dir == NULL ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory given")
                                        : read_program(m, artifact_dir);
   if (st == EKV_OK) st = remember_dir(m, artifact_dir);
   if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
+  if (st == EKV_OK) st = open_device(m, artifact_dir);
   if (st == EKV_OK) st = load_library(m, artifact_dir);
   if (st == EKV_OK) st = map_weights(m, artifact_dir, opts->verify_weights);
+  if (st == EKV_OK) st = upload_constants(m);
   if (st == EKV_OK) st = open_tokenizer(m, artifact_dir);
   if (st == EKV_OK) st = ekv_threadpool_new(&m->err, opts->threads, &m->pool);
   m->load_seconds = ekv_now() - t0;
@@ -183,6 +219,10 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
 
 void ekv_model_close(ekv_model *m) {
   if (m == NULL) return;
+  for (uint32_t i = 0; m->uploaded != NULL && i < m->prog.n_buffers; i++)
+    if (m->uploaded[i] != NULL) m->device->drop(m->device, m->uploaded[i]);
+  ekv_free(m->uploaded);
+  if (m->device != NULL) m->device->close(m->device);
   ekv_threadpool_free(m->pool);
   ekv_tokenizer_free(m->tok);
   ekv_unmap_file(&m->params);
@@ -218,4 +258,5 @@ void ekv_model_get_info(const ekv_model *m, ekv_model_info *info) {
   info->n_kernels = (int32_t)p->n_kernels;
   info->n_calls_prefill = m->f_prefill >= 0 ? (int32_t)p->functions[m->f_prefill].call_count : 0;
   info->n_calls_decode = m->f_decode >= 0 ? (int32_t)p->functions[m->f_decode].call_count : 0;
+  info->device = m->device != NULL ? m->device->name : "none";
 }

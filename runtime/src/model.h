@@ -21,7 +21,8 @@ struct ekv_model {
   ekv_kernel_fn *kernels; /* per program kernel, resolved at open */
   ekv_tokenizer *tok;
   ekv_threadpool *pool;
-  const ekv_device *device;
+  ekv_device *device;
+  void **uploaded; /* per buffer: the device's copy of a weight or constant (the host memory on the CPU) */
   int f_prefill, f_decode, f_prepare;
   int fill_field, pos_field;
   uint64_t cache_bytes, input_bytes, plan_bytes;
@@ -38,6 +39,9 @@ struct ekv_session {
   TVMFFIAny *args;   /* per program argument, bound once */
   void *arena;
   void **owned;      /* per buffer: the session's own allocation (caches, inputs), else NULL */
+  void **views;      /* per buffer: an arena tensor's device view (released with the session) */
+  void **staging;    /* per buffer: the host memory an input is filled in (the buffer itself on the CPU) */
+  float *logits_host; /* a device's logits, read back after each step (NULL on the CPU) */
   size_t position;
   const float *logits;
   _Atomic int cancel;

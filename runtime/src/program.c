@@ -12,10 +12,11 @@
 static const unsigned char MAGIC[8] = {'E', 'K', 'V', 'P', 'R', 'O', 'G', 0};
 
 enum { SEC_STRINGS = 1, SEC_SETTINGS, SEC_KERNELS, SEC_BUFFERS, SEC_CONSTANTS, SEC_FUNCTIONS, SEC_CALLS, SEC_ARGS,
-       SEC_FUNC_BUFFERS, SEC_CACHE_FIELDS, SEC_COUNT };
-static const uint32_t RECORD_SIZE[SEC_COUNT] = {0, 1, 24, 8, 96, 1, 32, 16, 16, 4, 24};
+       SEC_FUNC_BUFFERS, SEC_CACHE_FIELDS, SEC_DEVICE_KERNELS, SEC_DEVICE_ARGS, SEC_COUNT };
+static const uint32_t RECORD_SIZE[SEC_COUNT] = {0, 1, 24, 8, 96, 1, 32, 16, 16, 4, 24, 32, 1};
 static const char *SECTION_NAME[SEC_COUNT] = {"?", "strings", "settings", "kernels", "buffers", "constants",
-                                              "functions", "calls", "args", "function buffers", "cache fields"};
+                                              "functions", "calls", "args", "function buffers", "cache fields",
+                                              "device kernels", "device arguments"};
 
 typedef struct {
   const unsigned char *data;
@@ -309,6 +310,35 @@ static ekv_status read_functions(parser *p, ekv_program *prog) {
   return EKV_OK;
 }
 
+/* A GPU program's device kernels: names, argument kinds and launch tags, each checked. */
+static ekv_status read_device_kernels(parser *p, ekv_program *prog) {
+  section *s = &p->sec[SEC_DEVICE_KERNELS], *a = &p->sec[SEC_DEVICE_ARGS];
+  prog->n_device_kernels = s->count;
+  if (s->count == 0) return EKV_OK;
+  ALLOC(prog->device_kernels, s->count);
+  ALLOC(prog->device_args, a->count);
+  if (a->count) memcpy(prog->device_args, a->data, a->count);
+  for (uint32_t i = 0; i < a->count; i++)
+    if (prog->device_args[i] >= EKV_DARG_COUNT) return bad(p, "a device kernel argument has an unknown kind", i, a->data[i]);
+  for (uint32_t i = 0; i < s->count; i++) {
+    const unsigned char *r = s->data + 32u * i;
+    ekv_device_kernel *k = &prog->device_kernels[i];
+    EKV_TRY(string_ref(p, r, &k->name));
+    uint32_t begin = ekv_le32(r + 8);
+    k->n_args = ekv_le32(r + 12);
+    k->n_tags = ekv_le32(r + 16);
+    if (!ekv_range_ok(begin, k->n_args, a->count) || k->n_args > 1024 || k->n_tags > EKV_MAX_TAGS)
+      return bad(p, "a device kernel's arguments or launch tags", i, k->n_args);
+    k->args = prog->device_args + begin;
+    k->flags = ekv_le32(r + 28);
+    for (uint32_t t = 0; t < k->n_tags; t++) {
+      k->tags[t] = r[20 + t];
+      if (k->tags[t] >= EKV_TAG_COUNT) return bad(p, "a device kernel has an unknown launch tag", i, k->tags[t]);
+    }
+  }
+  return EKV_OK;
+}
+
 static ekv_status read_fields(parser *p, ekv_program *prog) {
   section *s = &p->sec[SEC_CACHE_FIELDS];
   prog->n_fields = s->count;
@@ -330,7 +360,8 @@ static ekv_status read_fields(parser *p, ekv_program *prog) {
  * (references are range-checked when copied). */
 static uint64_t pool_bytes(const parser *p) {
   static const struct { int sec; uint32_t rsize, at; } REFS[] = {
-      {SEC_SETTINGS, 24, 0}, {SEC_KERNELS, 8, 0}, {SEC_BUFFERS, 96, 4}, {SEC_FUNCTIONS, 32, 0}, {SEC_CACHE_FIELDS, 24, 0}};
+      {SEC_SETTINGS, 24, 0}, {SEC_KERNELS, 8, 0},       {SEC_BUFFERS, 96, 4},
+      {SEC_FUNCTIONS, 32, 0}, {SEC_CACHE_FIELDS, 24, 0}, {SEC_DEVICE_KERNELS, 32, 0}};
   uint64_t total = 1;
   for (size_t k = 0; k < sizeof REFS / sizeof REFS[0]; k++) {
     const section *s = &p->sec[REFS[k].sec];
@@ -369,6 +400,7 @@ ekv_status ekv_program_parse(ekv_error *err, const char *what, const unsigned ch
   if (st == EKV_OK) st = check_buffers(&p, out);
   if (st == EKV_OK) st = read_calls(&p, out);
   if (st == EKV_OK) st = read_functions(&p, out);
+  if (st == EKV_OK) st = read_device_kernels(&p, out);
   if (st != EKV_OK) ekv_program_free(out);
   return st;
 }
@@ -386,6 +418,8 @@ void ekv_program_free(ekv_program *prog) {
   ekv_free(prog->fields);
   ekv_free(prog->constants);
   ekv_free(prog->cache_buffer);
+  ekv_free(prog->device_kernels);
+  ekv_free(prog->device_args);
   memset(prog, 0, sizeof *prog);
 }
 

@@ -17,6 +17,11 @@ enum { EKV_BUF_INPUT = 1, EKV_BUF_CACHE = 2, EKV_BUF_WEIGHT = 3, EKV_BUF_CONSTAN
 enum { EKV_ARG_BUFFER = 0, EKV_ARG_INT = 1, EKV_ARG_FLOAT = 2 };
 enum { EKV_ROLE_STATE = 0, EKV_ROLE_K = 1, EKV_ROLE_V = 2, EKV_ROLE_POSITIONS = 3, EKV_ROLE_FILL = 4 };
 enum { EKV_DT_INT = 0, EKV_DT_UINT = 1, EKV_DT_FLOAT = 2 };
+/* a device kernel's launch tags and argument kinds (GPU programs; edgekv/compiler/device_kernels.py) */
+enum { EKV_TAG_BLOCK_X = 0, EKV_TAG_BLOCK_Y, EKV_TAG_BLOCK_Z, EKV_TAG_THREAD_X, EKV_TAG_THREAD_Y, EKV_TAG_THREAD_Z,
+       EKV_TAG_DYN_SHARED, EKV_TAG_COUNT };
+enum { EKV_DARG_BUFFER = 0, EKV_DARG_I32, EKV_DARG_I64, EKV_DARG_F32, EKV_DARG_F64, EKV_DARG_U32, EKV_DARG_COUNT };
+#define EKV_MAX_TAGS 8
 
 typedef struct {
   const char *name; /* NUL-terminated, owned by the program */
@@ -49,6 +54,16 @@ typedef struct {
   uint64_t init_offset;
 } ekv_field_desc;
 
+/* A kernel a GPU program's host code launches: its arguments, then one extent per launch tag. */
+typedef struct {
+  const char *name;
+  const uint8_t *args; /* n_args kinds (EKV_DARG_*), into the program's copy */
+  uint32_t n_args, n_tags;
+  uint8_t tags[EKV_MAX_TAGS];
+  uint32_t flags; /* EKV_DKERNEL_EVICTION: one of edgekv's eviction kernels (score, select, observe, prepare) */
+} ekv_device_kernel;
+#define EKV_DKERNEL_EVICTION 1u
+
 typedef struct {
   const char *key;
   uint32_t type; /* 1 int, 2 string, 3 float */
@@ -77,6 +92,9 @@ typedef struct ekv_program {
   uint32_t n_fields;
   unsigned char *constants; /* 64-byte aligned copy: kernels read tensor constants from it */
   uint64_t constants_size;
+  ekv_device_kernel *device_kernels; /* GPU programs: the device kernels (none for a CPU program) */
+  uint32_t n_device_kernels;
+  uint8_t *device_args;
   /* from the settings, checked */
   int32_t num_layers, vocab_size, block, budget, max_position, pseudo_rows;
   uint64_t arena_bytes;

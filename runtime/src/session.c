@@ -11,36 +11,47 @@ const char *ekv_session_last_error(const ekv_session *s) {
 
 static int dl_code(uint8_t code) { return code == EKV_DT_FLOAT ? kDLFloat : code == EKV_DT_UINT ? kDLUInt : kDLInt; }
 
+static ekv_status device_failed(ekv_session *s, const char *what) {
+  return ekv_fail(&s->err, EKV_ERR_DEVICE, "%s: %s", what, s->model->device->err.msg);
+}
+
 static ekv_status place_buffers(ekv_session *s) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
-  const ekv_device *dev = m->device;
-  s->arena = dev->alloc(p->arena_bytes ? p->arena_bytes : 1);
+  ekv_device *dev = m->device;
+  s->arena = dev->alloc(dev, p->arena_bytes ? p->arena_bytes : 1);
   if (s->arena == NULL)
-    return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the %llu-byte activation arena",
-                    (unsigned long long)p->arena_bytes);
+    return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the %llu-byte activation arena on the %s device",
+                    (unsigned long long)p->arena_bytes, dev->name);
+  s->logits_host = dev->host_memory ? NULL : ekv_alloc(sizeof(float) * (size_t)p->vocab_size, EKV_MEM_RUNTIME);
+  if (!dev->host_memory && s->logits_host == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate logits");
   for (uint32_t i = 0; i < p->n_buffers; i++) {
     const ekv_buffer_desc *b = &p->buffers[i];
     switch (b->kind) {
       case EKV_BUF_INPUT:
       case EKV_BUF_CACHE:
-        s->owned[i] = dev->alloc(b->nbytes ? b->nbytes : 1);
+        s->owned[i] = dev->alloc(dev, b->nbytes ? b->nbytes : 1);
         if (s->owned[i] == NULL)
-          return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate %llu bytes for %s",
-                          (unsigned long long)b->nbytes, b->name);
+          return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate %llu bytes for %s on the %s device",
+                          (unsigned long long)b->nbytes, b->name, dev->name);
         s->data[i] = s->owned[i];
+        /* the host side of an input: the buffer itself on the CPU, a staging copy for a device */
+        s->staging[i] = b->kind != EKV_BUF_INPUT || dev->host_memory ? s->data[i]
+                                                                      : ekv_alloc(b->nbytes + 1, EKV_MEM_RUNTIME);
+        if (s->staging[i] == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate %s", b->name);
         break;
       case EKV_BUF_WEIGHT:
-        s->data[i] = dev->weights(m->params.data + b->a, b->nbytes);
-        break;
       case EKV_BUF_CONSTANT:
-        s->data[i] = p->constants + b->a;
+        s->data[i] = m->uploaded[i]; /* placed once per model */
         break;
       case EKV_BUF_ARENA:
-        s->data[i] = (unsigned char *)s->arena + b->a;
+        s->views[i] = dev->view(dev, s->arena, b->a, b->nbytes ? b->nbytes : 1);
+        if (s->views[i] == NULL) return device_failed(s, "cannot place an arena tensor");
+        s->data[i] = s->views[i];
         break;
       case EKV_BUF_VIEW:
         s->data[i] = s->data[b->a];
+        s->staging[i] = s->staging[b->a];
         break;
     }
     DLTensor *t = &s->tensors[i];
@@ -85,9 +96,12 @@ ekv_status ekv_session_new(ekv_model *m, ekv_session **out) {
   const ekv_program *p = &m->prog;
   s->data = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
   s->owned = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  s->views = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
+  s->staging = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
   s->tensors = ekv_alloc(sizeof(DLTensor) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);
   s->args = ekv_alloc(sizeof(TVMFFIAny) * (p->n_args + 1u), EKV_MEM_RUNTIME);
-  if (s->data == NULL || s->owned == NULL || s->tensors == NULL || s->args == NULL)
+  if (s->data == NULL || s->owned == NULL || s->views == NULL || s->staging == NULL || s->tensors == NULL ||
+      s->args == NULL)
     return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the session's tables");
   EKV_TRY(place_buffers(s));
   bind_arguments(s);
@@ -99,10 +113,19 @@ ekv_status ekv_session_new(ekv_model *m, ekv_session **out) {
 
 void ekv_session_free(ekv_session *s) {
   if (s == NULL) return;
-  if (s->owned != NULL && s->model != NULL)
-    for (uint32_t i = 0; i < s->model->prog.n_buffers; i++) s->model->device->free(s->owned[i]);
-  if (s->model != NULL && s->arena != NULL) s->model->device->free(s->arena);
   if (s->model != NULL) ekv_snapshot_release(s);
+  ekv_device *dev = s->model != NULL ? s->model->device : NULL;
+  for (uint32_t i = 0; dev != NULL && i < s->model->prog.n_buffers; i++) {
+    if (s->staging != NULL && s->owned != NULL && s->staging[i] != NULL && s->staging[i] != s->owned[i] &&
+        s->model->prog.buffers[i].kind == EKV_BUF_INPUT)
+      ekv_free(s->staging[i]);
+    if (s->views != NULL && s->views[i] != NULL) dev->drop(dev, s->views[i]);
+    if (s->owned != NULL && s->owned[i] != NULL) dev->free(dev, s->owned[i]);
+  }
+  if (dev != NULL && s->arena != NULL) dev->free(dev, s->arena);
+  ekv_free(s->logits_host);
+  ekv_free(s->views);
+  ekv_free(s->staging);
   ekv_free(s->data);
   ekv_free(s->owned);
   ekv_free(s->tensors);
@@ -135,8 +158,8 @@ void ekv_session_reset(ekv_session *s) {
     for (uint32_t f = 0; f < p->n_fields; f++) {
       const ekv_field_desc *fd = &p->fields[f];
       uint32_t id = p->cache_buffer[(size_t)l * p->n_fields + f];
-      if (fd->has_init) m->device->write(s->data[id], 0, p->constants + fd->init_offset, p->buffers[id].nbytes);
-      else if ((int)f == m->fill_field) m->device->write(s->data[id], 0, &zero, sizeof zero);
+      if (fd->has_init) m->device->write(m->device, s->data[id], 0, p->constants + fd->init_offset, p->buffers[id].nbytes);
+      else if ((int)f == m->fill_field) m->device->write(m->device, s->data[id], 0, &zero, sizeof zero);
     }
   }
   s->position = 0;
@@ -165,7 +188,14 @@ ekv_status ekv_run_function(ekv_session *s, int function) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   const ekv_function_desc *f = &p->functions[function];
-  ekv_set_current_pool(m->pool);
+  ekv_device *dev = m->device;
+  if (!dev->host_memory) /* the inputs the caller filled in, onto the device */
+    for (uint32_t i = 0; i < f->in_count; i++) {
+      uint32_t id = p->func_buffers[f->in_begin + i];
+      if (dev->write(dev, s->data[id], 0, s->staging[id], p->buffers[id].nbytes) != EKV_OK)
+        return device_failed(s, "cannot copy an input to the device");
+    }
+  ekv_set_current(m->pool, m->device);
   for (uint32_t c = 0; c < f->call_count; c++) {
     const ekv_call_desc *call = &p->calls[f->call_begin + c];
     TVMFFIAny ret;
@@ -173,13 +203,20 @@ ekv_status ekv_run_function(ekv_session *s, int function) {
     ekv_kernel_error_clear();
     int rc = m->kernels[call->kernel](NULL, &s->args[call->arg_begin], (int32_t)call->arg_count, &ret);
     if (rc != 0) {
-      ekv_set_current_pool(NULL);
+      ekv_set_current(NULL, NULL);
       return ekv_fail(&s->err, EKV_ERR_KERNEL, "kernel %s (call %u of %s) failed: %s", p->kernels[call->kernel], c,
                       f->name, ekv_kernel_error()[0] ? ekv_kernel_error() : "no message");
     }
   }
-  ekv_set_current_pool(NULL);
-  s->logits = (const float *)s->data[p->func_buffers[f->out_begin]];
+  ekv_set_current(NULL, NULL);
+  const void *logits = s->data[p->func_buffers[f->out_begin]];
+  if (dev->host_memory) {
+    s->logits = logits;
+  } else { /* the one output the host needs; reading it also waits for the queued kernels */
+    if (dev->read(dev, logits, 0, s->logits_host, sizeof(float) * (size_t)p->vocab_size) != EKV_OK)
+      return device_failed(s, "the device failed running the program");
+    s->logits = s->logits_host;
+  }
   return EKV_OK;
 }
 
@@ -188,14 +225,15 @@ void *ekv_function_input(ekv_session *s, int function, const char *name) {
   const ekv_function_desc *f = &p->functions[function];
   for (uint32_t i = 0; i < f->in_count; i++) {
     uint32_t id = p->func_buffers[f->in_begin + i];
-    if (strcmp(p->buffers[id].name, name) == 0) return s->data[id];
+    if (strcmp(p->buffers[id].name, name) == 0) return s->staging[id];
   }
   return NULL;
 }
 
 static int32_t cache_fill(const ekv_session *s, int32_t layer) {
-  int32_t fill = 0;
-  s->model->device->read(cache_tensor(s, layer, s->model->fill_field), 0, &fill, sizeof fill);
+  int32_t fill = -1; /* a device read that fails reads as an impossible fill */
+  ekv_device *dev = s->model->device;
+  dev->read(dev, cache_tensor(s, layer, s->model->fill_field), 0, &fill, sizeof fill);
   return fill;
 }
 
@@ -333,9 +371,11 @@ ekv_status ekv_session_kept_positions(const ekv_session *s, int32_t layer, int32
   *fill = f;
   if (out == NULL || cap < (size_t)H * (size_t)f) return cap == 0 ? EKV_OK : EKV_ERR_INVALID_ARG;
   const void *pos = cache_tensor(s, layer, s->model->pos_field);
+  ekv_device *dev = s->model->device;
   for (int32_t h = 0; h < H; h++)
-    s->model->device->read(pos, sizeof(int32_t) * (size_t)h * (size_t)N, out + (size_t)h * (size_t)f,
-                           sizeof(int32_t) * (size_t)f);
+    if (dev->read(dev, pos, sizeof(int32_t) * (size_t)h * (size_t)N, out + (size_t)h * (size_t)f,
+                  sizeof(int32_t) * (size_t)f) != EKV_OK)
+      return EKV_ERR_DEVICE;
   return EKV_OK;
 }
 
@@ -345,4 +385,5 @@ void ekv_session_get_stats(const ekv_session *s, ekv_stats *st) {
   st->workspace_bytes_peak = ekv_mem_kind_peak(EKV_MEM_WORKSPACE);
   st->peak_rss_bytes = ekv_peak_rss();
   st->mapped_bytes = s->model->params.size;
+  st->device_bytes_peak = s->model->device->bytes_peak;
 }

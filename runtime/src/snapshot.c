@@ -59,6 +59,9 @@ static const char *nth_string(const char *str, size_t bytes, int k) {
   return at < bytes ? str + at : NULL;
 }
 
+static ekv_status write_snapshot(ekv_session *s, const char *path, const char *question, int chat,
+                                 const void *const *src);
+
 static int write_all(int fd, const void *data, size_t n) {
   const unsigned char *p = data;
   while (n > 0) {
@@ -71,7 +74,52 @@ static int write_all(int fd, const void *data, size_t n) {
   return 1;
 }
 
+/* The cache tensors' bytes in host memory: the buffers themselves on the CPU, one copy read back
+ * from a device (freed with release_host_caches). src[k] is cache slot k's bytes. */
+static ekv_status host_caches(ekv_session *s, const void **src, unsigned char **copy) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  size_t n = (size_t)p->num_layers * p->n_fields;
+  *copy = NULL;
+  if (m->device->host_memory) {
+    for (size_t k = 0; k < n; k++) src[k] = s->data[p->cache_buffer[k]];
+    return EKV_OK;
+  }
+  *copy = ekv_alloc(m->cache_bytes + 1, EKV_MEM_RUNTIME);
+  if (*copy == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate a host copy of the caches");
+  size_t at = 0;
+  for (size_t k = 0; k < n; k++) {
+    uint32_t id = p->cache_buffer[k];
+    if (m->device->read(m->device, s->data[id], 0, *copy + at, p->buffers[id].nbytes) != EKV_OK) {
+      ekv_free(*copy);
+      *copy = NULL;
+      return ekv_fail(&s->err, EKV_ERR_DEVICE, "cannot read the caches from the device: %s", m->device->err.msg);
+    }
+    src[k] = *copy + at;
+    at += ekv_align_up(p->buffers[id].nbytes, EKV_ALIGN);
+  }
+  return EKV_OK;
+}
+
 ekv_status ekv_session_save(ekv_session *s, const char *path, const char *question, int chat) {
+  ekv_model *m = s->model;
+  const ekv_program *p = &m->prog;
+  const void **src = ekv_alloc(sizeof(void *) * ((size_t)p->num_layers * p->n_fields + 1), EKV_MEM_RUNTIME);
+  unsigned char *copy = NULL;
+  if (src == NULL) return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the snapshot table");
+  ekv_status got = host_caches(s, src, &copy);
+  if (got != EKV_OK) {
+    ekv_free(src);
+    return got;
+  }
+  ekv_status st = write_snapshot(s, path, question, chat, src);
+  ekv_free(copy);
+  ekv_free(src);
+  return st;
+}
+
+static ekv_status write_snapshot(ekv_session *s, const char *path, const char *question, int chat,
+                                 const void *const *src) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   const char *policy = ekv_program_str(p, "policy"), *params = ekv_program_str(p, "policy_params");
@@ -112,7 +160,7 @@ ekv_status ekv_session_save(ekv_session *s, const char *path, const char *questi
     put32(e + 4, (uint32_t)(k % p->n_fields));
     put64(e + 8, offset);
     put64(e + 16, b->nbytes);
-    put32(e + 24, ekv_crc32(0, s->data[id], b->nbytes)); /* CPU device: the caches are host memory */
+    put32(e + 24, ekv_crc32(0, src[k], b->nbytes));
     offset = ekv_align_up(offset + b->nbytes, EKV_ALIGN);
   }
   char *str = (char *)h + HEADER + ENTRY * n;
@@ -137,7 +185,7 @@ ekv_status ekv_session_save(ekv_session *s, const char *path, const char *questi
   uint64_t at = head;
   for (size_t k = 0; ok && k < n; k++) {
     const ekv_buffer_desc *b = &p->buffers[p->cache_buffer[k]];
-    ok = write_all(fd, s->data[p->cache_buffer[k]], b->nbytes);
+    ok = write_all(fd, src[k], b->nbytes);
     at += b->nbytes;
     size_t pad = ekv_align_up(at, EKV_ALIGN) - at;
     ok = ok && write_all(fd, zeros, pad);
@@ -243,8 +291,21 @@ ekv_status ekv_session_load(ekv_session *s, const char *path) {
     where[id] = (unsigned char *)f.data + off;
   }
   ekv_snapshot_release(s);
+  if (m->device->host_memory) {
+    ekv_session_bind_caches(s, where); /* the CPU device reads the mapping in place */
+  } else { /* a device gets a copy of the checked bytes; the mapping stays for the strings */
+    for (uint32_t i = 0; i < p->n_buffers; i++) {
+      if (p->buffers[i].kind != EKV_BUF_CACHE || where[i] == s->owned[i]) continue;
+      if (m->device->write(m->device, s->owned[i], 0, where[i], p->buffers[i].nbytes) != EKV_OK) {
+        ekv_free(where);
+        ekv_unmap_file(&f);
+        ekv_session_reset(s); /* no half-loaded state: an empty sequence */
+        return ekv_fail(&s->err, EKV_ERR_DEVICE, "%s: cannot copy the caches to the device: %s", path,
+                        m->device->err.msg);
+      }
+    }
+  }
   s->snapshot = f;
-  ekv_session_bind_caches(s, where); /* the CPU device reads the mapping in place */
   ekv_free(where);
   s->position = ekv_le64(d + 24);
   s->logits = NULL;

@@ -14,6 +14,7 @@ const char *ekv_status_string(ekv_status status) {
     case EKV_ERR_KERNEL: return "kernel error";
     case EKV_ERR_CANCELLED: return "cancelled";
     case EKV_ERR_CAPACITY: return "cache full";
+    case EKV_ERR_DEVICE: return "device error";
   }
   return "unknown status";
 }

@@ -1,0 +1,632 @@
+/* The OpenCL device: a GPU program's weights, constants, caches and arena in OpenCL buffers,
+ * its kernels built from the artifact's OpenCL C once, and the launches TVM's host code makes
+ * (through the library's __TVMFFIFunctionCall slot) turned into clEnqueueNDRangeKernel calls
+ * with the argument kinds and launch tags the program records (edgekv/compiler/device_kernels.py).
+ *
+ * OpenCL itself is found at run time (dlopen of the ICD loader, or a phone vendor's libOpenCL),
+ * so a runtime built with this backend still starts, and runs CPU artifacts, on a machine
+ * without OpenCL; only opening an OpenCL artifact needs it. The headers (Debian
+ * opencl-c-headers) are the only build-time need; without them CMake builds device_opencl_none.c.
+ *
+ * A buffer handle (what DLTensor.data carries, and what the host code hands back to `call`) is a
+ * `cl_buffer`: an OpenCL buffer, or a sub-buffer for a tensor inside the arena. Errors inside a
+ * launch go to TVM's error slot (the runtime reports them with the kernel's name); errors of the
+ * device's own calls go to its `err`. */
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "alloc.h"
+#include "device.h"
+#include "reader.h"
+
+#define CL_FN(name) __typeof__(cl##name) *name
+typedef struct {
+  CL_FN(GetPlatformIDs);
+  CL_FN(GetPlatformInfo);
+  CL_FN(GetDeviceIDs);
+  CL_FN(GetDeviceInfo);
+  CL_FN(CreateContext);
+  CL_FN(CreateCommandQueue);
+  CL_FN(CreateBuffer);
+  CL_FN(CreateSubBuffer);
+  CL_FN(ReleaseMemObject);
+  CL_FN(EnqueueWriteBuffer);
+  CL_FN(EnqueueReadBuffer);
+  CL_FN(EnqueueFillBuffer);
+  CL_FN(CreateProgramWithSource);
+  CL_FN(CreateProgramWithBinary);
+  CL_FN(BuildProgram);
+  CL_FN(GetProgramBuildInfo);
+  CL_FN(GetProgramInfo);
+  CL_FN(CreateKernel);
+  CL_FN(SetKernelArg);
+  CL_FN(EnqueueNDRangeKernel);
+  CL_FN(Finish);
+  CL_FN(ReleaseKernel);
+  CL_FN(ReleaseProgram);
+  CL_FN(ReleaseCommandQueue);
+  CL_FN(ReleaseContext);
+} cl_api;
+
+#define BUFFER_MAGIC 0x45434c42u /* "ECLB" */
+#define KERNEL_MAGIC 0x45434c4bu /* "ECLK" */
+
+typedef struct {
+  uint32_t magic;
+  cl_mem mem;
+  size_t bytes;
+  int counted; /* an allocation or upload (counted in bytes_now), not a view */
+} cl_buffer;
+
+typedef struct ocl_device ocl_device;
+typedef struct {
+  uint32_t magic;
+  ocl_device *dev;
+  cl_kernel kernel; /* NULL: __tvm_set_device, a no-op here (one device per model) */
+  ekv_device_kernel desc; /* the device's own copy: it may outlive the model that opened it */
+} ocl_kernel;
+
+struct ocl_device {
+  ekv_device base; /* first: an ekv_device * is an ocl_device * */
+  cl_api cl;
+  void *lib;
+  cl_device_id device;
+  cl_context context;
+  cl_command_queue queue;
+  cl_program program;
+  cl_program unoptimised; /* PoCL: the eviction kernels' build (see build_program) */
+  ocl_kernel *kernels;
+  uint32_t n_kernels;
+  char *names; /* the kernels' names and argument kinds, copied from the program */
+  ocl_kernel set_device;
+  size_t base_align;
+  int trace; /* EDGEKV_OPENCL_TRACE=1: every launch on stderr (debugging a device's kernels) */
+  char options[256]; /* the OpenCL C compiler's options (EDGEKV_OPENCL_OPTIONS) */
+  char label[256];
+  /* one device per artifact in a process: models of the same artifact share its library, whose
+   * host code caches kernel handles on first use — so they share this device too */
+  char key[PATH_MAX];
+  int refs;
+  ocl_device *next;
+};
+
+static pthread_mutex_t g_devices_lock = PTHREAD_MUTEX_INITIALIZER;
+static ocl_device *g_devices;
+
+static const char *LIBRARIES[] = {"libOpenCL.so.1", "libOpenCL.so", "/vendor/lib64/libOpenCL.so",
+                                  "/system/vendor/lib64/libOpenCL.so", "/system/lib64/libOpenCL.so"};
+
+static ekv_status cl_failed(ekv_error *err, const char *what, cl_int code) {
+  return ekv_fail(err, EKV_ERR_DEVICE, "OpenCL %s failed (error %d)", what, (int)code);
+}
+
+static ekv_status load_api(ekv_error *err, ocl_device *d) {
+  for (size_t i = 0; i < sizeof LIBRARIES / sizeof LIBRARIES[0] && d->lib == NULL; i++)
+    d->lib = dlopen(LIBRARIES[i], RTLD_NOW | RTLD_LOCAL);
+  if (d->lib == NULL)
+    return ekv_fail(err, EKV_ERR_DEVICE, "this artifact runs on OpenCL and no OpenCL library was found (libOpenCL.so.1): "
+                    "install a GPU's OpenCL driver, or PoCL to run it on the CPU (apt-get install pocl-opencl-icd), "
+                    "or compile the artifact with --target host");
+  static const char *NAMES[] = {"clGetPlatformIDs", "clGetPlatformInfo", "clGetDeviceIDs", "clGetDeviceInfo",
+                                "clCreateContext", "clCreateCommandQueue", "clCreateBuffer", "clCreateSubBuffer",
+                                "clReleaseMemObject", "clEnqueueWriteBuffer", "clEnqueueReadBuffer",
+                                "clEnqueueFillBuffer", "clCreateProgramWithSource", "clCreateProgramWithBinary",
+                                "clBuildProgram", "clGetProgramBuildInfo", "clGetProgramInfo", "clCreateKernel",
+                                "clSetKernelArg", "clEnqueueNDRangeKernel", "clFinish", "clReleaseKernel",
+                                "clReleaseProgram", "clReleaseCommandQueue", "clReleaseContext"};
+  _Static_assert(sizeof(cl_api) == sizeof NAMES / sizeof NAMES[0] * sizeof(void (*)(void)), "one name per entry");
+  for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++) {
+    void *fn = dlsym(d->lib, NAMES[i]);
+    if (fn == NULL)
+      return ekv_fail(err, EKV_ERR_DEVICE, "the OpenCL library lacks %s (OpenCL 1.2 is needed)", NAMES[i]);
+    memcpy((char *)&d->cl + i * sizeof fn, &fn, sizeof fn); /* the i-th entry, in NAMES' order */
+  }
+  return EKV_OK;
+}
+
+/* The first GPU of any platform, else the first device of any type (PoCL's CPU device);
+ * EDGEKV_OPENCL_DEVICE picks the first device whose "platform / device" name contains it. */
+static ekv_status pick_device(ekv_error *err, ocl_device *d) {
+  cl_platform_id platforms[16];
+  cl_uint n_platforms = 0;
+  cl_int rc = d->cl.GetPlatformIDs(16, platforms, &n_platforms);
+  if (rc != CL_SUCCESS || n_platforms == 0)
+    return ekv_fail(err, EKV_ERR_DEVICE, "no OpenCL platform is installed (clGetPlatformIDs: %d): install a GPU's "
+                    "OpenCL driver, or PoCL to run on the CPU (apt-get install pocl-opencl-icd)", (int)rc);
+  const char *want = getenv("EDGEKV_OPENCL_DEVICE");
+  for (int pass = 0; pass < 2; pass++) {
+    for (cl_uint p = 0; p < n_platforms && p < 16; p++) {
+      cl_device_id devices[16];
+      cl_uint n = 0;
+      if (d->cl.GetDeviceIDs(platforms[p], pass == 0 ? CL_DEVICE_TYPE_GPU : CL_DEVICE_TYPE_ALL, 16, devices, &n) !=
+          CL_SUCCESS)
+        continue;
+      for (cl_uint i = 0; i < n && i < 16; i++) {
+        char pname[96] = "", dname[128] = "";
+        d->cl.GetPlatformInfo(platforms[p], CL_PLATFORM_NAME, sizeof pname - 1, pname, NULL);
+        d->cl.GetDeviceInfo(devices[i], CL_DEVICE_NAME, sizeof dname - 1, dname, NULL);
+        snprintf(d->label, sizeof d->label, "opencl: %s / %s", pname, dname);
+        if (want != NULL && want[0] != '\0' && strstr(d->label, want) == NULL) continue;
+        d->device = devices[i];
+        return EKV_OK;
+      }
+    }
+  }
+  return ekv_fail(err, EKV_ERR_DEVICE, "no OpenCL device%s%s%s was found", want ? " matching EDGEKV_OPENCL_DEVICE='" : "",
+                  want ? want : "", want ? "'" : "");
+}
+
+static cl_ulong device_ulong(ocl_device *d, cl_device_info what) {
+  cl_ulong v = 0;
+  d->cl.GetDeviceInfo(d->device, what, sizeof v, &v, NULL);
+  return v;
+}
+
+/* The plan against the device before anything is allocated: its memory, its largest single
+ * buffer, and the alignment sub-buffers (arena tensors) need. */
+static ekv_status check_device(ekv_error *err, ocl_device *d, const ekv_program *prog, uint64_t plan_bytes) {
+  double mib = 1024.0 * 1024.0;
+  cl_ulong global = device_ulong(d, CL_DEVICE_GLOBAL_MEM_SIZE), max_alloc = device_ulong(d, CL_DEVICE_MAX_MEM_ALLOC_SIZE);
+  cl_uint align_bits = 0;
+  d->cl.GetDeviceInfo(d->device, CL_DEVICE_MEM_BASE_ADDR_ALIGN, sizeof align_bits, &align_bits, NULL);
+  d->base_align = align_bits / 8u ? align_bits / 8u : 1;
+  if (global != 0 && plan_bytes > global)
+    return ekv_fail(err, EKV_ERR_NO_MEMORY, "the memory plan needs %.1f MiB of device memory and %s has %.1f MiB: compile "
+                    "with a smaller --budget or --block", (double)plan_bytes / mib, d->label, (double)global / mib);
+  uint64_t largest = prog->arena_bytes;
+  for (uint32_t i = 0; i < prog->n_buffers; i++)
+    if (prog->buffers[i].kind != EKV_BUF_VIEW && prog->buffers[i].kind != EKV_BUF_ARENA && prog->buffers[i].nbytes > largest)
+      largest = prog->buffers[i].nbytes;
+  if (max_alloc != 0 && largest > max_alloc)
+    return ekv_fail(err, EKV_ERR_NO_MEMORY, "the artifact needs a %.1f MiB device buffer and %s allocates at most "
+                    "%.1f MiB at once: compile with a smaller --budget or --block", (double)largest / mib, d->label,
+                    (double)max_alloc / mib);
+  int64_t arena_align = ekv_program_int(prog, "arena_align", 0);
+  if (arena_align <= 0 || (size_t)arena_align % d->base_align != 0)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "the artifact's arena is aligned to %lld bytes and %s needs %zu for "
+                    "sub-buffers: recompile it with this edgekv", (long long)arena_align, d->label, d->base_align);
+  for (uint32_t k = 0; k < prog->n_device_kernels; k++)
+    for (uint32_t t = 0; t < prog->device_kernels[k].n_tags; t++)
+      if (prog->device_kernels[k].tags[t] == EKV_TAG_DYN_SHARED)
+        return ekv_fail(err, EKV_ERR_MISMATCH, "device kernel %s uses dynamic shared memory, which this runtime does "
+                        "not launch", prog->device_kernels[k].name);
+  return EKV_OK;
+}
+
+/* ---- building the kernels: from a binary cached beside the source, else from the source ---- */
+
+static char *read_file(const char *path, size_t *size) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  char *data = NULL;
+  if (fseek(f, 0, SEEK_END) == 0) {
+    long n = ftell(f);
+    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
+      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
+        free(data);
+        data = NULL;
+      } else {
+        data[n] = '\0';
+        *size = (size_t)n;
+      }
+    }
+  }
+  fclose(f);
+  return data;
+}
+
+/* <source>.<crc of device, driver, options and source>.bin: only the driver that made a binary reuses it */
+static void cache_path(ocl_device *d, const char *source_path, uint32_t source_crc, const char *options, char *out,
+                       size_t cap) {
+  char key[1024] = "";
+  char driver[128] = "";
+  d->cl.GetDeviceInfo(d->device, CL_DRIVER_VERSION, sizeof driver - 1, driver, NULL);
+  snprintf(key, sizeof key, "%s|%s|%s|%08x", d->label, driver, options, source_crc);
+  snprintf(out, cap, "%s.%08x.bin", source_path, ekv_crc32(0, key, strlen(key)));
+}
+
+static int build(ocl_device *d, cl_program program, const char *options) {
+  return d->cl.BuildProgram(program, 1, &d->device, options, NULL, NULL) == CL_SUCCESS;
+}
+
+static cl_program build_from_cache(ocl_device *d, const char *cached, const char *options) {
+  size_t size = 0;
+  unsigned char *bin = (unsigned char *)read_file(cached, &size);
+  if (bin == NULL) return NULL;
+  cl_int status = 0, rc = 0;
+  const unsigned char *bins[1] = {bin};
+  cl_program p = d->cl.CreateProgramWithBinary(d->context, 1, &d->device, &size, bins, &status, &rc);
+  free(bin);
+  if (p == NULL || rc != CL_SUCCESS || status != CL_SUCCESS || !build(d, p, options)) {
+    if (p != NULL) d->cl.ReleaseProgram(p);
+    return NULL;
+  }
+  return p;
+}
+
+/* Keep the built binary for the next open; a read-only artifact simply builds again. */
+static void save_binary(ocl_device *d, cl_program program, const char *cached) {
+  size_t size = 0;
+  if (d->cl.GetProgramInfo(program, CL_PROGRAM_BINARY_SIZES, sizeof size, &size, NULL) != CL_SUCCESS || size == 0)
+    return;
+  unsigned char *bin = malloc(size);
+  unsigned char *bins[1] = {bin};
+  char tmp[4200];
+  if (bin != NULL && d->cl.GetProgramInfo(program, CL_PROGRAM_BINARIES, sizeof bins, bins, NULL) == CL_SUCCESS &&
+      snprintf(tmp, sizeof tmp, "%s.%ld.part", cached, (long)getpid()) < (int)sizeof tmp) {
+    FILE *f = fopen(tmp, "wb");
+    int ok = f != NULL && fwrite(bin, 1, size, f) == size;
+    if (f != NULL) ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, cached) != 0) remove(tmp);
+  }
+  free(bin);
+}
+
+/* One build of the device source with `options`: from a binary cached beside the source, else
+ * from the source (and the binary kept). */
+static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *prog, const char *source_path,
+                            const char *options, cl_program *out) {
+  char cached[4096];
+  cache_path(d, source_path, (uint32_t)ekv_program_int(prog, "device_source_crc32", 0), options, cached, sizeof cached);
+  if ((*out = build_from_cache(d, cached, options)) != NULL) return EKV_OK;
+  size_t size = 0;
+  char *source = read_file(source_path, &size);
+  if (source == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", source_path);
+  cl_int rc = 0;
+  const char *sources[1] = {source};
+  *out = d->cl.CreateProgramWithSource(d->context, 1, sources, &size, &rc);
+  free(source);
+  if (*out == NULL || rc != CL_SUCCESS) return cl_failed(err, "clCreateProgramWithSource", rc);
+  if (!build(d, *out, options)) {
+    char log[400] = "";
+    d->cl.GetProgramBuildInfo(*out, d->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
+    for (char *c = log; *c; c++)
+      if (*c == '\n') *c = ' ';
+    return ekv_fail(err, EKV_ERR_DEVICE, "%s does not build on %s: %s", source_path, d->label,
+                    log[0] ? log : "(no build log)");
+  }
+  save_binary(d, *out, cached);
+  return EKV_OK;
+}
+
+/* The program's kernels, built with the device's options. On PoCL, edgekv's eviction kernels come
+ * from a second, unoptimised build: PoCL 3.1's optimiser miscompiles the barrier loops of the
+ * select and observe kernels (wrong kept sets; each is exact with -cl-opt-disable, shown kernel by
+ * kernel by tools/check_gpu_kernels_pocl.py and end to end by tests/test_opencl.py), while the
+ * model's kernels need the optimiser (8x the prefill speed) and are correct with it. */
+static ekv_status build_program(ekv_error *err, ocl_device *d, const ekv_program *prog, const char *source_path) {
+  EKV_TRY(build_one(err, d, prog, source_path, d->options, &d->program));
+  int flagged = 0;
+  for (uint32_t k = 0; k < prog->n_device_kernels; k++) flagged |= (prog->device_kernels[k].flags & EKV_DKERNEL_EVICTION) != 0;
+  if (flagged && strstr(d->label, "Portable Computing Language") != NULL && getenv("EDGEKV_OPENCL_OPTIONS") == NULL)
+    EKV_TRY(build_one(err, d, prog, source_path, "-cl-opt-disable", &d->unoptimised));
+  return EKV_OK;
+}
+
+/* Every device kernel the program names, created at open: a missing one fails the load. */
+static ekv_status create_kernels(ekv_error *err, ocl_device *d, const ekv_program *prog) {
+  d->n_kernels = prog->n_device_kernels;
+  d->kernels = ekv_alloc(sizeof(ocl_kernel) * (d->n_kernels + 1u), EKV_MEM_RUNTIME);
+  size_t blob = 1;
+  for (uint32_t k = 0; k < d->n_kernels; k++) blob += strlen(prog->device_kernels[k].name) + 1 + prog->device_kernels[k].n_args;
+  d->names = ekv_alloc(blob, EKV_MEM_RUNTIME);
+  if (d->kernels == NULL || d->names == NULL) return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot allocate the device kernel table");
+  char *at = d->names;
+  for (uint32_t k = 0; k < d->n_kernels; k++) {
+    cl_int rc = 0;
+    ocl_kernel *ok = &d->kernels[k];
+    const ekv_device_kernel *src = &prog->device_kernels[k];
+    ok->magic = KERNEL_MAGIC;
+    ok->dev = d;
+    ok->desc = *src;
+    ok->desc.name = memcpy(at, src->name, strlen(src->name) + 1);
+    at += strlen(src->name) + 1;
+    ok->desc.args = memcpy(at, src->args, src->n_args);
+    at += src->n_args;
+    cl_program from = d->unoptimised != NULL && (src->flags & EKV_DKERNEL_EVICTION) ? d->unoptimised : d->program;
+    ok->kernel = d->cl.CreateKernel(from, ok->desc.name, &rc);
+    if (ok->kernel == NULL || rc != CL_SUCCESS)
+      return ekv_fail(err, EKV_ERR_MISMATCH, "the device source has no kernel %s (clCreateKernel: %d): the program "
+                      "and the device source come from different compiles; recompile the artifact", ok->desc.name,
+                      (int)rc);
+  }
+  d->set_device = (ocl_kernel){.magic = KERNEL_MAGIC, .dev = d};
+  return EKV_OK;
+}
+
+/* ---- buffers -------------------------------------------------------------------------------- */
+
+static void count(ocl_device *d, size_t bytes, int sign) {
+  if (sign > 0) {
+    d->base.bytes_now += bytes;
+    if (d->base.bytes_now > d->base.bytes_peak) d->base.bytes_peak = d->base.bytes_now;
+  } else {
+    d->base.bytes_now -= bytes;
+  }
+}
+
+static cl_buffer *wrap(ocl_device *d, cl_mem mem, size_t bytes, int counted) {
+  cl_buffer *b = ekv_alloc(sizeof *b, EKV_MEM_RUNTIME);
+  if (b == NULL) {
+    d->cl.ReleaseMemObject(mem);
+    ekv_fail(&d->base.err, EKV_ERR_NO_MEMORY, "out of host memory");
+    return NULL;
+  }
+  *b = (cl_buffer){BUFFER_MAGIC, mem, bytes, counted};
+  if (counted) count(d, bytes, +1);
+  return b;
+}
+
+static void *ocl_alloc(ekv_device *base, size_t bytes) {
+  ocl_device *d = (ocl_device *)base;
+  cl_int rc = 0;
+  cl_mem mem = d->cl.CreateBuffer(d->context, CL_MEM_READ_WRITE, bytes, NULL, &rc);
+  if (mem == NULL || rc != CL_SUCCESS) {
+    cl_failed(&base->err, "clCreateBuffer", rc);
+    return NULL;
+  }
+  static const unsigned char zero = 0; /* buffers start zero-filled, as the CPU device's do */
+  rc = d->cl.EnqueueFillBuffer(d->queue, mem, &zero, 1, 0, bytes, 0, NULL, NULL);
+  if (rc != CL_SUCCESS) {
+    d->cl.ReleaseMemObject(mem);
+    cl_failed(&base->err, "clEnqueueFillBuffer", rc);
+    return NULL;
+  }
+  return wrap(d, mem, bytes, 1);
+}
+
+static void *ocl_upload(ekv_device *base, const void *host, size_t bytes) {
+  ocl_device *d = (ocl_device *)base;
+  cl_int rc = 0;
+  cl_mem mem = d->cl.CreateBuffer(d->context, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, bytes, (void *)(uintptr_t)host, &rc);
+  if (mem == NULL || rc != CL_SUCCESS) {
+    cl_failed(&base->err, "clCreateBuffer (a weight)", rc);
+    return NULL;
+  }
+  return wrap(d, mem, bytes, 1);
+}
+
+static void *ocl_view(ekv_device *base, void *parent, size_t offset, size_t bytes) {
+  ocl_device *d = (ocl_device *)base;
+  cl_buffer *p = parent;
+  if (offset % d->base_align != 0) {
+    ekv_fail(&base->err, EKV_ERR_MISMATCH, "an arena tensor at offset %zu is not aligned to the %zu bytes the device "
+             "needs; recompile the artifact", offset, d->base_align);
+    return NULL;
+  }
+  cl_buffer_region region = {offset, bytes};
+  cl_int rc = 0;
+  cl_mem mem = d->cl.CreateSubBuffer(p->mem, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &region, &rc);
+  if (mem == NULL || rc != CL_SUCCESS) {
+    cl_failed(&base->err, "clCreateSubBuffer", rc);
+    return NULL;
+  }
+  return wrap(d, mem, bytes, 0);
+}
+
+static void ocl_free(ekv_device *base, void *handle) {
+  ocl_device *d = (ocl_device *)base;
+  cl_buffer *b = handle;
+  if (b == NULL) return;
+  if (b->magic != BUFFER_MAGIC) abort(); /* not a buffer of this device: a runtime bug */
+  d->cl.ReleaseMemObject(b->mem);
+  if (b->counted) count(d, b->bytes, -1);
+  b->magic = 0;
+  ekv_free(b);
+}
+
+static ekv_status ocl_write(ekv_device *base, void *handle, size_t offset, const void *src, size_t bytes) {
+  ocl_device *d = (ocl_device *)base;
+  cl_buffer *b = handle;
+  if (!ekv_range_ok(offset, bytes, b->bytes)) return ekv_fail(&base->err, EKV_ERR_INVALID_ARG, "write past a buffer");
+  cl_int rc = d->cl.EnqueueWriteBuffer(d->queue, b->mem, CL_TRUE, offset, bytes, src, 0, NULL, NULL);
+  return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clEnqueueWriteBuffer", rc);
+}
+
+/* A blocking read: it also waits for every kernel queued before it, and reports their failure. */
+static ekv_status ocl_read(ekv_device *base, const void *handle, size_t offset, void *dst, size_t bytes) {
+  ocl_device *d = (ocl_device *)base;
+  const cl_buffer *b = handle;
+  if (!ekv_range_ok(offset, bytes, b->bytes)) return ekv_fail(&base->err, EKV_ERR_INVALID_ARG, "read past a buffer");
+  cl_int rc = d->cl.EnqueueReadBuffer(d->queue, b->mem, CL_TRUE, offset, bytes, dst, 0, NULL, NULL);
+  return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clEnqueueReadBuffer (after the program's kernels)", rc);
+}
+
+static ekv_status ocl_finish(ekv_device *base) {
+  ocl_device *d = (ocl_device *)base;
+  cl_int rc = d->cl.Finish(d->queue);
+  return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clFinish", rc);
+}
+
+/* ---- what the library's host code calls ------------------------------------------------------ */
+
+static int ocl_lookup(void *library_ctx, const char *name, void **out) {
+  ocl_device *d = library_ctx;
+  if (strcmp(name, "__tvm_set_device") == 0) {
+    *out = &d->set_device;
+    return 0;
+  }
+  for (uint32_t k = 0; k < d->n_kernels; k++)
+    if (strcmp(d->kernels[k].desc.name, name) == 0) {
+      *out = &d->kernels[k];
+      return 0;
+    }
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
+  return -1;
+}
+
+static int launch_error(const ocl_kernel *k, const char *what, cl_int rc) {
+  char msg[256];
+  snprintf(msg, sizeof msg, "device kernel %s: %s (OpenCL error %d)", k->desc.name, what, (int)rc);
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", msg);
+  return -1;
+}
+
+static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFFIAny *result) {
+  const ocl_kernel *k = handle;
+  if (k == NULL || k->magic != KERNEL_MAGIC) {
+    TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library called a function this runtime does not provide");
+    return -1;
+  }
+  if (k->kernel == NULL) return 0; /* __tvm_set_device */
+  ocl_device *d = k->dev;
+  const ekv_device_kernel *desc = &k->desc;
+  if (num_args != (int32_t)(desc->n_args + desc->n_tags)) return launch_error(k, "called with the wrong argument count", 0);
+  for (uint32_t i = 0; i < desc->n_args; i++) {
+    const TVMFFIAny *a = &args[i];
+    cl_int rc;
+    switch (desc->args[i]) {
+      case EKV_DARG_BUFFER: {
+        const cl_buffer *b = a->v_ptr;
+        if (a->type_index != kTVMFFIOpaquePtr || b == NULL || b->magic != BUFFER_MAGIC)
+          return launch_error(k, "a buffer argument is not a device buffer", 0);
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_mem), &b->mem);
+        break;
+      }
+      case EKV_DARG_I32: {
+        cl_int v = (cl_int)a->v_int64;
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
+        break;
+      }
+      case EKV_DARG_U32: {
+        cl_uint v = (cl_uint)a->v_int64;
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
+        break;
+      }
+      case EKV_DARG_I64: {
+        cl_long v = (cl_long)a->v_int64;
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
+        break;
+      }
+      case EKV_DARG_F32: {
+        cl_float v = (cl_float)(a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64);
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
+        break;
+      }
+      default: {
+        cl_double v = a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64;
+        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
+        break;
+      }
+    }
+    if (rc != CL_SUCCESS) return launch_error(k, "clSetKernelArg", rc);
+  }
+  size_t groups[3] = {1, 1, 1}, local[3] = {1, 1, 1}, global[3];
+  for (uint32_t t = 0; t < desc->n_tags; t++) {
+    int64_t extent = args[desc->n_args + t].v_int64;
+    if (extent <= 0) return launch_error(k, "a launch extent is not positive", 0);
+    uint8_t tag = desc->tags[t];
+    if (tag <= EKV_TAG_BLOCK_Z) groups[tag] = (size_t)extent;
+    else local[tag - EKV_TAG_THREAD_X] = (size_t)extent;
+  }
+  for (int i = 0; i < 3; i++) global[i] = groups[i] * local[i];
+  if (d->trace)
+    fprintf(stderr, "edgekv opencl: %s groups %zux%zux%zu local %zux%zux%zu\n", desc->name, groups[0], groups[1],
+            groups[2], local[0], local[1], local[2]);
+  cl_int rc = d->cl.EnqueueNDRangeKernel(d->queue, k->kernel, 3, NULL, global, local, 0, NULL, NULL);
+  return rc == CL_SUCCESS ? 0 : launch_error(k, "clEnqueueNDRangeKernel", rc);
+}
+
+/* ---- lifetime ------------------------------------------------------------------------------- */
+
+const char *ekv_runtime_devices(void) { return "cpu,opencl"; }
+
+static void release(ocl_device *d) {
+  if (d == NULL) return;
+  for (uint32_t k = 0; d->kernels != NULL && k < d->n_kernels; k++)
+    if (d->kernels[k].kernel != NULL) d->cl.ReleaseKernel(d->kernels[k].kernel);
+  ekv_free(d->kernels);
+  ekv_free(d->names);
+  if (d->program != NULL) d->cl.ReleaseProgram(d->program);
+  if (d->unoptimised != NULL) d->cl.ReleaseProgram(d->unoptimised);
+  if (d->queue != NULL) {
+    d->cl.Finish(d->queue);
+    d->cl.ReleaseCommandQueue(d->queue);
+  }
+  if (d->context != NULL) d->cl.ReleaseContext(d->context);
+  /* the ICD loader stays loaded: drivers keep threads and handlers that dlclose would pull away */
+  ekv_free(d);
+}
+
+static void ocl_close(ekv_device *base) {
+  ocl_device *d = (ocl_device *)base;
+  pthread_mutex_lock(&g_devices_lock);
+  int last = --d->refs == 0;
+  if (last)
+    for (ocl_device **p = &g_devices; *p != NULL; p = &(*p)->next)
+      if (*p == d) {
+        *p = d->next;
+        break;
+      }
+  pthread_mutex_unlock(&g_devices_lock);
+  if (last) release(d);
+}
+
+static ekv_status open_device(ekv_error *err, const ekv_program *prog, const char *source_path,
+                              uint64_t plan_bytes, ocl_device **out) {
+  ocl_device *d = ekv_alloc(sizeof *d, EKV_MEM_RUNTIME);
+  *out = d;
+  if (d == NULL) return ekv_fail(err, EKV_ERR_NO_MEMORY, "out of memory");
+  d->base = (ekv_device){.name = d->label, .dl = {kDLOpenCL, 0}, .host_memory = 0, .alloc = ocl_alloc,
+                         .free = ocl_free, .view = ocl_view, .upload = ocl_upload, .drop = ocl_free,
+                         .write = ocl_write, .read = ocl_read, .lookup = ocl_lookup, .call = ocl_call,
+                         .finish = ocl_finish, .close = ocl_close};
+  snprintf(d->label, sizeof d->label, "opencl");
+  d->trace = getenv("EDGEKV_OPENCL_TRACE") != NULL && getenv("EDGEKV_OPENCL_TRACE")[0] == '1';
+
+  ekv_status st = load_api(err, d);
+  if (st == EKV_OK) st = pick_device(err, d);
+  if (st == EKV_OK) st = check_device(err, d, prog, plan_bytes);
+  /* EDGEKV_OPENCL_OPTIONS: the OpenCL C compiler's options for every kernel (then no PoCL special case) */
+  const char *options = getenv("EDGEKV_OPENCL_OPTIONS");
+  snprintf(d->options, sizeof d->options, "%s", options != NULL ? options : "");
+  cl_int rc = CL_SUCCESS;
+  if (st == EKV_OK) {
+    d->context = d->cl.CreateContext(NULL, 1, &d->device, NULL, NULL, &rc);
+    if (d->context == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateContext", rc);
+  }
+  if (st == EKV_OK) {
+    d->queue = d->cl.CreateCommandQueue(d->context, d->device, 0, &rc);
+    if (d->queue == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateCommandQueue", rc);
+  }
+  if (st == EKV_OK) st = build_program(err, d, prog, source_path);
+  if (st == EKV_OK) st = create_kernels(err, d, prog);
+  return st;
+}
+
+ekv_status ekv_device_opencl_open(ekv_error *err, const ekv_program *prog, const char *source_path,
+                                  uint64_t plan_bytes, ekv_device **out) {
+  *out = NULL;
+  if (prog->n_device_kernels == 0)
+    return ekv_fail(err, EKV_ERR_FORMAT, "the program runs on OpenCL but lists no device kernels; recompile the artifact");
+  char key[PATH_MAX];
+  if (realpath(source_path, key) == NULL) snprintf(key, sizeof key, "%s", source_path);
+  pthread_mutex_lock(&g_devices_lock);
+  ocl_device *d = g_devices;
+  while (d != NULL && strcmp(d->key, key) != 0) d = d->next;
+  ekv_status st = EKV_OK;
+  if (d != NULL) { /* this artifact is open already: its device, checked against this model's plan */
+    st = check_device(err, d, prog, plan_bytes);
+    if (st == EKV_OK) d->refs++;
+  } else {
+    st = open_device(err, prog, source_path, plan_bytes, &d);
+    if (st == EKV_OK) {
+      snprintf(d->key, sizeof d->key, "%s", key);
+      d->refs = 1;
+      d->next = g_devices;
+      g_devices = d;
+    } else {
+      release(d);
+    }
+  }
+  pthread_mutex_unlock(&g_devices_lock);
+  if (st == EKV_OK) *out = &d->base;
+  return st;
+}
