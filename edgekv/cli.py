@@ -165,6 +165,8 @@ def summary_table(report: dict) -> Table:
         table.add_row("KV cache of the full cache (same tokens)", human_bytes(cmp["full_cache"]))
     table.add_row("peak memory plan (weights+KV+activations)", human_bytes(mem["plan"]["total"]))
     table.add_row("peak memory measured (process RSS)", human_bytes(mem["peak_rss"]))
+    if mem.get("device_peak"):
+        table.add_row(f"device memory held ({report.get('device', 'device')})", human_bytes(mem["device_peak"]))
     return table
 
 

@@ -371,9 +371,11 @@ def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_
         "decode_seconds": s.decode_seconds,
         "wall_seconds": wall,
         "cache_lengths": rt.cache_lengths(),
+        "device": rt.info["device"] if native else "cpu",
         "memory": {
             "plan": _compiled_plan(rt),
             "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
+            **({"device_peak": int(s.device_bytes_peak)} if native and s.device_bytes_peak else {}),
             "vs_full_cache": kv_comparison(described.config, plan["cache_bytes"], int(prompt_ids.numel()) + len(ids)),
         },
         "text": text,

@@ -82,8 +82,17 @@ def test_gpu_artifact_all_on_device(model, imported, tmp_path_factory, target):
     m = json.loads((out / "manifest.json").read_text())
     assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.tar", "device"}
     assert m["files"]["library"]["name"] == "model.tar"
-    # no native program yet for GPU builds (the native runtime has only a CPU device)
-    assert "program" not in m["files"] and not (out / "program.ekv").exists()
+    if target == "opencl":  # the native runtime's OpenCL device runs it: a program with its device kernels
+        from edgekv.artifact import program_file as pf
+
+        prog = pf.read(out / "program.ekv")
+        assert prog.settings["device"] == "opencl" and prog.settings["device_source_name"] == "device/kernels.cl"
+        kernels = {k.name for k in prog.device_kernels}
+        assert kernels == set(re.findall(r"__kernel\s+void\s+(\w+)\s*\(", (out / "device" / "kernels.cl").read_text()))
+        assert any(k.flags & pf.DKERNEL_EVICTION for k in prog.device_kernels)
+        assert not all(k.flags & pf.DKERNEL_EVICTION for k in prog.device_kernels)
+    else:  # CUDA, Metal: the native runtime has no device for them, so no program
+        assert "program" not in m["files"] and not (out / "program.ekv").exists()
     dev = m["device"]
     # every PrimFunc of the built module is a device kernel ...
     funcs = dev["device_functions"]
@@ -337,7 +346,9 @@ def test_d2o_on_device_targets(model, imported, tmp_path_factory, target):
     for f in dev["device_functions"]:
         assert re.search(rf"\b{re.escape(f)}_kernel\w*\s*\(", src), f"{f} has no {target} kernel"
     assert host_functions_on_host(res.executable) == []
-    assert sorted(set(dev["edgekv_kernels"].values())) == ["attention", "score", "select"]
+    # the per-prompt probe's kernels (prepare) are built where a runtime runs them: OpenCL
+    assert sorted(set(dev["edgekv_kernels"].values())) == (
+        ["attention", "prepare", "score", "select"] if target == "opencl" else ["attention", "score", "select"])
     for fn in ("prefill_block", "decode"):
         for k in names:
             assert re.search(rf"\b{fn}{k.decode()}_kernel\w*\(", src), f"{fn}{k.decode()} missing"

@@ -406,6 +406,8 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
   json_uint(&w, "runtime_alloc_peak_bytes", st.runtime_bytes_peak);
   json_uint(&w, "workspace_peak_bytes", st.workspace_bytes_peak);
   json_uint(&w, "weights_mapped_bytes", st.mapped_bytes);
+  json_string(&w, "device", info.device);
+  json_uint(&w, "device_bytes_peak", st.device_bytes_peak); /* 0 on the CPU */
   json_end_object(&w);
   if (r->n_answers > 0 || o->save_cache != NULL) {
     json_uint(&w, "document_tokens", r->document_tokens);
