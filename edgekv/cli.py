@@ -47,6 +47,15 @@ HELP = {
 }
 
 
+# the options `run` and `ask` share, declared once
+Temperature = Annotated[float, typer.Option(help="0 = greedy")]
+TopP = Annotated[float, typer.Option(help="nucleus sampling mass, in (0, 1]")]
+ReportPath = Annotated[Optional[Path], typer.Option("-o", "--output", "--report", help="write the JSON report to this file")]
+MemLimit = Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])]
+BeyondContext = Annotated[bool, typer.Option(help=HELP["beyond"])]
+Threads = Annotated[Optional[int], typer.Option(help=HELP["threads"])]
+
+
 def _fail(exc: Exception) -> None:
     err.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(2)
@@ -184,13 +193,13 @@ def run(
     policy: Annotated[Optional[str], typer.Option(help=HELP["policy"])] = None,
     policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus sampling mass, in (0, 1]")] = 1.0,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", "--report", help="write the JSON report to this file")] = None,
-    mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
-    allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
-    threads: Annotated[Optional[int], typer.Option(help=HELP["threads"])] = None,
+    output: ReportPath = None,
+    mem_limit: MemLimit = None,
+    allow_beyond_context: BeyondContext = False,
+    threads: Threads = None,
     runtime: Annotated[str, typer.Option(help="for an ARTIFACT: native (the C runtime, no TVM), tvm (TVM's VM), "
                                               "or auto (native when built)")] = "auto",
 ):
@@ -213,13 +222,13 @@ def ask(
     question: Annotated[Optional[list[str]], typer.Option(help="a question about the saved document (repeatable)")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="the model or artifact the cache was made with (default: the one it names)")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate per answer")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus sampling mass, in (0, 1]")] = 1.0,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
     seed: Annotated[int, typer.Option(help="sampling seed (each question starts from it)")] = 0,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", "--report", help="write the JSON report to this file")] = None,
-    mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
-    allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
-    threads: Annotated[Optional[int], typer.Option(help=HELP["threads"])] = None,
+    output: ReportPath = None,
+    mem_limit: MemLimit = None,
+    allow_beyond_context: BeyondContext = False,
+    threads: Threads = None,
     runtime: Annotated[str, typer.Option(help="for a compiled artifact's cache: native, tvm or auto")] = "auto",
 ):
     """Answer questions about a document read earlier, from its saved cache: no re-reading."""

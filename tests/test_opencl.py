@@ -167,3 +167,28 @@ def test_opencl_artifact_without_opencl(pairs, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "error: " in res.stderr and "OpenCL" in res.stderr and "pocl-opencl-icd" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_smollm2_opencl_answers_the_readme_demo_like_the_cpu_artifact(need_opencl, tmp_path):
+    """SmolLM2, the README's main job (KeyDiff N = 512): `edgekv-run` on the OpenCL artifact gives
+    the CPU artifact's text and token ids, holding no more device memory than the plan; a second
+    policy of another kind (D2O: attention-based scores, the per-prompt probe) keeps the same sets."""
+    import sys
+
+    from edgekv.models import load_model
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import check_opencl
+
+    model = load_model("smollm2-135m")
+    d = check_opencl.demo(model, tmp_path)
+    assert d["text_equal"] and d["ids_equal"], (d["cpu_text"], d["opencl_text"])
+    assert d["device"].startswith("opencl") and 0 < d["device_bytes_peak"] <= d["plan_bytes"]
+    from edgekv.corpus import natural_text
+
+    ids = model.tokenizer(natural_text())["input_ids"][:384]
+    row = check_opencl.agree(model, "d2o", 128, 128, ids, 8, tmp_path)
+    blocks, layers = row["kept_identical"].split("/")
+    assert blocks == layers and row["greedy_identical"] and row["logits_rel_diff"] <= 1e-4, row

@@ -12,6 +12,8 @@ section itself):
   native_agreement.md     tools/check_native_vs_host.py     (native runtime vs HostRuntime and the eager engine)
   native_footprint.md     tools/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
   native_aarch64.md       tools/check_native_aarch64.py     (the aarch64 build under qemu-user)
+  opencl.md               tools/check_opencl.py             (OpenCL artifacts on PoCL vs CPU artifacts)
+  snapshot.md             tools/bench_snapshot.py           (saved document caches: size, time to first token, accuracy)
   demo.md       tools/pick_demo.py               (how the README's main job was chosen)
   threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
 """
@@ -35,6 +37,8 @@ SECTIONS = [
     ("Native runtime vs HostRuntime and the eager engine", "native_agreement.md"),
     ("Native runtime footprint", "native_footprint.md"),
     ("Native runtime on aarch64 (qemu-user)", "native_aarch64.md"),
+    ("The OpenCL path end to end (PoCL)", "opencl.md"),
+    ("Read once, ask many: saved document caches", "snapshot.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 

@@ -155,7 +155,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ekv_session_load": (c.c_int, [P, c.c_char_p]),
     }
     for name, (res, args) in sig.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:  # a library built from an older checkout than this Python package
+            raise NativeRuntimeMissing(
+                f"the native runtime library {lib._name} lacks {name}: it was built from another version of edgekv; "
+                "rebuild it (pip install -e .), or run with --runtime tvm") from None
         fn.restype, fn.argtypes = res, args
     lib._edgekv_declared = True
     return lib
