@@ -259,6 +259,44 @@ def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
     return f"{name}: wrote {out_dir}; {tool.get('needed_for', 'complete')}"
 
 
+# Linked into an Android model.so by ``finish``. The TVM-generated objects import one function from
+# their loader, TVMFFIErrorSetRaisedFromCStrParts (a kernel's error message). edgekv-run exports
+# it from the executable and Python loads the runtime RTLD_GLOBAL, but an app loads
+# libedgekv_runtime.so through System.loadLibrary, i.e. without RTLD_GLOBAL, and neither bionic's
+# linker nor glibc's resolves a later dlopen()ed library's symbols from such a library: model.so
+# would fail to load ("cannot locate symbol"). Making model.so DT_NEEDED libedgekv_runtime.so
+# would instead tie it to one file name and, under edgekv-run (which links the runtime
+# statically), load a second copy with its own error state. So the symbol is defined inside
+# model.so (hidden: the kernels bind to it at link time, nothing is imported) and forwards through
+# an exported function-pointer slot, which the runtime fills after dlopen like TVM's other slots
+# (runtime/src/kernel_abi.c). An unfilled slot (an older runtime) loses the message, not the
+# error: the kernel still returns -1.
+ERROR_SHIM_SLOT = "__TVMFFIErrorSetRaisedFromCStrParts"
+ERROR_SHIM_SOURCE = """\
+/* edgekv: written by `python -m edgekv.compiler.targets finish` (see ERROR_SHIM_SOURCE there) */
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef void (*edgekv_error_parts_fn)(const char *kind, const char **parts, int num_parts);
+__attribute__((visibility("default"))) edgekv_error_parts_fn %(slot)s = 0;
+__attribute__((visibility("hidden"))) void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char **parts,
+                                                                              int num_parts) {
+  edgekv_error_parts_fn fn = %(slot)s;
+  if (fn != 0) fn(kind, parts, num_parts);
+}
+#ifdef __cplusplus
+}
+#endif
+""" % {"slot": ERROR_SHIM_SLOT}
+
+
+def needs_error_shim(manifest: dict) -> bool:
+    """Android builds (android-cpu, opencl): their model.so is dlopen()ed by an app's runtime."""
+    target = manifest.get("target", {})
+    triples = [str((target.get(k) or {}).get("mtriple", "")) for k in ("tvm", "host")]
+    return any("android" in t for t in triples) or target.get("profile") in ("android-cpu", "opencl")
+
+
 def finish(out_dir: str | Path) -> Path:
     """Link ``model.tar`` into ``model.so`` with the toolchain named by the profile's ``env``
     variable (the NDK / cross gcc / Xcode / Hexagon SDK compiler command), and record it: the
@@ -294,7 +332,12 @@ def finish(out_dir: str | Path) -> Path:
         objs.sort()
         if not objs:
             raise CompileError(f"{tar} holds no object files; recompile the artifact")
-        cmd = shlex.split(cc) + ["-shared", "-fPIC", "-o", str(part)] + objs + list(tool.get("link_flags", []))
+        shim = []
+        if needs_error_shim(manifest):  # compiled as C whatever the driver (the NDK's is clang++)
+            (Path(d) / "edgekv_error_shim.c").write_text(ERROR_SHIM_SOURCE)
+            shim = ["-x", "c", str(Path(d) / "edgekv_error_shim.c"), "-x", "none"]
+        cmd = (shlex.split(cc) + ["-shared", "-fPIC", "-o", str(part)] + objs + shim
+               + list(tool.get("link_flags", [])))
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:
