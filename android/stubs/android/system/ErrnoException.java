@@ -1,0 +1,5 @@
+package android.system;
+
+public final class ErrnoException extends Exception {
+    public ErrnoException(String functionName, int errno) { throw new RuntimeException("Stub!"); }
+}
