@@ -135,15 +135,8 @@ else
   clang $T "${CFLAGS[@]}" "${INC[@]}" -I"$JNI_H_DIR" -I"$REPO/runtime/include" \
         -c "$HERE/jni/edgekv_jni.c" -o "$OUT/edgekv_jni.o"
 
-  # link stubs: exactly the listed symbols available at MIN_SDK, one file per library
-  for L in c m dl; do : > "$OUT/stubs/lib$L.c"; done
-  awk -v api=$MIN_SDK -v out="$OUT/stubs" '!/^#/ && NF >= 4 && $3 + 0 <= api {
-      lib = $2; sub(/^lib/, "", lib);
-      if ($4 == "object") print "char " $1 "[8];" >> (out "/lib" lib ".c");
-      else print "void " $1 "(void) {}" >> (out "/lib" lib ".c") }' "$HERE/native/bionic-symbols.txt"
-  for L in c m dl; do
-    clang $T -w -nostdlib -shared -fPIC -fuse-ld=lld -Wl,-soname,lib$L.so -o "$OUT/stubs/lib$L.so" "$OUT/stubs/lib$L.c"
-  done
+  # link stubs: exactly the listed symbols available at MIN_SDK, one library each
+  "$HERE/native/stubs.sh" "$OUT/stubs" $MIN_SDK
   LDFLAGS=(-nostdlib -shared -fPIC -fuse-ld=lld -Wl,--hash-style=both -Wl,-z,max-page-size=16384
            -Wl,-z,relro -Wl,-z,now -Wl,-z,noexecstack -Wl,--build-id -Wl,--gc-sections -Wl,--no-undefined)
   clang $T "${LDFLAGS[@]}" -Wl,-soname,libedgekv_runtime.so -o "$LIB/libedgekv_runtime.so" \

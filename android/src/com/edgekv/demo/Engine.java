@@ -122,6 +122,12 @@ public final class Engine {
         documentKey = null;
     }
 
+    /** Token ids of a text as the open artifact's tokenizer encodes it (EdgeKv.PART_*). */
+    public int[] encode(String text, boolean chat, int part) throws EdgeKvException {
+        if (model == 0) throw new EdgeKvException(EdgeKvException.INVALID_ARG, "open an artifact first");
+        return EdgeKv.encode(model, text, chat, part);
+    }
+
     public Stats stats() {
         Stats s = new Stats();
         if (session != 0) EdgeKv.stats(session, s);

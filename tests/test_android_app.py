@@ -1,0 +1,390 @@
+"""The Android demo app (android/, issue 15), checked on a machine with no device, emulator or NDK.
+
+Fast (default suite):
+* ``android/build.sh`` builds a signed APK from a copy of the tree that holds only what a clone
+  has (tracked and new, not ignored, files of android/ and runtime/), into an empty directory;
+  ``apksigner verify`` passes; ``aapt dump badging`` shows the package, the launcher activity,
+  minSdk 24 and arm64-v8a;
+* the APK's two libraries are aarch64 ELF shared objects with 16 KB-aligned segments and no ELF
+  TLS, whose DT_NEEDED names only Android system libraries (or each other), whose every import is
+  a bionic export listed in android/native/bionic-symbols.txt at an API level <= minSdk, and the
+  JNI library exports exactly the native methods EdgeKv.java declares;
+* the framework resource ids the stubs inline match framework-res.apk;
+* the runtime's own emulated TLS (android/native/emutls.c) under threads;
+* ``finish`` links an Android model.so whose one import from its loader
+  (TVMFFIErrorSetRaisedFromCStrParts) is defined inside it, forwarding through a slot.
+
+The bridge itself (android/jni/edgekv_jni.c) and the app's Engine run on a desktop JVM against a
+host artifact (``test_bridge_on_a_desktop_jvm``), compared with ``edgekv-run`` on the same
+artifact. The aarch64 build of the same call sequence under qemu-user is slow (``-m slow``).
+
+Each test skips, naming the packages, when a tool is missing:
+``apt-get install -y --no-install-recommends default-jdk-headless aapt zipalign apksigner zip
+android-framework-res clang lld llvm android-libnativehelper-dev libc6-dev-arm64-cross
+opencl-c-headers dexdump``; the dexer comes from ``npm pack @nativescript/android@9.1.1``
+(android/build.sh fetches it when npm is present).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ANDROID = REPO / "android"
+FW = Path("/usr/share/android-framework-res/framework-res.apk")
+APT_PACKAGES = ("default-jdk-headless aapt zipalign apksigner zip android-framework-res clang lld llvm "
+                "android-libnativehelper-dev libc6-dev-arm64-cross opencl-c-headers dexdump")
+APT = f"apt-get install -y --no-install-recommends {APT_PACKAGES}"
+DX_VERSION = "9.1.1"
+DX_JAR = Path(os.environ.get("EDGEKV_DX_JAR")
+              or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+              / "edgekv-android" / f"android-metadata-generator-{DX_VERSION}.jar")
+NPM = (f"npm pack @nativescript/android@{DX_VERSION} (android/build.sh runs it when npm is present; "
+       "apt-get install -y npm)")
+PACKAGE = "com.edgekv.demo"
+SYSTEM_LIBS = {"libc.so", "libm.so", "libdl.so", "liblog.so"}
+TOOLS = {"java": "default-jdk-headless", "javac": "default-jdk-headless", "jar": "default-jdk-headless",
+         "keytool": "default-jdk-headless", "aapt2": "aapt", "aapt": "aapt", "zipalign": "zipalign",
+         "apksigner": "apksigner", "zip": "zip", "clang": "clang", "ld.lld": "lld", "llvm-nm": "llvm",
+         "llvm-readelf": "llvm"}
+FILES = {FW: "android-framework-res", Path("/usr/include/android/nativehelper/jni.h"): "android-libnativehelper-dev",
+         Path("/usr/aarch64-linux-gnu/include/stdio.h"): "libc6-dev-arm64-cross",
+         Path("/usr/include/CL/cl.h"): "opencl-c-headers"}
+
+
+def _why_not() -> str | None:
+    missing = sorted({f"{t} ({p})" for t, p in TOOLS.items() if shutil.which(t) is None}
+                     | {f"{f} ({p})" for f, p in FILES.items() if not f.exists()})
+    if missing:
+        return f"missing: {', '.join(missing)}; install with: {APT}"
+    if not DX_JAR.is_file() and shutil.which("npm") is None:
+        return f"the dexer (dx 1.11) is not cached at {DX_JAR} and npm is missing: {NPM}"
+    try:
+        import tvm_ffi.libinfo  # noqa: F401  (the runtime's C ABI headers)
+    except ImportError as exc:
+        return f"TVM-FFI headers not importable ({exc}): pip install -e ."
+    return None
+
+
+WHY = _why_not()
+needs_tools = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+
+def run(cmd, timeout=300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def clone_files(dest: Path) -> None:
+    """What a clone of this tree has under android/ and runtime/: tracked files and new files
+    that git does not ignore (no build outputs)."""
+    r = run(["git", "-C", REPO, "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", "android",
+             "runtime"])
+    assert r.returncode == 0, r.stderr
+    for rel in filter(None, r.stdout.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+@pytest.fixture(scope="module")
+def apk(tmp_path_factory) -> Path:
+    if WHY:
+        pytest.skip(WHY)
+    base = tmp_path_factory.mktemp("android")
+    clone_files(base / "src")
+    env = {**os.environ, "EDGEKV_ANDROID_OUT": str(base / "out")}
+    env.pop("ANDROID_NDK_HOME", None)  # the freestanding build is the one checked here
+    r = run(["bash", base / "src" / "android" / "build.sh"], env=env, timeout=600)
+    assert r.returncode == 0, f"android/build.sh failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    out = Path(r.stdout.strip().splitlines()[-1])
+    assert out == base / "out" / "edgekv-demo.apk" and out.is_file(), r.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def libs(apk, tmp_path_factory) -> dict[str, Path]:
+    """The .so files as the APK holds them."""
+    d = tmp_path_factory.mktemp("apk-libs")
+    found = {}
+    with zipfile.ZipFile(apk) as z:
+        for name in z.namelist():
+            if name.startswith("lib/") and name.endswith(".so"):
+                found[name] = d / Path(name).name
+                found[name].write_bytes(z.read(name))
+    return found
+
+
+def badging(apk: Path) -> str:
+    r = run(["aapt", "dump", "badging", apk])
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def bionic_list() -> dict[str, tuple[str, int, str]]:
+    rows = {}
+    for line in (ANDROID / "native" / "bionic-symbols.txt").read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, lib, api, kind = line.split()
+        assert name not in rows, f"{name} listed twice"
+        assert lib in ("libc", "libm", "libdl", "liblog") and kind in ("func", "object"), line
+        rows[name] = (lib + ".so", int(api), kind)
+    return rows
+
+
+def dynamic(path: Path) -> dict:
+    """DT_NEEDED, SONAME, program headers and dynamic symbols (llvm-readelf / llvm-nm)."""
+    d = run(["llvm-readelf", "-d", "-l", "-W", path])
+    assert d.returncode == 0, d.stderr
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", d.stdout)
+    soname = re.findall(r"\(SONAME\)\s+Library soname: \[(.+?)\]", d.stdout)
+    loads = [line.split() for line in d.stdout.splitlines() if line.strip().startswith("LOAD")]
+    tls = [line for line in d.stdout.splitlines() if line.strip().startswith("TLS")]
+    undef = run(["llvm-nm", "-D", "--undefined-only", path]).stdout.split()
+    defined = run(["llvm-nm", "-D", "--defined-only", path]).stdout.splitlines()
+    return {"needed": needed, "soname": soname, "loads": loads, "tls": tls,
+            "undefined": sorted(s for s in undef if s not in ("U", "w", "v")),
+            "exports": {line.split()[-1] for line in defined if line.split()[-2] in ("T", "D", "B", "R", "V")}}
+
+
+def min_sdk(apk: Path) -> int:
+    return int(re.search(r"sdkVersion:'(\d+)'", badging(apk)).group(1))
+
+
+# ---- the APK ------------------------------------------------------------------------------------
+
+@needs_tools
+def test_build_script_makes_a_signed_apk(apk):
+    r = run(["apksigner", "verify", "--verbose", apk])
+    assert r.returncode == 0, r.stderr
+    assert "Verifies" in r.stdout
+    assert "Verified using v2 scheme (APK Signature Scheme v2): true" in r.stdout, r.stdout
+
+
+@needs_tools
+def test_badging_names_the_package_and_launcher_activity(apk):
+    b = badging(apk)
+    assert f"package: name='{PACKAGE}'" in b, b
+    assert f"launchable-activity: name='{PACKAGE}.MainActivity'" in b, b
+    assert "native-code: 'arm64-v8a'" in b, b
+    assert min_sdk(apk) <= 24, b
+    assert "application-debuggable" in b  # the debug APK: run-as, and installable next to nothing else
+
+
+@needs_tools
+def test_apk_holds_the_runtime_the_bridge_and_the_code(apk):
+    names = set(zipfile.ZipFile(apk).namelist())
+    assert {"lib/arm64-v8a/libedgekv_runtime.so", "lib/arm64-v8a/libedgekv_jni.so", "classes.dex",
+            "AndroidManifest.xml", "resources.arsc"} <= names, names
+    assert not [n for n in names if n.startswith("lib/") and not n.startswith("lib/arm64-v8a/")], names
+
+
+@needs_tools
+def test_native_libraries_are_android_arm64_shared_objects(libs):
+    assert set(libs) == {"lib/arm64-v8a/libedgekv_runtime.so", "lib/arm64-v8a/libedgekv_jni.so"}
+    for name, path in libs.items():
+        head = path.read_bytes()[:64]
+        assert head[:4] == b"\x7fELF" and head[4] == 2 and head[5] == 1, f"{name}: not a 64-bit little-endian ELF"
+        e_type, e_machine = struct.unpack_from("<HH", head, 16)
+        assert e_type == 3 and e_machine == 183, f"{name}: type {e_type}, machine {e_machine} (want DYN, AArch64)"
+        info = dynamic(path)
+        assert info["soname"] == [path.name], info["soname"]
+        assert info["loads"] and all(int(load[-1], 16) >= 16384 for load in info["loads"]), \
+            f"{name}: LOAD segments not 16 KB-aligned (Android 15 phones with 16 KB pages): {info['loads']}"
+        assert not info["tls"], f"{name}: ELF TLS needs Android 10 (API 29); the app's minSdk is lower"
+
+
+@needs_tools
+def test_native_libraries_need_only_system_libraries_and_bionic_exports(apk, libs):
+    """Every import is a function bionic exports at the app's minSdk (the hand-written list that
+    the link stubs are made from), from a library named in DT_NEEDED; the JNI library's other
+    imports are the runtime's exports."""
+    api = min_sdk(apk)
+    bionic = bionic_list()
+    ours = {p.name: dynamic(p) for p in libs.values()}
+    for so, info in ours.items():
+        assert set(info["needed"]) <= SYSTEM_LIBS | set(ours), f"{so} needs {info['needed']}"
+        for sym in info["undefined"]:
+            if sym in bionic:
+                lib, since, _ = bionic[sym]
+                assert since <= api, f"{so} imports {sym}, which bionic exports from API {since} (minSdk {api})"
+                assert lib in info["needed"], f"{so} imports {sym} from {lib} but does not name it in DT_NEEDED"
+            else:
+                providers = [o for o in info["needed"] if o in ours and sym in ours[o]["exports"]]
+                assert providers, f"{so} imports {sym}: neither a listed bionic export nor defined by a library it needs"
+    runtime = ours["libedgekv_runtime.so"]
+    assert set(runtime["needed"]) <= SYSTEM_LIBS, runtime["needed"]
+    assert "__emutls_get_address" not in set(runtime["undefined"]) | runtime["exports"]  # defined and hidden
+    assert {"ekv_model_open", "ekv_session_prefill", "ekv_session_generate", "ekv_session_save", "ekv_session_load",
+            "TVMFFIErrorSetRaisedFromCStrParts"} <= runtime["exports"]
+
+
+@needs_tools
+def test_jni_entry_points_are_exported(libs):
+    """Each `native` method of EdgeKv.java has its Java_... export, and nothing else is exported
+    under the class's prefix."""
+    source = (ANDROID / "src" / "com" / "edgekv" / "demo" / "EdgeKv.java").read_text()
+    natives = set(re.findall(r"\bnative\s+[\w\[\]]+\s+(\w+)\s*\(", source))
+    assert len(natives) >= 15, natives
+    exports = dynamic(libs["lib/arm64-v8a/libedgekv_jni.so"])["exports"]
+    prefix = "Java_com_edgekv_demo_EdgeKv_"
+    assert {prefix + n for n in natives} == {e for e in exports if e.startswith("Java_")}, \
+        sorted({prefix + n for n in natives} ^ {e for e in exports if e.startswith("Java_")})
+    assert "JNI_OnLoad" in exports
+
+
+@needs_tools
+def test_dex_holds_the_app_classes(apk, tmp_path):
+    if shutil.which("dexdump") is None:
+        pytest.skip("dexdump missing: apt-get install -y dexdump")
+    with zipfile.ZipFile(apk) as z:
+        (tmp_path / "classes.dex").write_bytes(z.read("classes.dex"))
+    r = run(["dexdump", tmp_path / "classes.dex"])
+    assert r.returncode == 0, r.stderr
+    classes = dict(re.findall(r"Class descriptor\s+:\s+'(\S+)'\s+Access flags\s+:\s+\S+.*?\n\s+Superclass\s+:\s+'(\S+)'",
+                              r.stdout))
+    assert classes.get("Lcom/edgekv/demo/MainActivity;") == "Landroid/app/Activity;", classes
+    assert {"Lcom/edgekv/demo/EdgeKv;", "Lcom/edgekv/demo/Engine;", "Lcom/edgekv/demo/Staging;"} <= set(classes)
+    assert not [c for c in classes if c.startswith("Landroid/")], "framework stubs were dexed"
+
+
+@needs_tools
+def test_stub_resource_ids_match_framework_res():
+    """javac inlines android.R's constants into the app: each must be the framework's real id."""
+    stub = (ANDROID / "stubs" / "android" / "R.java").read_text()
+    consts = re.findall(r"static final class (\w+) \{(.*?)\}", stub, re.S)
+    want = {f"{kind}/{name}": int(value, 16) for kind, body in consts
+            for name, value in re.findall(r"int (\w+) = (0x[0-9a-fA-F]+);", body)}
+    assert want
+    dump = run(["aapt", "dump", "resources", FW]).stdout
+    real = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"spec resource (0x[0-9a-f]+) android:(\S+):", dump)}
+    for key, value in want.items():
+        assert real.get(key) == value, f"android.R.{key.replace('/', '.')}: stub {value:#x}, framework-res {real.get(key)}"
+
+
+# ---- native pieces on the host ------------------------------------------------------------------
+
+EMUTLS_CHECK = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+static _Thread_local int counter = 7;            /* initial bytes from a template */
+static _Thread_local char buffer[300];           /* zero-initialised */
+static _Thread_local _Alignas(64) double aligned[4];
+#define MANY(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define DECL(i) static _Thread_local long many##i = i * 10;
+MANY(DECL)
+static void *work(void *arg) {
+  int id = (int)(intptr_t)arg, bad = 0;
+  if (counter != 7 || buffer[0] != 0 || buffer[299] != 0 || ((uintptr_t)aligned & 63) != 0) bad = 1;
+#define CHECK(i) if (many##i != i * 10) bad = 1; many##i += id;
+  MANY(CHECK)
+  for (int k = 0; k < 100000; k++) counter += id;
+  memset(buffer, id, sizeof buffer);
+  sched_yield();
+  if (counter != 7 + 100000 * id || buffer[123] != (char)id) bad = 1;
+#define AGAIN(i) if (many##i != i * 10 + id) bad = 1;
+  MANY(AGAIN)
+  return (void *)(intptr_t)bad;
+}
+int main(void) {
+  pthread_t t[8];
+  for (int round = 0; round < 3; round++) {
+    for (int i = 0; i < 8; i++) pthread_create(&t[i], NULL, work, (void *)(intptr_t)(i + 1));
+    for (int i = 0; i < 8; i++) {
+      void *bad;
+      pthread_join(t[i], &bad);
+      if (bad) { printf("thread %d saw wrong thread-local values\n", i); return 1; }
+    }
+  }
+  if (counter != 7) { printf("main thread's counter changed\n"); return 1; }
+  printf("ok\n");
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang missing: apt-get install -y clang")
+def test_emulated_tls_keeps_each_threads_variables(tmp_path):
+    """android/native/emutls.c, which the freestanding Android build links into the runtime (its
+    _Thread_local variables below API 29), built on the host with -femulated-tls: every thread
+    sees its own copy, initialised from the template or zeros, aligned as declared."""
+    (tmp_path / "check.c").write_text(EMUTLS_CHECK)
+    exe = tmp_path / "check"
+    r = run(["clang", "-std=c11", "-O1", "-femulated-tls", "-pthread", "-Wall", "-Werror", "-o", exe,
+             tmp_path / "check.c", ANDROID / "native" / "emutls.c"])
+    assert r.returncode == 0, r.stderr
+    assert "__emutls_get_address" in run(["nm", exe]).stdout  # the calls really go through it
+    r = run([exe], timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+KERNEL_OBJECT = r"""
+typedef int int32_t;
+void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char **parts, int32_t n);
+int __tvm_ffi_fail(void *self, void *args, int n, void *ret) {
+  const char *parts[1] = {"wrong shapes"};
+  TVMFFIErrorSetRaisedFromCStrParts("ValueError", parts, 1);
+  return -1;
+}
+"""
+
+
+@pytest.mark.parametrize("profile", ["android-cpu", "aarch64-linux"])
+@pytest.mark.skipif(shutil.which("clang") is None or shutil.which("ld.lld") is None or shutil.which("llvm-nm") is None,
+                    reason="clang/lld/llvm missing: apt-get install -y clang lld llvm")
+def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, profile):
+    """An app loads the runtime RTLD_LOCAL, so an Android model.so cannot import
+    TVMFFIErrorSetRaisedFromCStrParts from it: finish links a forwarder into it (hidden) and
+    exports the slot the runtime fills. Linked with -Wl,--no-undefined against the bionic stubs
+    the link proves model.so imports nothing but bionic's functions; a glibc aarch64 build
+    (aarch64-linux, loaded by edgekv-run, which exports the symbol) gets no shim and still imports it."""
+    from edgekv.compiler.targets import ERROR_SHIM_SLOT, finish
+
+    stubs = tmp_path / "stubs"
+    assert run(["bash", ANDROID / "native" / "stubs.sh", stubs, "24"]).returncode == 0
+    (tmp_path / "k.c").write_text(KERNEL_OBJECT)
+    triple = "aarch64-linux-android24" if profile == "android-cpu" else "aarch64-linux-gnu"
+    obj = tmp_path / "lib0.o"
+    assert run(["clang", f"--target={triple}", "-ffreestanding", "-fPIC", "-O2", "-c", tmp_path / "k.c", "-o", obj]).returncode == 0
+    art = tmp_path / "art"
+    art.mkdir()
+    import tarfile
+
+    with tarfile.open(art / "model.tar", "w") as tf:
+        tf.add(obj, arcname="lib0.o")
+    mtriple = "aarch64-linux-android" if profile == "android-cpu" else "aarch64-linux-gnu"
+    manifest = {"format": "edgekv-artifact", "target": {"profile": profile, "tvm": {"kind": "llvm", "mtriple": mtriple}},
+                "files": {"library": {"name": "model.tar"}},
+                "device": {"toolchain": {"env": "EDGEKV_TEST_CC", "tool": "clang", "status": "needs-toolchain"}}}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    os.environ["EDGEKV_TEST_CC"] = (f"clang --target={triple} -nostdlib -fuse-ld=lld -Wl,--no-undefined "
+                                    f"-L{stubs} -lc")
+    try:
+        if profile == "aarch64-linux":
+            from edgekv.compiler.build import CompileError
+
+            with pytest.raises(CompileError, match="TVMFFIErrorSetRaisedFromCStrParts"):
+                finish(art)
+            return
+        so = finish(art)
+    finally:
+        os.environ.pop("EDGEKV_TEST_CC", None)
+    undefined = run(["llvm-nm", "-D", "--undefined-only", so]).stdout
+    exported = run(["llvm-nm", "-D", "--defined-only", so]).stdout
+    assert "TVMFFIErrorSetRaisedFromCStrParts" not in undefined.replace(ERROR_SHIM_SLOT, ""), undefined
+    assert re.search(rf"\b[BDV] {ERROR_SHIM_SLOT}$", exported, re.M), exported
+    assert re.search(r"\bT __tvm_ffi_fail$", exported, re.M)
+    assert not re.search(r" TVMFFIErrorSetRaisedFromCStrParts$", exported, re.M)  # hidden: binds inside
+    assert json.loads((art / "manifest.json").read_text())["device"]["toolchain"]["status"] == "finished"
