@@ -388,3 +388,168 @@ def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, prof
     assert re.search(r"\bT __tvm_ffi_fail$", exported, re.M)
     assert not re.search(r" TVMFFIErrorSetRaisedFromCStrParts$", exported, re.M)  # hidden: binds inside
     assert json.loads((art / "manifest.json").read_text())["device"]["toolchain"]["status"] == "finished"
+
+
+# ---- the bridge and the app's Engine on a desktop JVM ---------------------------------------------
+
+DOCUMENT = ("The lighthouse keeper wrote in the log every night. On Monday the fog came in from the east; "
+            "on Tuesday a ship named Aurora passed at dawn. Café owners in the village said the keeper "
+            "liked tea, not coffee. " * 2)
+QUESTIONS = ["Which ship passed?", "What did the keeper like?", "When did the fog come?"]
+PROBE = "plain ASCII, é, 漢字, a parrot 🦜 outside the BMP, and a NUL \x00 byte"
+NEW_TOKENS = 12
+JVM_PURE = ["EdgeKv", "EdgeKvException", "ModelInfo", "Stats", "SnapshotInfo", "Json", "Artifact", "Engine"]
+
+
+def _jdk_include() -> Path | None:
+    javac = shutil.which("javac")
+    if javac is None:
+        return None
+    inc = Path(javac).resolve().parents[1] / "include"
+    return inc if (inc / "jni.h").is_file() else None
+
+
+def _byte_level_tokenizer():
+    """Every byte its own token (id = byte value), split by the GPT-2 regex: what tokenizer.ekt
+    can hold, for the 256-token tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    extra, vocab = 0, {}
+    for b in range(256):
+        if b in printable:
+            vocab[chr(b)] = b
+        else:
+            vocab[chr(256 + extra)] = b
+            extra += 1
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.fixture(scope="module")
+def host_bridge(tmp_path_factory):
+    """The runtime built from runtime/src as the app builds it (with android/native/emutls.c and
+    -femulated-tls, here for x86-64), the JNI library against it, the app's pure-Java classes
+    (compiled without the framework stubs: they must not touch android.*) and HostCheck."""
+    need = [t for t in ("clang", "javac", "java") if shutil.which(t) is None]
+    if need or _jdk_include() is None:
+        pytest.skip(f"{' '.join(need) or 'the JDK headers'} missing: apt-get install -y clang default-jdk-headless")
+    try:
+        import tvm_ffi.libinfo
+    except ImportError as exc:
+        pytest.skip(f"TVM-FFI headers not importable ({exc}): pip install -e .")
+    d = tmp_path_factory.mktemp("host-bridge")
+    ffi = tvm_ffi.libinfo.find_include_path()
+    cmake = (REPO / "runtime" / "CMakeLists.txt").read_text()
+    sources = re.findall(r"src/\w+\.c", cmake.split("set(EDGEKV_SOURCES", 1)[1].split(")", 1)[0])
+    sources.append("src/device_opencl.c" if Path("/usr/include/CL/cl.h").exists() else "src/device_opencl_none.c")
+    version = re.search(r"project\(edgekv_runtime VERSION ([0-9.]+)", cmake).group(1)
+    lib = d / "lib"
+    lib.mkdir()
+    flags = ["-std=c11", "-O1", "-fPIC", "-femulated-tls", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+             "-D_GNU_SOURCE", f'-DEDGEKV_VERSION="{version}"', f"-I{REPO / 'runtime' / 'include'}",
+             f"-I{REPO / 'runtime' / 'src'}", f"-I{ffi}"]
+    r = run(["clang", *flags, "-shared", "-o", lib / "libedgekv_runtime.so", "-Wl,-soname,libedgekv_runtime.so",
+             *[REPO / "runtime" / s for s in sources], ANDROID / "native" / "emutls.c", "-lpthread", "-ldl", "-lm"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    jdk = _jdk_include()
+    r = run(["clang", "-std=c11", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", f"-I{jdk}", f"-I{jdk / 'linux'}",
+             f"-I{REPO / 'runtime' / 'include'}", "-shared", "-o", lib / "libedgekv_jni.so",
+             ANDROID / "jni" / "edgekv_jni.c", f"-L{lib}", "-ledgekv_runtime", "-Wl,-rpath,$ORIGIN",
+             "-Wl,--no-undefined"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    classes = d / "classes"
+    srcs = [ANDROID / "src" / "com" / "edgekv" / "demo" / f"{n}.java" for n in JVM_PURE]
+    r = run(["javac", "--release", "7", "-Xlint:all,-options", "-Werror", "-encoding", "UTF-8", "-d", classes, *srcs,
+             ANDROID / "test" / "HostCheck.java"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {"lib": lib, "classes": classes}
+
+
+@pytest.fixture(scope="module")
+def host_artifact(tmp_path_factory):
+    tvm = pytest.importorskip("tvm")  # noqa: F841
+    from edgekv.compiler import compile_model
+    from edgekv.models import load_model, tiny_random_model
+    from edgekv.policies import make_policy
+
+    d = tmp_path_factory.mktemp("host-art")
+    tiny_random_model(0, layers=2).to_hf().save_pretrained(d / "hf")
+    _byte_level_tokenizer().save_pretrained(d / "hf")
+    compile_model(load_model(str(d / "hf")), make_policy("keydiff", {}), 16, 4,
+                  target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=d / "art")
+    assert (d / "art" / "tokenizer.ekt").is_file()
+    return d / "art"
+
+
+def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
+    """The app's Engine through the JNI bridge on a real JVM, on the artifact edgekv-run answers
+    too: the same ids and text for each question (the first reads the document and saves its
+    cache, the later ones load it), the text streamed whole; text into the bridge crosses as
+    UTF-16 (a character outside the BMP, a NUL) and encodes as HF tokenizers does; a cancel stops
+    the run and the engine answers again after it; refusals arrive as EdgeKvException."""
+    from edgekv.runtime import native
+
+    (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")
+    (tmp_path / "probe.txt").write_text(PROBE, encoding="utf-8")
+    env = dict(os.environ)
+    # A host artifact's model.so is linked by TVM (not by finish): it imports
+    # TVMFFIErrorSetRaisedFromCStrParts, which a JVM's RTLD_LOCAL System.loadLibrary hides; preload
+    # the runtime as edgekv-run (exporting it) and Python (RTLD_GLOBAL) do. Android artifacts carry
+    # the symbol themselves (test_finish_defines_the_loader_symbol_inside_android_model_so).
+    env["LD_PRELOAD"] = str(host_bridge["lib"] / "libedgekv_runtime.so")
+    r = run(["java", "-Xss4m", f"-Djava.library.path={host_bridge['lib']}", "-cp", host_bridge["classes"], "HostCheck",
+             host_artifact, tmp_path / "doc.txt", tmp_path / "snapshots", NEW_TOKENS, tmp_path / "probe.txt",
+             *QUESTIONS], env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+
+    # what was compiled, and the memory check before loading
+    assert got["info"]["policy"] == "keydiff" and got["info"]["budget"] == 16 and got["info"]["block"] == 4
+    assert got["info"]["chat"] is False and got["info"]["vocab_size"] == 256
+    assert got["describe"] == "hf · keydiff · N=16 · B=4 · float32 · custom"  # model dir name, dict target
+    assert got["refusal_large"] is None
+    assert "Not loading art: its memory plan needs" in got["refusal_small"] and "MiB" in got["refusal_small"]
+
+    # the answers, against edgekv-run on the same artifact, document and questions
+    cli = native.cli_path()
+    if cli is None:
+        pytest.skip("edgekv-run is not built (pip install -e .)")
+    report = tmp_path / "run.json"
+    res = run([cli, host_artifact, "--prompt-file", tmp_path / "doc.txt", *sum((["--question", q] for q in QUESTIONS), []),
+               "--max-new-tokens", NEW_TOKENS, "--report", report, "--quiet"], timeout=300)
+    assert res.returncode == 0, res.stderr
+    want = json.loads(report.read_text())["document"]["answers"] if "document" in json.loads(report.read_text()) \
+        else json.loads(report.read_text())["answers"]
+    answers = got["answers"]
+    assert [a["generated_ids"] for a in answers] == [w["generated_ids"] for w in want]
+    assert [a["text"] for a in answers] == [w["text"] for w in want]
+    assert [a["from_snapshot"] for a in answers] == [False, True, True]
+    doc_tokens = len(DOCUMENT.encode("utf-8"))  # one token per byte
+    for a, q in zip(answers, QUESTIONS):
+        assert len(a["generated_ids"]) == NEW_TOKENS  # no stop id in this vocabulary
+        assert a["streamed"] == a["text"] == bytes(a["generated_ids"]).decode("utf-8", errors="replace")
+        assert a["document_tokens"] == doc_tokens and a["question_tokens"] == len(("\n\n" + q).encode("utf-8"))
+        assert a["decode_tokens"] == NEW_TOKENS - 1
+        assert a["position"] == doc_tokens + a["question_tokens"] + NEW_TOKENS - 1
+    first = answers[0]
+    assert first["prefill_tokens"] == doc_tokens + first["question_tokens"]  # read now: both parts
+    assert answers[1]["prefill_tokens"] == answers[1]["question_tokens"]    # loaded: the question only
+    blocks = -(-doc_tokens // 4)
+    assert first["progress"][0] == f"document 4/{doc_tokens} 1/{blocks}"
+    assert first["progress"][blocks - 1] == f"document {doc_tokens}/{doc_tokens} {blocks}/{blocks}"
+    assert any(p.startswith("loading the saved document cache") for p in got["phases"])
+
+    # text in: UTF-16 -> UTF-8 in the bridge, encoded as HF tokenizers does
+    assert got["probe_ids"] == _byte_level_tokenizer()(PROBE)["input_ids"] == list(PROBE.encode("utf-8"))
+
+    # cancel, then answer again; errors as exceptions with the runtime's status and message
+    assert got["cancelled"].startswith("7 ") and "cancelled" in got["cancelled"], got["cancelled"]
+    assert got["after_cancel_ids"] == answers[0]["generated_ids"] and got["after_cancel_from_snapshot"] is False
+    assert got["error_missing"].startswith("1 "), got["error_missing"]
+    assert got["error_memory"].startswith("5 ") and "memory plan" in got["error_memory"], got["error_memory"]
+    assert got["error_empty"].startswith("4 ") and "document" in got["error_empty"], got["error_empty"]
