@@ -333,6 +333,11 @@ def test_emulated_tls_keeps_each_threads_variables(tmp_path):
 KERNEL_OBJECT = r"""
 typedef int int32_t;
 void TVMFFIErrorSetRaisedFromCStrParts(const char *kind, const char **parts, int32_t n);
+int TVMFFIEnvModRegisterSystemLibSymbol(const char *name, void *symbol);
+int __tvm_ffi_fail(void *self, void *args, int n, void *ret);
+__attribute__((constructor)) static void register_kernels(void) {  /* as unoptimised TVM builds do */
+  TVMFFIEnvModRegisterSystemLibSymbol("__tvm_ffi_fail", (void *)__tvm_ffi_fail);
+}
 int __tvm_ffi_fail(void *self, void *args, int n, void *ret) {
   const char *parts[1] = {"wrong shapes"};
   TVMFFIErrorSetRaisedFromCStrParts("ValueError", parts, 1);
@@ -347,7 +352,8 @@ int __tvm_ffi_fail(void *self, void *args, int n, void *ret) {
 def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, profile):
     """An app loads the runtime RTLD_LOCAL, so an Android model.so cannot import
     TVMFFIErrorSetRaisedFromCStrParts from it: finish links a forwarder into it (hidden) and
-    exports the slot the runtime fills. Linked with -Wl,--no-undefined against the bionic stubs
+    exports the slot the runtime fills (and a no-op TVMFFIEnvModRegisterSystemLibSymbol, which
+    unoptimised kernels call from a constructor). Linked with -Wl,--no-undefined against the bionic stubs
     the link proves model.so imports nothing but bionic's functions; a glibc aarch64 build
     (aarch64-linux, loaded by edgekv-run, which exports the symbol) gets no shim and still imports it."""
     from edgekv.compiler.targets import ERROR_SHIM_SLOT, finish
@@ -384,6 +390,7 @@ def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, prof
     undefined = run(["llvm-nm", "-D", "--undefined-only", so]).stdout
     exported = run(["llvm-nm", "-D", "--defined-only", so]).stdout
     assert "TVMFFIErrorSetRaisedFromCStrParts" not in undefined.replace(ERROR_SHIM_SLOT, ""), undefined
+    assert "TVMFFIEnvModRegisterSystemLibSymbol" not in undefined + exported, undefined
     assert re.search(rf"\b[BDV] {ERROR_SHIM_SLOT}$", exported, re.M), exported
     assert re.search(r"\bT __tvm_ffi_fail$", exported, re.M)
     assert not re.search(r" TVMFFIErrorSetRaisedFromCStrParts$", exported, re.M)  # hidden: binds inside
@@ -553,3 +560,113 @@ def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
     assert got["error_missing"].startswith("1 "), got["error_missing"]
     assert got["error_memory"].startswith("5 ") and "memory plan" in got["error_memory"], got["error_memory"]
     assert got["error_empty"].startswith("4 ") and "document" in got["error_empty"], got["error_empty"]
+
+
+# ---- the same call sequence on aarch64 under qemu-user (slow) -------------------------------------
+
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+CROSS_APT = "apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static cmake ninja-build"
+
+
+def _qemu() -> str | None:
+    return shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+
+
+@pytest.mark.slow
+def test_bridge_on_aarch64_under_qemu(tmp_path):
+    """The runtime's aarch64 Linux build and the JNI library loaded as an app loads them (dlopen
+    RTLD_LOCAL, runtime first), driven by android/test/jni_harness.c (a JNIEnv of its own) through
+    the Engine's calls on an ``android-cpu`` artifact linked by finish with the cross gcc: the
+    answers equal aarch64 edgekv-run's on the same artifact, the second from the saved cache.
+    Without finish's error shim the same model.so does not load this way (undefined
+    TVMFFIErrorSetRaisedFromCStrParts), while edgekv-run, which exports the symbol, runs it."""
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "cmake", "ninja") if shutil.which(t) is None]
+    if missing or _qemu() is None or not (SYSROOT / "lib" / "ld-linux-aarch64.so.1").exists():
+        pytest.skip(f"{' '.join(missing) or 'qemu-user or the aarch64 glibc'} missing: {CROSS_APT}")
+    if not Path("/usr/include/android/nativehelper/jni.h").exists():
+        pytest.skip("jni.h missing: apt-get install -y android-libnativehelper-dev")
+    pytest.importorskip("tvm")
+    import tvm_ffi.libinfo
+
+    import edgekv.compiler.targets as targets
+    from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target
+    from edgekv.models import load_model, tiny_random_model
+    from edgekv.policies import make_policy
+
+    rt = tmp_path / "rt"
+    cfg = run(["cmake", "-S", REPO / "runtime", "-B", rt, "-G", "Ninja",
+               f"-DCMAKE_TOOLCHAIN_FILE={REPO / 'runtime' / 'cmake' / 'aarch64-linux-gnu.cmake'}",
+               f"-DEDGEKV_TVM_FFI_INCLUDE={tvm_ffi.libinfo.find_include_path()}"], timeout=600)
+    assert cfg.returncode == 0, cfg.stderr[-3000:]
+    build = run(["ninja", "-C", rt, "-j", "2"], timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:]
+    jni_h = "-I/usr/include/android/nativehelper"
+    r = run(["aarch64-linux-gnu-gcc", "-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror", jni_h,
+             f"-I{REPO / 'runtime' / 'include'}", "-shared", "-o", rt / "libedgekv_jni.so", ANDROID / "jni" / "edgekv_jni.c",
+             f"-L{rt}", "-ledgekv_runtime", "-Wl,--no-undefined"])
+    assert r.returncode == 0, r.stderr
+    harness = tmp_path / "jni_harness"
+    r = run(["aarch64-linux-gnu-gcc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", jni_h, "-o", harness,
+             ANDROID / "test" / "jni_harness.c", "-ldl"])
+    assert r.returncode == 0, r.stderr
+
+    hf = tmp_path / "hf"
+    tiny_random_model(0, layers=2).to_hf().save_pretrained(hf)
+    _byte_level_tokenizer().save_pretrained(hf)
+    profile = json.loads((REPO / "compile" / "android-cpu.json").read_text())
+    profile["target"]["opt-level"] = 0  # agreement, not speed
+    art = tmp_path / "android-cpu"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ToolchainNeededWarning)
+        build_for_target(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, profile, art)
+    os.environ["TVM_NDK_CC"] = "aarch64-linux-gnu-gcc"  # glibc's linker: runs under qemu with the Linux runtime
+    try:
+        targets.finish(art)
+        bare = tmp_path / "no-shim"
+        shutil.copytree(art, bare)
+        real = targets.needs_error_shim
+        targets.needs_error_shim = lambda manifest: False
+        try:
+            targets.finish(bare)
+        finally:
+            targets.needs_error_shim = real
+    finally:
+        os.environ.pop("TVM_NDK_CC", None)
+    (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")
+    qemu = [_qemu(), "-L", SYSROOT, "-E", f"LD_LIBRARY_PATH={rt}"]
+
+    def harness_run(artifact):
+        res = run([*qemu, harness, rt / "libedgekv_runtime.so", rt / "libedgekv_jni.so", artifact, tmp_path / "doc.txt",
+                   tmp_path / f"{artifact.name}.ekv", NEW_TOKENS, *QUESTIONS[:2]], timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    def text(units):
+        return b"".join(u.to_bytes(2, "little") for u in units).decode("utf-16-le")
+
+    got = harness_run(art)
+    assert "open_error" not in got, text(got["open_error"][1])
+    report = tmp_path / "run.json"
+    res = run([*qemu, rt / "edgekv-run", art, "--prompt-file", tmp_path / "doc.txt",
+               *sum((["--question", q] for q in QUESTIONS[:2]), []), "--max-new-tokens", NEW_TOKENS, "--report", report,
+               "--quiet"], timeout=600)
+    assert res.returncode == 0, res.stderr
+    want = json.loads(report.read_text())["answers"]
+    assert text(got["info"]["targetProfile"]) == "android-cpu" and text(got["info"]["targetArch"]) == "aarch64"
+    assert [a["generated_ids"] for a in got["answers"]] == [w["generated_ids"] for w in want]
+    assert ["".join(text(t[1]) for t in a["tokens"]) for a in got["answers"]] == [w["text"] for w in want]
+    doc_tokens = len(DOCUMENT.encode("utf-8"))
+    assert got["document_tokens"] == doc_tokens and got["progress"][-1] == f"{doc_tokens}/{doc_tokens}"
+    q0, q1 = got["answers"]
+    assert q0["prefillTokens"] == doc_tokens + len(("\n\n" + QUESTIONS[0]).encode())  # read, then the question
+    assert q1["prefillTokens"] == len(("\n\n" + QUESTIONS[1]).encode())              # from the saved cache
+    assert got["cancelled"][0] == 7 and got["cancel_progress_calls"] == 2
+    assert got["missing"][0] == 1
+
+    bare_run = harness_run(bare)
+    assert bare_run["open_error"][0] == 3, bare_run
+    assert "undefined symbol: TVMFFIErrorSetRaisedFromCStrParts" in text(bare_run["open_error"][1])
+    res = run([*qemu, rt / "edgekv-run", bare, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--quiet"], timeout=600)
+    assert res.returncode == 0, res.stderr  # edgekv-run exports the symbol: the shim is for apps

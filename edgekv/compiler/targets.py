@@ -259,7 +259,7 @@ def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
     return f"{name}: wrote {out_dir}; {tool.get('needed_for', 'complete')}"
 
 
-# Linked into an Android model.so by ``finish``. The TVM-generated objects import one function from
+# Linked into an Android model.so by ``finish``. The TVM-generated objects import a function from
 # their loader, TVMFFIErrorSetRaisedFromCStrParts (a kernel's error message). edgekv-run exports
 # it from the executable and Python loads the runtime RTLD_GLOBAL, but an app loads
 # libedgekv_runtime.so through System.loadLibrary, i.e. without RTLD_GLOBAL, and neither bionic's
@@ -270,7 +270,9 @@ def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
 # model.so (hidden: the kernels bind to it at link time, nothing is imported) and forwards through
 # an exported function-pointer slot, which the runtime fills after dlopen like TVM's other slots
 # (runtime/src/kernel_abi.c). An unfilled slot (an older runtime) loses the message, not the
-# error: the kernel still returns -1.
+# error: the kernel still returns -1. The other function such objects may import,
+# TVMFFIEnvModRegisterSystemLibSymbol (unoptimised builds call it from a constructor), is a no-op
+# in the runtime and is defined as one here.
 ERROR_SHIM_SLOT = "__TVMFFIErrorSetRaisedFromCStrParts"
 ERROR_SHIM_SOURCE = """\
 /* edgekv: written by `python -m edgekv.compiler.targets finish` (see ERROR_SHIM_SOURCE there) */
@@ -283,6 +285,13 @@ __attribute__((visibility("hidden"))) void TVMFFIErrorSetRaisedFromCStrParts(con
                                                                               int num_parts) {
   edgekv_error_parts_fn fn = %(slot)s;
   if (fn != 0) fn(kind, parts, num_parts);
+}
+/* objects built unoptimised register their kernels from a constructor (a "system lib"), at dlopen,
+ * before any slot can be filled; the runtime finds kernels with dlsym, and its own is a no-op too */
+__attribute__((visibility("hidden"))) int TVMFFIEnvModRegisterSystemLibSymbol(const char *name, void *symbol) {
+  (void)name;
+  (void)symbol;
+  return 0;
 }
 #ifdef __cplusplus
 }
