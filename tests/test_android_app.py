@@ -169,6 +169,7 @@ def test_build_script_makes_a_signed_apk(apk):
     assert r.returncode == 0, r.stderr
     assert "Verifies" in r.stdout
     assert "Verified using v2 scheme (APK Signature Scheme v2): true" in r.stdout, r.stdout
+    assert "Verified using v3 scheme (APK Signature Scheme v3): true" in r.stdout, r.stdout
 
 
 @needs_tools
