@@ -9,7 +9,8 @@ Fast (default suite):
   TLS, whose DT_NEEDED names only Android system libraries (or each other), whose every import is
   a bionic export listed in android/native/bionic-symbols.txt at an API level <= minSdk, and the
   JNI library exports exactly the native methods EdgeKv.java declares;
-* the framework resource ids the stubs inline match framework-res.apk;
+* the framework stubs the app compiles against match the Android API's signatures (from the PyPI
+  wheel chaquopy-stubs-android), and the resource ids they inline match framework-res.apk;
 * the runtime's own emulated TLS (android/native/emutls.c) under threads;
 * ``finish`` links an Android model.so whose one import from its loader
   (TVMFFIErrorSetRaisedFromCStrParts) is defined inside it, forwarding through a slot.
@@ -271,6 +272,47 @@ def test_stub_resource_ids_match_framework_res():
     real = {m.group(2): int(m.group(1), 16) for m in re.finditer(r"spec resource (0x[0-9a-f]+) android:(\S+):", dump)}
     for key, value in want.items():
         assert real.get(key) == value, f"android.R.{key.replace('/', '.')}: stub {value:#x}, framework-res {real.get(key)}"
+
+
+API_STUBS_WHEEL = "chaquopy_stubs_android-36.20260406-py3-none-any.whl"
+API_STUBS_FETCH = "pip download --no-deps chaquopy-stubs-android==36.20260406 -d ~/.cache/edgekv-android"
+
+
+@pytest.fixture(scope="module")
+def api_signatures(tmp_path_factory) -> Path:
+    """The Android API's signatures (API 36), as .pyi files from the PyPI wheel chaquopy-stubs-android."""
+    import sys
+
+    for entry in sys.path:  # installed
+        if (Path(entry) / "android-stubs" / "widget" / "__init__.pyi").is_file():
+            return Path(entry) / "android-stubs"
+    wheel = DX_JAR.parent / API_STUBS_WHEEL
+    if not wheel.is_file():
+        pytest.skip(f"the Android API signatures are not here: {API_STUBS_FETCH}")
+    d = tmp_path_factory.mktemp("api")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(d, [n for n in z.namelist() if n.startswith("android-stubs/")])
+    return d / "android-stubs"
+
+
+def test_framework_stubs_match_the_android_api(api_signatures, tmp_path):
+    """Every class and member of android/stubs exists in the real API with the same parameter
+    and return types (the app binds to the framework by full signature on the phone), and the
+    check notices a wrong one."""
+    import sys
+
+    sys.path.insert(0, str(ANDROID / "test"))
+    try:
+        import check_stubs
+    finally:
+        sys.path.pop(0)
+    assert check_stubs.check(ANDROID / "stubs", api_signatures) == []
+    wrong = tmp_path / "stubs"
+    shutil.copytree(ANDROID / "stubs", wrong)
+    tv = wrong / "android" / "widget" / "TextView.java"
+    tv.write_text(tv.read_text().replace("setTextSize(float size)", "setTextSize(int size)"))
+    problems = check_stubs.check(wrong, api_signatures)
+    assert len(problems) == 1 and "setTextSize(int)" in problems[0], problems
 
 
 # ---- native pieces on the host ------------------------------------------------------------------
