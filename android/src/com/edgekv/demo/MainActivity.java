@@ -341,7 +341,7 @@ public final class MainActivity extends Activity {
         if (refusal != null) return refusal;
         File staged = Staging.stage(source, new File(getNoBackupFilesDir(), "staged"));
         long limit = mem.availMem - mem.threshold;
-        ENGINE.open(staged, 0, limit > 0 ? limit : 0, new File(getCacheDir(), "snapshots"));
+        ENGINE.open(staged, threads(), limit > 0 ? limit : 0, new File(getCacheDir(), "snapshots"));
         openArtifact = a;
         Log.i(TAG, "opened " + source + " (staged at " + staged + ") on " + ENGINE.info().device);
         return null;
@@ -538,8 +538,10 @@ public final class MainActivity extends Activity {
         final List<Object> answers = new ArrayList<Object>();
         result.put("answers", answers);
         final List<String> questions = new ArrayList<String>();
-        if (intent.hasExtra("questions")) questions.addAll(Arrays.asList(intent.getStringArrayExtra("questions")));
-        if (intent.hasExtra("question")) questions.add(intent.getStringExtra("question"));
+        String[] many = intent.getStringArrayExtra("questions"); /* null when passed as a plain string */
+        if (many != null) questions.addAll(Arrays.asList(many));
+        else if (intent.getStringExtra("questions") != null) questions.add(intent.getStringExtra("questions"));
+        if (intent.getStringExtra("question") != null) questions.add(intent.getStringExtra("question"));
         String doc = intent.getStringExtra("document");
         try {
             if (intent.hasExtra("document_file")) {
@@ -685,6 +687,14 @@ public final class MainActivity extends Activity {
         }
         if (t instanceof OutOfMemoryError) return "Out of memory: " + t.getMessage();
         return t == null ? "unknown error" : t.toString();
+    }
+
+    /**
+     * Kernel threads: at most 4. Phones mix fast and slow cores, and a parallel loop waits for its
+     * slowest thread, so spreading over every core (the runtime's default) often runs slower.
+     */
+    static int threads() {
+        return Math.max(1, Math.min(4, Runtime.getRuntime().availableProcessors()));
     }
 
     static int parseInt(String s, int otherwise) {
