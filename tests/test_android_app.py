@@ -105,7 +105,10 @@ def apk(tmp_path_factory) -> Path:
     clone_files(base / "src")
     env = {**os.environ, "EDGEKV_ANDROID_OUT": str(base / "out")}
     env.pop("ANDROID_NDK_HOME", None)  # the freestanding build is the one checked here
+    had_dx = DX_JAR.is_file()
     r = run(["bash", base / "src" / "android" / "build.sh"], env=env, timeout=600)
+    if r.returncode != 0 and not had_dx and "npm pack" in r.stderr:
+        pytest.skip(f"the dexer could not be fetched (no registry?): {NPM}\n{r.stderr[-500:]}")
     assert r.returncode == 0, f"android/build.sh failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     out = Path(r.stdout.strip().splitlines()[-1])
     assert out == base / "out" / "edgekv-demo.apk" and out.is_file(), r.stdout
