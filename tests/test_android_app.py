@@ -608,6 +608,54 @@ def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
     assert got["error_empty"].startswith("4 ") and "document" in got["error_empty"], got["error_empty"]
 
 
+@pytest.mark.slow
+def test_bridge_runs_an_opencl_artifact(host_bridge, tmp_path):
+    """The app's runtime build has the OpenCL device: through the bridge on a desktop JVM, an
+    ``opencl-host`` artifact (the kernels of the phones' ``opencl`` target) runs on this machine's
+    OpenCL (PoCL) and answers as edgekv-run does on the same artifact."""
+    pytest.importorskip("tvm")
+    from edgekv.runtime import native
+
+    try:
+        why = native.opencl_unavailable_reason() if native.available() else "the native runtime is not built"
+    except Exception as exc:  # noqa: BLE001  (a stale build: pip install -e .)
+        why = str(exc)
+    if why:
+        pytest.skip(why)
+    if not Path("/usr/include/CL/cl.h").exists():
+        pytest.skip("the bridge's runtime was built without OpenCL headers: apt-get install -y opencl-c-headers")
+    import warnings
+
+    from edgekv.compiler.targets import build_for_target
+    from edgekv.models import load_model, tiny_random_model
+    from edgekv.policies import make_policy
+
+    hf = tmp_path / "hf"
+    tiny_random_model(0, layers=2).to_hf().save_pretrained(hf)
+    _byte_level_tokenizer().save_pretrained(hf)
+    art = tmp_path / "ocl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_for_target(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, "opencl-host", art)
+    (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")
+    (tmp_path / "probe.txt").write_text(PROBE, encoding="utf-8")
+    env = {**os.environ, "LD_PRELOAD": str(host_bridge["lib"] / "libedgekv_runtime.so")}
+    r = run(["java", f"-Djava.library.path={host_bridge['lib']}", "-cp", host_bridge["classes"], "HostCheck", art,
+             tmp_path / "doc.txt", tmp_path / "snapshots", NEW_TOKENS, tmp_path / "probe.txt", *QUESTIONS[:2]],
+            env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["runtime_devices"] == "cpu,opencl" and got["info"]["device"].startswith("opencl"), got["info"]
+    report = tmp_path / "run.json"
+    res = run([native.cli_path(), art, "--prompt-file", tmp_path / "doc.txt",
+               *sum((["--question", q] for q in QUESTIONS[:2]), []), "--max-new-tokens", NEW_TOKENS, "--report", report,
+               "--quiet"], timeout=900)
+    assert res.returncode == 0, res.stderr
+    want = json.loads(report.read_text())["answers"]
+    assert [a["generated_ids"] for a in got["answers"]] == [w["generated_ids"] for w in want]
+    assert [a["from_snapshot"] for a in got["answers"]] == [False, True]
+
+
 # ---- the same call sequence on aarch64 under qemu-user (slow) -------------------------------------
 
 SYSROOT = Path("/usr/aarch64-linux-gnu")
