@@ -92,6 +92,10 @@ public final class Engine {
         if (!snapshotDir.isDirectory() && !snapshotDir.mkdirs()) {
             throw new EdgeKvException(EdgeKvException.IO, "cannot create " + snapshotDir);
         }
+        File[] old = snapshotDir.listFiles(); /* caches of an earlier process: no document is open now */
+        if (old != null) {
+            for (File f : old) if (f.getName().startsWith("document-") && f.getName().endsWith(".ekv")) f.delete();
+        }
     }
 
     public void close() {

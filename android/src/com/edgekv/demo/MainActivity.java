@@ -351,7 +351,7 @@ public final class MainActivity extends Activity {
         StringBuilder b = new StringBuilder();
         b.append(String.format(Locale.US, "model    %s (%d layers, vocab %d, context %d)%n", i.modelId, i.numLayers,
                 i.vocabSize, i.maxPosition));
-        b.append(String.format(Locale.US, "policy   %s %s%n", i.policy, i.policyParams.length() > 2 ? i.policyParams : ""));
+        b.append(String.format(Locale.US, "policy   %s %s%n", i.policy, i.policyParams != null && i.policyParams.length() > 2 ? i.policyParams : ""));
         b.append(String.format(Locale.US, "budget   N = %d cache entries per layer and KV head%n", i.budget));
         b.append(String.format(Locale.US, "block    B = %d prompt tokens per step%n", i.block));
         b.append(String.format(Locale.US, "weights  %s, %s%n", a.dtype, Artifact.mib(i.weightsBytes)));
