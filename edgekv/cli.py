@@ -66,6 +66,10 @@ def say(msg: str) -> None:
     err.print(f"[dim]edgekv:[/] {msg}", highlight=False)
 
 
+def warn(msg: str) -> None:
+    err.print(f"[yellow]warning:[/] {msg}", highlight=False)
+
+
 def parse_policy_args(pairs: list[str] | None, policy: str | None = None) -> dict[str, str]:
     """``--policy-arg`` values for one policy (``key=value`` or ``policy:key=value``)."""
     from .policies import policy_arguments
@@ -297,11 +301,17 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         if document else None
     if is_artifact(model):
         from .job import check_artifact_settings
+        from .policies import REGISTRY
         from .runtime import read_manifest
 
-        check_artifact_settings(model, read_manifest(model), policy=policy,
+        manifest = read_manifest(model)
+        check_artifact_settings(model, manifest, policy=policy,
                                 policy_args=_artifact_policy_args(policy_arg, policy, model), budget=budget,
                                 block=block)
+        name = manifest["policy"]["name"]
+        if doc is not None and questions and load_cache is None and getattr(REGISTRY.get(name), "uses_question", False):
+            warn(f"{name} scores blocks with the question's queries in the eager engine (`edgekv run MODEL`); a "
+                 "compiled artifact does not take the question's rows yet, so here its blocks score with their own")
         choice = setup_threads(threads)
         result = run_compiled_job(model, text, chat=chat, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed, mem_limit=limit,
@@ -317,7 +327,9 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         args = parse_policy_args(policy_arg, policy)
         if saved is not None and not policy_arg and policy == saved["policy"]:
             args = dict(saved["policy_params"])
-        make_policy(policy, args)  # unknown policy / bad arguments before loading anything
+        chosen = make_policy(policy, args)  # unknown policy / bad arguments before loading anything
+        if doc is not None:
+            doc["question_scoring"] = chosen.uses_question and bool(questions) and load_cache is None
         choice = setup_threads(threads)
         result = run_eager_job(model, text, chat=chat, budget=budget or DEFAULT_BUDGET,
                                block=block or DEFAULT_BLOCK, policy=policy, policy_args=args,
@@ -430,7 +442,8 @@ def _generate_document(loaded, text: str | None, doc: dict, chat: bool, max_new_
             sys.stdout.flush()
 
     if doc_ids is not None:
-        say(f"reading the document: {len(doc_ids):,} tokens in {-(-len(doc_ids) // block)} block(s) of {block}")
+        say(f"reading the document: {len(doc_ids):,} tokens in {-(-len(doc_ids) // block)} block(s) of {block}"
+            + (f", scored with the question's queries (once per question)" if doc.get("question_scoring") else ""))
     else:
         say(f"answering from {doc['load_cache']}: a document of {doc['saved']['tokens']:,} tokens, read before")
     n = len(doc_ids) if doc_ids is not None else 0
@@ -488,7 +501,8 @@ def run_eager_job(model, text, *, chat, budget, block, policy, policy_args, max_
                 loaded, doc_ids, questions, policy_name=policy, policy_args=policy_args, budget=budget, block=block,
                 max_new_tokens=max_new_tokens, new_sampler=new_sampler_factory(temperature, top_p, seed), chat=chat,
                 save_cache=document["save_cache"], load_cache=document["load_cache"], made_from=model_reference(model),
-                on_token=on_token, on_question=on_question, progress=progress, mem_limit=mem_limit))
+                on_token=on_token, on_question=on_question, progress=progress, mem_limit=mem_limit,
+                on_warning=warn))
     sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
     return _generate(loaded, text, chat, max_new_tokens, allow_beyond_context, block,
                      lambda ids, on_token, progress, on_phase: run_eager(
@@ -514,7 +528,7 @@ def run_compiled_job(artifact, text, *, chat, max_new_tokens, temperature, top_p
                 rt, loaded, doc_ids, questions, max_new_tokens=max_new_tokens,
                 new_sampler=new_sampler_factory(temperature, top_p, seed), chat=chat,
                 save_cache=document["save_cache"], load_cache=document["load_cache"], on_token=on_token,
-                on_question=on_question, progress=progress))
+                on_question=on_question, progress=progress, on_warning=warn))
     sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
     return _generate(loaded, text, chat, max_new_tokens, allow_beyond_context, rt.block,
                      lambda ids, on_token, progress, on_phase: run_compiled(

@@ -53,6 +53,7 @@ class DocumentRun:
     loaded_cache: str | None = None
     prefill_seconds_when_saved: float = 0.0  # the loaded snapshot's document prefill, measured when it was made
     made_for_question: str = ""
+    document_reads: int = 0  # 0 from a saved cache, 1, or one per question (question-aware scoring)
     answers: list[Answer] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -66,7 +67,7 @@ class DocumentRun:
                 "saved_cache": self.saved_cache, "snapshot_bytes": self.snapshot_bytes,
                 "loaded_cache": self.loaded_cache,
                 "document_prefill_seconds_when_saved": self.prefill_seconds_when_saved or None,
-                "made_for_question": self.made_for_question or None,
+                "made_for_question": self.made_for_question or None, "document_reads": self.document_reads,
                 "answers": answers, "time_to_first_token": ttft}
 
 
@@ -99,70 +100,110 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
                  new_sampler: Callable[[], Callable[[object], int]],
                  max_new_tokens: int, eos_ids=(), chat: bool = False, save_cache=None, load_cache=None,
                  made_from: str = "", progress=None, on_token: Callable[[int, int], None] | None = None,
-                 on_question: Callable[[int, str], None] | None = None) -> DocumentRun:
+                 on_question: Callable[[int, str], None] | None = None, question_scoring: bool = False,
+                 on_warning: Callable[[str], None] | None = None) -> DocumentRun:
     """Prefill ``document_ids`` (or map ``load_cache`` back), save the state when asked or when
     several questions need it, then answer each question from that state.
 
+    ``question_scoring`` (a query-aware policy on a runtime that takes the question's rows: the
+    eager engine): the cache depends on the question, so the document is read once per question,
+    knowing it (``prefill(..., question=)``); ``save_cache`` keeps the first question's cache and
+    records that question. A loaded cache made knowing another question warns (``on_warning``).
+
     ``questions``: (text, question-part ids). ``new_sampler()`` gives each question its own sampler
     (``sampler(logits) -> token``), so a seeded answer does not depend on the questions before it.
-    ``on_token(i, token)``
-    streams question i's tokens; ``on_question(i, text)`` is called before question i starts."""
+    ``on_token(i, token)`` streams question i's tokens; ``on_question(i, text)`` is called before
+    question i starts."""
     run = DocumentRun(document_tokens=len(document_ids) if document_ids is not None else 0)
+    per_question = question_scoring and load_cache is None and bool(questions)
     snapshot = load_cache or save_cache
     tmp = None
-    if snapshot is None and len(questions) > 1:
+    if snapshot is None and len(questions) > 1 and not per_question:
         fd, tmp = tempfile.mkstemp(prefix="edgekv-doc-", suffix=".ekv")
         os.close(fd)
         snapshot = tmp
+
+    def save(path, question: str = "") -> None:
+        try:
+            rt.save_cache(path, question=question, chat=chat, made_from=made_from)
+        except OSError as exc:  # a full disk, a folder gone: the writer left nothing behind
+            raise InputError(f"cannot write --save-cache {path}: {exc.strerror or exc}; nothing was written — "
+                             "free space or choose another path") from None
+        if path == save_cache:
+            run.saved_cache, run.snapshot_bytes = str(save_cache), Path(save_cache).stat().st_size
+
+    def read_document(question_ids=None) -> float:
+        t0 = time.perf_counter()
+        if question_ids is None:
+            rt.prefill(document_ids, progress=progress)
+        else:
+            rt.prefill(document_ids, progress=progress, question=question_ids)
+        return time.perf_counter() - t0
+
+    def answer(i: int, text: str, ids, start: float, load_seconds: float) -> None:
+        """Question i from the state the runtime holds now; ``start``: when this question began."""
+        a = Answer(question=text, question_tokens=len(ids), load_seconds=load_seconds)
+        sample = new_sampler()
+        t0 = time.perf_counter()
+        logits = rt.prefill(ids)
+        a.prefill_seconds = time.perf_counter() - t0
+        for n in range(max_new_tokens):
+            token = int(sample(logits))
+            if n == 0:
+                a.first_token_seconds = time.perf_counter() - start
+                t0 = time.perf_counter()
+            a.generated_ids.append(token)
+            if on_token is not None:
+                on_token(i, token)
+            if token in eos_ids or n == max_new_tokens - 1:
+                break
+            logits = rt.decode(token)
+        a.decode_seconds = time.perf_counter() - t0 if len(a.generated_ids) > 1 else 0.0
+        run.answers.append(a)
+
     try:
+        if per_question:  # each question's own reading of the document
+            for i, (text, ids) in enumerate(questions):
+                if on_question is not None:
+                    on_question(i, text)
+                if i > 0:
+                    rt.reset()
+                seconds = read_document(ids)
+                run.prefill_seconds += seconds
+                run.document_reads += 1
+                if i == 0 and save_cache is not None:
+                    save(save_cache, question=text)
+                answer(i, text, ids, time.perf_counter(), 0.0)
+            return run
         if load_cache is not None:
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             run.made_for_question = rt.load_cache(load_cache)
-            first_load = time.perf_counter() - t0
+            first_load = time.perf_counter() - start
             info = rt.snapshot_info
             if bool(info["chat"]) != bool(chat):
                 raise InputError(f"{load_cache} holds a document read {'with' if info['chat'] else 'without'} "
                                  f"the chat template: ask {'with --chat' if info['chat'] else 'without --chat'}")
             run.loaded_cache, run.document_tokens = str(load_cache), int(info["tokens"])
             run.prefill_seconds_when_saved = float(info["document_seconds"])
+            for text, _ in questions:
+                if run.made_for_question and text != run.made_for_question and on_warning is not None:
+                    on_warning(f"{load_cache} was made knowing the question \"{run.made_for_question}\" (a "
+                               "query-aware policy's cache); answers to other questions may miss what it evicted")
         else:
-            first_load = 0.0
-            t0 = time.perf_counter()
-            rt.prefill(document_ids, progress=progress)
-            run.prefill_seconds = time.perf_counter() - t0
+            first_load, start = 0.0, 0.0
+            run.prefill_seconds = read_document()
+            run.document_reads = 1
             if snapshot is not None:
-                try:
-                    rt.save_cache(snapshot, chat=chat, made_from=made_from)
-                except OSError as exc:  # a full disk, a folder gone: the writer left nothing behind
-                    raise InputError(f"cannot write --save-cache {snapshot}: {exc.strerror or exc}; nothing was "
-                                     "written — free space or choose another path") from None
-            if save_cache is not None:
-                run.saved_cache, run.snapshot_bytes = str(save_cache), Path(save_cache).stat().st_size
+                save(snapshot)
         for i, (text, ids) in enumerate(questions):
             if on_question is not None:
                 on_question(i, text)
-            start = time.perf_counter()
-            answer = Answer(question=text, question_tokens=len(ids))
             if i > 0:
+                start = time.perf_counter()
                 rt.load_cache(snapshot)
-            answer.load_seconds = time.perf_counter() - start if i > 0 else first_load
-            sample = new_sampler()
-            t0 = time.perf_counter()
-            logits = rt.prefill(ids)
-            answer.prefill_seconds = time.perf_counter() - t0
-            for n in range(max_new_tokens):
-                token = int(sample(logits))
-                if n == 0:  # the first question after --load-cache: its load came before this loop
-                    answer.first_token_seconds = time.perf_counter() - start + (first_load if i == 0 else 0.0)
-                    t0 = time.perf_counter()
-                answer.generated_ids.append(token)
-                if on_token is not None:
-                    on_token(i, token)
-                if token in eos_ids or n == max_new_tokens - 1:
-                    break
-                logits = rt.decode(token)
-            answer.decode_seconds = time.perf_counter() - t0 if len(answer.generated_ids) > 1 else 0.0
-            run.answers.append(answer)
+                answer(i, text, ids, start, time.perf_counter() - start)
+            else:  # the first question: from the document just read, or from the cache loaded above
+                answer(i, text, ids, start if load_cache is not None else time.perf_counter(), first_load)
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

@@ -151,20 +151,23 @@ def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
 
 
 def eager_engine(model: LoadedModel, policy_name: str, policy_args: dict, budget: str, block: int,
-                 max_tokens: int | None, mem_limit: int | None):
+                 max_tokens: int | None, mem_limit: int | None, question_rows: int = 0):
     """The engine of a run and its memory plan, checked against ``mem_limit`` and the machine
     before the caches are allocated. ``max_tokens`` (prompt + output) bounds the caches; None
-    gives them their full N + B, as a saved document cache needs for any later question."""
+    gives them their full N + B, as a saved document cache needs for any later question.
+    ``question_rows``: room for a question scoring the blocks (a query-aware policy's)."""
     from .memory import cache_capacity, check_plan
 
     n_budget = parse_budget(budget, model.config, block)
     policy = make_policy(policy_name, policy_args)
     policy.check_budget(n_budget, block)
-    capacity = cache_capacity(n_budget, block, int(getattr(policy, "max_extra_tokens", 0)), max_tokens)
+    question_rows = question_rows if policy.uses_question else 0
+    capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
+                              max_tokens)
     plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state))
     check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
                hint="lower --budget or --block, or shorten the prompt")
-    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens), plan
+    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens, question_rows=question_rows), plan
 
 
 def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
@@ -412,23 +415,28 @@ def document_report(doc, tokenizer, cfg, kv_bytes: int) -> dict:
 def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_name: str, policy_args: dict,
                        budget: str, block: int, max_new_tokens: int, new_sampler, chat: bool = False,
                        save_cache=None, load_cache=None, made_from: str = "", on_token=None, on_question=None,
-                       progress=None, mem_limit: int | None = None) -> RunResult:
+                       progress=None, mem_limit: int | None = None, on_warning=None) -> RunResult:
     """``edgekv run MODEL --question ...`` / ``--save-cache`` / ``--load-cache`` on the eager engine.
-    The caches get their full N + B (a saved state must take any later question)."""
+    The caches get their full N + B (a saved state must take any later question). A query-aware
+    policy reads the document knowing each question (``document.run_document``, question scoring)."""
     from .document import run_document
     from .threads import threads_in_use
 
-    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, None, mem_limit)
+    longest = max((len(ids) for _, ids in questions), default=0)
+    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, None, mem_limit,
+                                question_rows=longest if document_ids is not None else 0)
     eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
+    scoring = engine.policy.uses_question and document_ids is not None and bool(questions)
     doc = run_document(engine, document_ids=document_ids, questions=questions, new_sampler=new_sampler,
                        max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
                        load_cache=load_cache, made_from=made_from, progress=progress, on_token=on_token,
-                       on_question=on_question)
+                       on_question=on_question, question_scoring=scoring, on_warning=on_warning)
     fields = document_report(doc, model.tokenizer, model.config, plan.kv_cache)
     report = {
         "engine": "eager", "model": model.model_id, "weight_sha256": model.weight_hash, "policy": policy_name,
         "policy_params": engine.policy.params(), "budget_tokens": engine.budget, "block": block,
         "cache_capacity": engine.capacity, **{k: v for k, v in fields.items() if k != "vs_full_cache"},
+        "question_scoring": scoring,
         "eviction_events": engine.stats.eviction_events, "cache_lengths": engine.cache_lengths(),
         "memory": {"plan": plan.to_dict(), "kv_cache_allocated": engine.kv_bytes, "peak_rss": peak_rss_bytes(),
                    "vs_full_cache": fields["vs_full_cache"]},
@@ -440,8 +448,10 @@ def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_na
 
 def run_compiled_document(rt, described: ArtifactModel, document_ids, questions, *, max_new_tokens: int,
                           new_sampler, chat: bool = False, save_cache=None, load_cache=None, on_token=None,
-                          on_question=None, progress=None) -> RunResult:
-    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime)."""
+                          on_question=None, progress=None, on_warning=None) -> RunResult:
+    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime). Compiled
+    artifacts do not take a question's rows yet: a query-aware policy scores with the blocks' own
+    rows there, and the report says so (``question_scoring``: false)."""
     from .document import run_document
     from .threads import threads_in_use
 
@@ -449,7 +459,8 @@ def run_compiled_document(rt, described: ArtifactModel, document_ids, questions,
     doc = run_document(rt, document_ids=None if document_ids is None else np.asarray(document_ids),
                        questions=questions, new_sampler=lambda: _numpy_sampler(new_sampler()),
                        max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
-                       load_cache=load_cache, progress=progress, on_token=on_token, on_question=on_question)
+                       load_cache=load_cache, progress=progress, on_token=on_token, on_question=on_question,
+                       on_warning=on_warning)
     plan = rt.manifest["memory_plan"]
     native = hasattr(rt, "memory_plan")
     fields = document_report(doc, described.tokenizer, described.config, plan["cache_bytes"])
@@ -458,6 +469,7 @@ def run_compiled_document(rt, described: ArtifactModel, document_ids, questions,
         "target": rt.manifest["target"], "model": described.model_id,
         "weight_sha256": rt.manifest["model"]["weight_hash"], "policy": rt.manifest["policy"]["name"],
         "policy_params": rt.manifest["policy"]["params"], "budget_tokens": rt.budget, "block": rt.block,
+        "question_scoring": False,
         **{k: v for k, v in fields.items() if k != "vs_full_cache"}, "cache_lengths": rt.cache_lengths(),
         "memory": {"plan": _compiled_plan(rt), "peak_rss": max(rt.stats.peak_rss_bytes, peak_rss_bytes()),
                    "vs_full_cache": fields["vs_full_cache"]},

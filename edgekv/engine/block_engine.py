@@ -57,9 +57,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class BlockEngine:
     def __init__(self, model: LoadedModel, policy: Policy, budget: int, block: int = 128, *,
-                 record_kept: bool = False, max_tokens: int | None = None):
+                 record_kept: bool = False, max_tokens: int | None = None, question_rows: int = 0):
         """``max_tokens``: prompt + output when known; the caches then hold no more entries than
-        the sequence can fill (``memory.cache_capacity``), whatever the budget."""
+        the sequence can fill (``memory.cache_capacity``), whatever the budget. ``question_rows``:
+        room for a question of that many tokens scoring the blocks (``prefill(..., question=)``)."""
         if budget <= 0:
             raise PolicyError("the budget must be a positive number of tokens")
         if block <= 0:
@@ -70,12 +71,11 @@ class BlockEngine:
         self.record_kept = record_kept
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.extra_rows = int(getattr(policy, "max_extra_tokens", 0))
-        self.capacity = cache_capacity(budget, block, self.extra_rows, max_tokens)
+        self.question_rows = int(question_rows) if policy.uses_question else 0
+        self._question: tuple[torch.Tensor, torch.Tensor] | None = None  # during prefill(question=)
+        self.capacity = cache_capacity(budget, block, max(self.extra_rows, self.question_rows), max_tokens)
         self.layer_budgets = self._layer_budgets()
-        self.caches = [
-            LayerCache(self.cfg.num_kv_heads, self.capacity, self.cfg.head_dim, policy.entry_state)
-            for _ in range(self.cfg.num_layers)
-        ]
+        self.caches = self._new_caches()
         self.position = 0  # next token's position
         self.stats = EngineStats()
         w = model.weights
@@ -87,6 +87,17 @@ class BlockEngine:
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
             for i in range(self.cfg.num_layers)
         ]
+
+    def _new_caches(self) -> list[LayerCache]:
+        return [LayerCache(self.cfg.num_kv_heads, self.capacity, self.cfg.head_dim, self.policy.entry_state)
+                for _ in range(self.cfg.num_layers)]
+
+    def reset(self) -> None:
+        """A new sequence: empty caches (per-entry state too), position 0, fresh counters."""
+        self.caches = self._new_caches()
+        self.position = 0
+        self.layer_budgets = self._layer_budgets()
+        self.stats = EngineStats()
 
     def _layer_budgets(self) -> list[int]:
         return [min(self.budget, self.policy.layer_budget(i, self.budget)) for i in range(self.cfg.num_layers)]
@@ -186,6 +197,7 @@ class BlockEngine:
         if n_extra:
             ctx.extra_queries, ctx.extra_query_positions = q[:, b:], all_pos[b:]
             ctx.extra_keys = cache.keys[:, n : n + n_extra]
+            ctx.extra_is_question = self._question is not None
         if policy.observes_every_step:
             policy.observe(ctx)
         if not must:
@@ -201,33 +213,57 @@ class BlockEngine:
         self.policy.prepare(torch.as_tensor(prompt_ids, dtype=torch.long).flatten(), self)
         self.layer_budgets = self._layer_budgets()
 
-    def prefill(self, prompt_ids: torch.Tensor, progress=None, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, progress=None, all_logits: bool = False,
+                question: torch.Tensor | None = None) -> torch.Tensor:
         """Block-wise prefill of the whole prompt; returns the last token's logits
-        (or every prompt token's logits with ``all_logits``, for teacher-forced evaluation)."""
+        (or every prompt token's logits with ``all_logits``, for teacher-forced evaluation).
+
+        ``question``: the ids that will follow this prompt (a document's question, `--question`).
+        A query-aware policy (``uses_question``) then scores every evicting block with the
+        question's queries: its tokens run after the block at their true future positions, as
+        extra rows that never enter the cache. The question itself is not prefilled here."""
         import time
 
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt_ids.numel() == 0:
             raise PolicyError("the prompt is empty; give at least one token")
+        self._question = self._question_rows(question, self.position + prompt_ids.numel())
         if self.position == 0:  # a new sequence; a continuation keeps the per-prompt state
             self.prepare(prompt_ids)
         else:
             self.policy.prepare_continuation(prompt_ids, self.position, self)
         outs = []
         t0 = time.perf_counter()
-        for start in range(0, prompt_ids.numel(), self.block):
-            chunk = prompt_ids[start : start + self.block]
-            extra = self._extra_for(chunk.numel())
-            outs.append(self.step(chunk, all_logits=all_logits, extra=extra))
-            if progress is not None:
-                progress(chunk.numel())
+        try:
+            for start in range(0, prompt_ids.numel(), self.block):
+                chunk = prompt_ids[start : start + self.block]
+                extra = self._extra_for(chunk.numel())
+                outs.append(self.step(chunk, all_logits=all_logits, extra=extra))
+                if progress is not None:
+                    progress(chunk.numel())
+        finally:
+            self._question = None
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_tokens += prompt_ids.numel()
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def _question_rows(self, question, end: int):
+        """(ids, positions end…) of a question that scores the blocks, or None (no question, or a
+        policy that does not use one)."""
+        if question is None or not self.policy.uses_question:
+            return None
+        ids = torch.as_tensor(question, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise PolicyError("the question is empty; give its text")
+        if ids.numel() > self.question_rows:
+            raise PolicyError(f"the question has {ids.numel()} tokens and this engine has room for {self.question_rows} "
+                              "question rows; make it with question_rows of at least the question's length")
+        return ids, torch.arange(end, end + ids.numel(), dtype=torch.long)
+
     def _extra_for(self, b: int):
-        """Pseudo rows go with blocks that trigger eviction in some layer (DapQ)."""
-        extra = self.policy.extra_tokens()
+        """Extra rows go with blocks that trigger eviction in some layer: the question's (when
+        ``prefill`` has one), else the policy's pseudo rows (DapQ)."""
+        extra = self._question if self._question is not None else self.policy.extra_tokens()
         if extra is None:
             return None
         if max(c.length for c in self.caches) + b <= min(self.layer_budgets):
@@ -270,6 +306,7 @@ class BlockEngine:
 
         snap = sf.read(path)
         sf.check_matches(snap, path, engine=sf.ENGINE_EAGER, **self._snapshot_identity())
+        self._take_capacity(snap, path)
         state = json.loads(snap.extra or "{}")
         for layer, c in enumerate(self.caches):
             names = ["keys", "values", "positions", *c.state]
@@ -289,6 +326,27 @@ class BlockEngine:
         self.position = snap.position
         self.snapshot_info = snap.info()
         return snap.question
+
+    def _take_capacity(self, snap, path) -> None:
+        """Caches as large as the snapshot's: the engine that saved it may have had room for a
+        question's rows (``question_rows``) or a shorter sequence; any capacity from N + B up
+        continues correctly."""
+        keys = snap.tensors.get((0, 0))
+        per_entry = self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].keys.element_size()
+        if keys is None or keys.nbytes % per_entry:
+            return  # the layout check below refuses it
+        capacity = keys.nbytes // per_entry
+        if capacity == self.capacity:
+            return
+        if capacity < min(self.capacity, self.budget + self.block):
+            from ..artifact import snapshot_file as sf
+
+            raise sf.SnapshotError(f"{path}: its caches hold {capacity} entries, fewer than N + B = "
+                                   f"{self.budget + self.block}; make it again")
+        self.capacity = capacity
+        if self.policy.uses_question:
+            self.question_rows = max(self.question_rows, capacity - self.budget - self.block)
+        self.caches = self._new_caches()
 
     def decode(self, token_id: int) -> torch.Tensor:
         import time

@@ -108,6 +108,15 @@ def group_reduce(per_query_head: torch.Tensor, num_kv_heads: int, how: str = "me
     raise ValueError(f"unknown group reduction {how!r} (mean or sum)")
 
 
+def scoring_rows(ctx, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows a query-aware policy scores a step with: the question's, when the engine
+    appends the question after the document (`--question`: its tokens at their true future
+    positions, rows that never enter the cache), else the block's own rows."""
+    if ctx.extra_is_question and ctx.extra_queries is not None and ctx.extra_queries.shape[1] > 0:
+        return ctx.extra_queries, ctx.extra_query_positions
+    return require_queries(ctx, policy)
+
+
 def require_queries(ctx, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's queries and their positions, or a clear error when the engine did not pass them."""
     if ctx.queries is None or ctx.query_positions is None:

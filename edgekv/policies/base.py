@@ -43,6 +43,9 @@ class EvictionContext:
     extra_queries: torch.Tensor | None = None
     extra_query_positions: torch.Tensor | None = None
     extra_keys: torch.Tensor | None = None  # [H, e, d] the pseudo rows' keys (never stored)
+    # the extra rows are the question (`--question`): its tokens after the document, at their true
+    # future positions; query-aware policies score with them (``attention_rows.scoring_rows``)
+    extra_is_question: bool = False
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     is_prefill: bool = True
     scale: float | None = None
@@ -150,6 +153,9 @@ class Policy:
     summary: ClassVar[str] = ""
     # The engine passes the block's queries (post-RoPE) only to policies that need them.
     needs_queries: ClassVar[bool] = False
+    # scores with the question's rows when the engine appends them (`--question`); query-agnostic
+    # policies leave this False and run unchanged
+    uses_question: ClassVar[bool] = False
     # Called on every step, even without eviction (to accumulate per-entry state).
     observes_every_step: ClassVar[bool] = False
     # Per-entry float state kept beside K/V and compacted with them, e.g. H2O's column sums.

@@ -441,6 +441,7 @@ class DapQPolicy(Policy):
     name = "dapq"
     summary = "DapQ: scores entries with pseudo queries at the positions the answer will take"
     needs_queries = True  # only used when a step has no pseudo rows (decoding)
+    uses_question = True  # the question replaces the pseudo rows (`--question`)
     evict_kernel = staticmethod(build_dapq_evict_kernel)
     # the compiled kernels also take the step's post-RoPE queries (the pseudo rows' among them)
     kernel_inputs = ("queries",)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_rows import attention_column_sums, group_reduce, require_queries
+from .attention_rows import attention_column_sums, group_reduce, require_queries, scoring_rows
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all, topk_keep
 
 STATE = "h2o_acc"
@@ -74,6 +74,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     summary = "H2O: keeps the recent tokens and the heavy hitters (most attention accumulated so far)"
     needs_queries = True
+    uses_question = True
     observes_every_step = True
     entry_state = (STATE,)
     kernel_inputs = ("queries",)
@@ -119,7 +120,12 @@ class H2OPolicy(Policy):
         acc = ctx.state.get(STATE)
         if acc is None:
             raise PolicyError(f"h2o: ctx.state has no {STATE!r}; the engine must call observe() before select()")
-        return pin_most_recent(acc.to(torch.float32), ctx.positions, self.recent_size(ctx.budget))
+        score = acc.to(torch.float32)
+        if ctx.extra_is_question:  # the question's attention joins the heavy hitters' (never stored: not observed)
+            queries, query_positions = scoring_rows(ctx, self.name)
+            score = score + group_reduce(attention_column_sums(ctx.keys, ctx.positions, queries, query_positions,
+                                                               ctx.scale), ctx.num_kv_heads, "mean")
+        return pin_most_recent(score, ctx.positions, self.recent_size(ctx.budget))
 
     def select(self, ctx: EvictionContext) -> Selection:
         if not ctx.must_evict:

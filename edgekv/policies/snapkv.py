@@ -30,18 +30,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention_rows import attention_rows, group_reduce, require_queries
+from .attention_rows import attention_rows, group_reduce, scoring_rows
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all, topk_keep
 
 
 def window_size(ctx: EvictionContext, window: int) -> int:
-    """The observation window actually used: ``window`` clipped to the block length."""
-    return min(window, ctx.queries.shape[1])
+    """The observation window among the candidates, always kept: ``window`` clipped to the block
+    length — none when the question's rows vote (they are not candidates)."""
+    return 0 if ctx.extra_is_question else min(window, ctx.queries.shape[1])
 
 
 def window_votes(ctx: EvictionContext, window: int, policy: str) -> torch.Tensor:
-    """Σ over the last ``window`` block queries of their attention over all candidates: [Hq, n] fp32."""
-    queries, query_positions = require_queries(ctx, policy)
+    """Σ over the last ``window`` scoring rows (the block's, or the question's: ``scoring_rows``)
+    of their attention over all candidates: [Hq, n] fp32."""
+    queries, query_positions = scoring_rows(ctx, policy)
     w = min(window, queries.shape[1])
     probs = attention_rows(ctx.keys, ctx.positions, queries[:, -w:], query_positions[-w:], ctx.scale)
     return probs.sum(dim=1)
@@ -115,6 +117,7 @@ class SnapKVPolicy(Policy):
     name = "snapkv"
     summary = "SnapKV: keeps what the last `window` queries attend to most (pooled scores)"
     needs_queries = True
+    uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkv_evict_kernel)
     window: int = 32

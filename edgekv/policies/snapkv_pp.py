@@ -50,6 +50,7 @@ class SnapKVPlusPlusPolicy(Policy):
     name = "snapkv++"
     summary = "SnapKV++ (RocketKV stage 1): SnapKV with group-summed scores and wide max pooling"
     needs_queries = True
+    uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkvpp_evict_kernel)
     window: int = 32

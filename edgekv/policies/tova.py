@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_rows import attention_rows, group_reduce, require_queries
+from .attention_rows import attention_rows, group_reduce, scoring_rows
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all, topk_keep
 
 
@@ -48,6 +48,7 @@ class TOVAPolicy(Policy):
     name = "tova"
     summary = "TOVA: keeps what the last query attends to most"
     needs_queries = True
+    uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_tova_evict_kernel)
     heads: str = "group"
@@ -64,7 +65,7 @@ class TOVAPolicy(Policy):
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: the last block query's attention, averaged over the group (or all) query heads."""
-        queries, query_positions = require_queries(ctx, self.name)
+        queries, query_positions = scoring_rows(ctx, self.name)  # the block's, or the question's last row
         last = attention_rows(ctx.keys, ctx.positions, queries[:, -1:], query_positions[-1:], ctx.scale)[:, 0]
         if self.heads == "group":
             return group_reduce(last, ctx.num_kv_heads, "mean")
