@@ -799,6 +799,7 @@ def eval_(
     output: Annotated[Path, typer.Option("-o", "--output", "--out", help="folder for results.json, results.md and plots")] = Path("eval-out"),
     resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --output finished")] = False,
     allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
+    question: Annotated[bool, typer.Option("--question/--no-question", help="passkey tasks: read the document knowing its question, which query-aware policies score the blocks with (as `edgekv run --question`)")] = False,
 ):
     """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
     from .evaluation.command import build_spec, check_output_folder, run_eval
@@ -806,7 +807,7 @@ def eval_(
     try:
         model = merge_model(model, model_opt, "eval")
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
-                          max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg)
+                          max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg, question)
         check_output_folder(output)
         setup_threads(threads)
         data = run_eval(spec, output, model_name=model, console=err, argv=["edgekv", *sys.argv[1:]],

@@ -133,3 +133,35 @@ def test_cli_question_scoring(tiny_dir, tmp_path):
     assert res.exit_code == 0
     report = json.loads(out.read_text())
     assert report["question_scoring"] is False and report["document"]["document_reads"] == 1
+
+
+# ---- edgekv eval --question -------------------------------------------------------------------------
+
+def test_passkey_prompts_split_at_their_question(smol):
+    from edgekv.evaluation.tasks import QUESTION, build_passkey
+
+    p = build_passkey(smol.tokenizer, 1024, 0.5, 0)
+    assert 0 < p.question_start < p.tokens - 8
+    tail = smol.tokenizer.decode(p.ids[p.question_start:])
+    assert tail.startswith("\n\n" + QUESTION), tail
+    assert p.answer not in smol.tokenizer.decode(p.ids[p.question_start:])
+
+
+def test_eval_question_mode(smol):
+    """With room for the whole prompt the question changes nothing (the same answer tokens); with
+    a budget that evicts, the question-aware run is the engine's prefill(question=) path."""
+    from edgekv.evaluation.runner import EvalSpec, run_one
+    from edgekv.evaluation.tasks import build_passkey
+
+    prompt = build_passkey(smol.tokenizer, 640, 0.5, 0)
+    plain, asked = EvalSpec(tasks=["passkey"], policies=["snapkv"], budgets=[1024]), \
+        EvalSpec(tasks=["passkey"], policies=["snapkv"], budgets=[1024], question=True)
+    a = run_one(smol, prompt, "snapkv", {}, 1024, 128, plain)
+    b = run_one(smol, prompt, "snapkv", {}, 1024, 128, asked)
+    assert a.passkey["output_ids"] == b.passkey["output_ids"]
+    # evicting: the same as prefilling the document knowing the question, then the question
+    c = run_one(smol, prompt, "snapkv", {}, 256, 128, asked)
+    e = BlockEngine(smol, make_policy("snapkv", {}), 256, 128, question_rows=prompt.tokens - prompt.question_start)
+    e.prefill(prompt.ids[:prompt.question_start], question=prompt.ids[prompt.question_start:])
+    logits = e.prefill(prompt.ids[prompt.question_start:])
+    assert c.passkey["output_ids"][0] == int(torch.argmax(logits))

@@ -98,7 +98,8 @@ def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], d
 
 def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bool, lengths: str, depths: str,
                seeds: str, keys: int, haystack: str, max_new_tokens: int, fidelity_lengths: str,
-               fidelity_window: int, greedy_tokens: int, policy_arg: list[str] | None) -> EvalSpec:
+               fidelity_window: int, greedy_tokens: int, policy_arg: list[str] | None,
+               question: bool = False) -> EvalSpec:
     names, args = parse_policy_specs(policies, policy_arg)
     try:
         seed_list = [int(s) for s in split_list(seeds, "--seeds")]
@@ -112,7 +113,7 @@ def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bo
                     blocks=parse_blocks(block, one_block), lengths=parse_lengths(lengths, "--lengths"),
                     depths=parse_depths(depths), seeds=seed_list, keys=keys, haystack=haystack,
                     max_new_tokens=max_new_tokens, fidelity_lengths=parse_lengths(fidelity_lengths, "--fidelity-lengths"),
-                    fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args)
+                    fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args, question=question)
     if any(fl <= fidelity_window for fl in spec.fidelity_lengths) and "fidelity" in spec.tasks:
         raise InputError(f"--fidelity-window {fidelity_window} must be shorter than every --fidelity-lengths")
     if greedy_tokens < 1 or max_new_tokens < 1:

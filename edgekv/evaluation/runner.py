@@ -46,6 +46,9 @@ class EvalSpec:
     fidelity_window: int = 512
     greedy_tokens: int = 16
     policy_args: dict[str, dict[str, str]] = field(default_factory=dict)
+    # question-aware prefill (`--question`): passkey prompts' document part is read knowing the
+    # question, which query-aware policies score the blocks with; the others run unchanged
+    question: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +112,8 @@ def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: d
     policy = make_policy(policy_name, policy_args)
     context = prompt.eval_start if prompt.task == "fidelity" else prompt.tokens  # what prefill sees
     b = context if block == ONE_BLOCK else block
-    engine = BlockEngine(model, policy, budget, b)
+    split = prompt.question_start if spec.question and policy.uses_question and prompt.task != "fidelity" else None
+    engine = BlockEngine(model, policy, budget, b, question_rows=prompt.tokens - split if split else 0)
     t0 = time.perf_counter()
     if prompt.task == "fidelity":
         trace = run_trace(engine, prompt.ids, prompt.eval_start, spec.greedy_tokens, progress=progress)
@@ -117,7 +121,11 @@ def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: d
     else:
         tok = model.tokenizer
         eos = tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
-        logits = engine.prefill(prompt.ids, progress=progress)
+        if split:  # the document knowing the question, then the question itself
+            engine.prefill(prompt.ids[:split], progress=progress, question=prompt.ids[split:])
+            logits = engine.prefill(prompt.ids[split:], progress=progress)
+        else:
+            logits = engine.prefill(prompt.ids, progress=progress)
         retention = needle_retention(engine, prompt, tok)
         generated: list[int] = []
         for i in range(spec.max_new_tokens):

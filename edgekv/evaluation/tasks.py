@@ -72,6 +72,9 @@ class Prompt:
     distractors: list[str] = field(default_factory=list)  # the other needles' values (multikey)
     haystack: str = "repeat"
     eval_start: int | None = None  # fidelity: first position whose next-token distribution is scored
+    # passkey tasks: the first token of the question part ("\n\n" + the question + the chat suffix +
+    # the answer's start), for question-aware prefill: ids[:question_start] is the document
+    question_start: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -227,11 +230,13 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
     for i in range(len(depths)):
         char = base + len(INTRO) + starts[i]
         positions.append(next(t for t, (s0, e0) in enumerate(enc["offset_mapping"]) if e0 > char))
+    qchar = base + len(INTRO) + len(body)  # the "\n\n" before the question
+    question_start = next(t for t, (s0, e0) in enumerate(enc["offset_mapping"]) if e0 > qchar)
     task = "passkey" if keys == 1 else "multikey"
     pid = f"{task}-L{length}-d{depth:g}-s{seed}" + (f"-{haystack}" if haystack != "repeat" else "")
     return Prompt(id=pid, task=task, ids=torch.tensor(ids, dtype=torch.long), seed=seed, length_target=length,
                   depth=depth, answer=values[asked], needle_positions=positions, asked=asked, haystack=haystack,
-                  distractors=[v for i, v in enumerate(values) if i != asked])
+                  distractors=[v for i, v in enumerate(values) if i != asked], question_start=question_start)
 
 
 def extract_key(text: str, digits: int = 5) -> str | None:
