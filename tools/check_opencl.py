@@ -4,7 +4,7 @@ the native runtime — the OpenCL one on whatever OpenCL device is present (PoCL
 the CPU, `apt-get install pocl-opencl-icd`).
 
     python tools/check_opencl.py [--policies keydiff,lagkv] [--budget 256] [--prompt-tokens 640]
-                                 [--new-tokens 16] [--out docs/results]
+                                 [--new-tokens 32] [--out docs/results]
 
 1. The README's main job (`--prompt-file examples/long_document.txt --chat`, KeyDiff, N = 512):
    `edgekv-run` on each artifact, their texts and token ids compared; prefill / decode speed and
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=640)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = ap.parse_args()

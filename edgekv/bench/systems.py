@@ -87,8 +87,10 @@ def run_edgekv_native(ids, args):
     if not args.get("artifact"):
         raise RuntimeError("no compiled artifact given (--artifact); build one with `edgekv compile`")
     with tempfile.TemporaryDirectory() as d:
-        report = f"{d}/native.json"
-        cmd = [str(exe), args["artifact"], "--prompt-ids", ",".join(map(str, ids.tolist())), "--max-new-tokens",
+        report, id_file = f"{d}/native.json", f"{d}/ids.txt"
+        with open(id_file, "w") as f:  # a file: a long prompt's ids exceed one argument's 128 KiB limit
+            f.write(",".join(map(str, ids.tolist())))
+        cmd = [str(exe), args["artifact"], "--prompt-ids", "@" + id_file, "--max-new-tokens",
                str(args["decode_tokens"] + 1), "--threads", str(args["threads"]), "--warmup", "--ignore-eos",
                "--allow-beyond-context", "--quiet", "--report", report]
         res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,7 +1,7 @@
 /* edgekv-run: answer a prompt with a compiled artifact, no Python. The only place in the
  * runtime that prints or exits.
  *
- *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3 [--chat]
+ *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3|@FILE [--chat]
  *              [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--threads N]
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
  *              [--verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
@@ -50,7 +50,7 @@ static int fail(const char *fmt, const char *a, const char *b) {
 }
 
 static void usage(FILE *f) {
-  fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3) [--chat]\n"
+  fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3|@FILE) [--chat]\n"
         "                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads N]\n"
         "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--verify-weights]\n"
         "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
@@ -216,9 +216,12 @@ static int check_report_path(const char *path) {
   return 0;
 }
 
-static int read_prompt_file(const char *path, char **out, size_t *len) {
+/* `option`: what the user gave (--prompt-file FILE, --prompt-ids @FILE), named in the errors */
+static int read_prompt_file(const char *option, const char *path, char **out, size_t *len) {
+  char what[4200];
+  snprintf(what, sizeof what, "%s %s%s", option, strcmp(option, "--prompt-ids") == 0 ? "@" : "", path);
   FILE *f = fopen(path, "rb");
-  if (f == NULL) return fail("cannot read --prompt-file %s: %s", path, strerror(errno));
+  if (f == NULL) return fail("cannot read %s: %s", what, strerror(errno));
   char *buf = malloc(MAX_PROMPT_BYTES + 1);
   if (buf == NULL) {
     fclose(f);
@@ -229,7 +232,7 @@ static int read_prompt_file(const char *path, char **out, size_t *len) {
   fclose(f);
   if (bad || n > MAX_PROMPT_BYTES) {
     free(buf);
-    return fail("cannot read --prompt-file %s (unreadable, a directory, or over 64 MiB)%s", path, "");
+    return fail("cannot read %s (unreadable, a directory, or over 64 MiB)%s", what, "");
   }
   buf[n] = '\0';
   *out = buf;
@@ -256,26 +259,38 @@ static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size
   *ids = NULL;
   *n = 0;
   if (o->prompt_ids != NULL) {
-    size_t cap = strlen(o->prompt_ids) / 2 + 2;
+    /* @FILE: the ids in a file (a long prompt's ids do not fit one command-line argument) */
+    char *from_file = NULL;
+    size_t file_len = 0;
+    if (o->prompt_ids[0] == '@' && read_prompt_file("--prompt-ids", o->prompt_ids + 1, &from_file, &file_len) != 0) return 2;
+    const char *list = from_file != NULL ? from_file : o->prompt_ids;
+    while (from_file != NULL && file_len > 0 && (from_file[file_len - 1] == '\n' || from_file[file_len - 1] == ' '))
+      from_file[--file_len] = '\0'; /* a trailing newline */
+    size_t cap = strlen(list) / 2 + 2;
     int32_t *out = malloc(sizeof(int32_t) * cap);
-    if (out == NULL) return fail("out of memory%s%s", "", "");
-    const char *p = o->prompt_ids;
+    if (out == NULL) {
+      free(from_file);
+      return fail("out of memory%s%s", "", "");
+    }
+    const char *p = list;
     while (*p != '\0') {
       char *end;
       long v = strtol(p, &end, 10);
       if (end == p || v < 0 || v > INT32_MAX || (*end != ',' && *end != '\0') || *n >= cap) {
         free(out);
-        return fail("--prompt-ids %s: give comma-separated token ids%s", o->prompt_ids, "");
+        free(from_file);
+        return fail("--prompt-ids %s: give comma-separated token ids (or @FILE holding them)%s", o->prompt_ids, "");
       }
       out[(*n)++] = (int32_t)v;
       p = *end == ',' ? end + 1 : end;
     }
+    free(from_file);
     *ids = out;
     return 0;
   }
   char *text = (char *)o->prompt;
   size_t len = text != NULL ? strlen(text) : 0;
-  if (o->prompt_file != NULL && read_prompt_file(o->prompt_file, &text, &len) != 0) return 2;
+  if (o->prompt_file != NULL && read_prompt_file("--prompt-file", o->prompt_file, &text, &len) != 0) return 2;
   int only_space = 1;
   for (size_t i = 0; i < len && only_space; i++) only_space = text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r';
   int rc = 0;
