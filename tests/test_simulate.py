@@ -168,7 +168,7 @@ def test_full_cache_under_a_too_small_cap_fails_cleanly_and_the_parent_survives(
 
 def test_child_that_dies_at_startup_is_reported_not_raised(tiny_target, mech):
     out = run_job(Job(tiny_target, list(range(50)), "streaming", {}, 64, 32, 2, 48 * MiB, mech))
-    assert out.status == DOES_NOT_FIT and out.needs_bytes > 48 * MiB and out.needs_lower_bound
+    assert out.status == DOES_NOT_FIT and out.needs_bytes > 48 * MiB and out.needs_lower_bound, (out.status, out.exit, out.error)
     assert "importing" in out.needs_basis or "loading" in out.needs_basis
     assert out.exit  # e.g. "killed by SIGABRT": torch's import aborts when it cannot allocate
 

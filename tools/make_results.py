@@ -4,6 +4,7 @@ Each section is written by the command that measured it (the command is recorded
 section itself):
   accuracy.md   tools/results_accuracy.py        (edgekv eval sweeps)
   bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
+  bench_native/bench.md  edgekv bench --systems edgekv-compiled,edgekv-native -o docs/results/bench_native
   compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
   compile_time.md  tools/bench_compiled.py --skip profile,gemm,e2e --json/--md docs/results/compile_time.*
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
@@ -28,6 +29,7 @@ SECTIONS = [
     ("Threads: idle and loaded", "threads.md"),
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
+    ("The native runtime against TVM's VM on the same artifact (a quiet run)", "bench_native/bench.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
     ("Compile time", "compile_time.md"),
     ("Compiled model vs the reference engine: KeyDiff", "compiled_agreement.md"),
@@ -58,8 +60,8 @@ def main() -> None:
             if lines and lines[0].startswith("# "):
                 lines = lines[1:]
             body = "\n".join(("#" + l) if l.startswith("#") else l for l in lines)
-            if "bench/" in name:
-                body = body.replace("](bench.png)", "](results/bench/bench.png)")
+            if "/" in name:  # a results folder of its own (edgekv bench -o docs/results/<folder>)
+                body = body.replace("](bench.png)", f"](results/{name.split('/')[0]}/bench.png)")
             else:
                 body = body.replace("](", "](results/").replace("](results/http", "](http").replace("](results/results/", "](results/")
             parts.append(body + "\n")
