@@ -25,13 +25,13 @@ static void raise_peak(_Atomic uint64_t *peak, uint64_t value) {
   }
 }
 
-void *ekv_alloc(size_t bytes, ekv_mem_kind kind) {
+static void *allocate(size_t bytes, ekv_mem_kind kind, int zero) {
   if (bytes > SIZE_MAX - 2 * HEADER_SPACE) return NULL;
   size_t total = ekv_align_up(bytes + HEADER_SPACE, EKV_ALIGN);
   void *mem = NULL; /* posix_memalign: Android has aligned_alloc only from API 28 */
   if (posix_memalign(&mem, EKV_ALIGN, total) != 0) return NULL;
   unsigned char *raw = mem;
-  memset(raw + HEADER_SPACE, 0, total - HEADER_SPACE);
+  if (zero) memset(raw + HEADER_SPACE, 0, total - HEADER_SPACE);
   block_header *h = (block_header *)raw;
   h->bytes = total;
   h->kind = (uint32_t)kind;
@@ -39,6 +39,14 @@ void *ekv_alloc(size_t bytes, ekv_mem_kind kind) {
   raise_peak(&g_peak, atomic_fetch_add(&g_current, total) + total);
   raise_peak(&g_kind_peak[kind], atomic_fetch_add(&g_kind_current[kind], total) + total);
   return raw + HEADER_SPACE;
+}
+
+void *ekv_alloc(size_t bytes, ekv_mem_kind kind) { return allocate(bytes, kind, 1); }
+void *ekv_alloc_uninit(size_t bytes, ekv_mem_kind kind) { return allocate(bytes, kind, 0); }
+
+size_t ekv_alloc_usable(const void *ptr) {
+  const block_header *h = (const block_header *)((const unsigned char *)ptr - HEADER_SPACE);
+  return (size_t)h->bytes - HEADER_SPACE;
 }
 
 void ekv_free(void *ptr) {

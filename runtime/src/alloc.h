@@ -12,6 +12,10 @@
 typedef enum { EKV_MEM_RUNTIME = 0, EKV_MEM_WORKSPACE = 1, EKV_MEM_KINDS = 2 } ekv_mem_kind;
 
 void *ekv_alloc(size_t bytes, ekv_mem_kind kind);
+/* The same, not zero-filled (kernel workspaces: TVM's are not either). */
+void *ekv_alloc_uninit(size_t bytes, ekv_mem_kind kind);
+/* The usable bytes of a block from ekv_alloc / ekv_alloc_uninit (at least what was asked). */
+size_t ekv_alloc_usable(const void *ptr);
 void ekv_free(void *ptr);
 uint64_t ekv_mem_current(void);
 uint64_t ekv_mem_peak(void);

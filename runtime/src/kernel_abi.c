@@ -1,6 +1,7 @@
 #include "kernel_abi.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -59,17 +60,73 @@ void ekv_set_current(ekv_threadpool *pool, ekv_device *device) {
   t_device = device;
 }
 
+/* Host workspaces: kernels allocate and free small ones on nearly every call (SmolLM2: ~20,000 per
+ * 128-token block, ~2 KB each, many inside parallel loops), so each thread keeps the blocks it
+ * freed and hands them out again — not zeroed, as TVM's own pool does not zero them either —
+ * instead of an allocation each time (that cost 2-5 % of prefill). The calling thread's cache is
+ * emptied after each program function (ekv_workspace_release); a worker's when it exits. */
+#define WS_SLOTS 16
+#define WS_MAX_CACHED ((size_t)1 << 20)
+typedef struct {
+  void *block[WS_SLOTS];
+  int n;
+} ws_cache;
+static pthread_key_t g_ws_key;
+static pthread_once_t g_ws_once = PTHREAD_ONCE_INIT;
+static _Thread_local ws_cache *t_ws;
+
+static void ws_destroy(void *p) {
+  ws_cache *c = p;
+  for (int i = 0; i < c->n; i++) ekv_free(c->block[i]);
+  ekv_free(c);
+}
+static void ws_key_init(void) { pthread_key_create(&g_ws_key, ws_destroy); }
+
+static ws_cache *ws_thread_cache(void) {
+  if (t_ws == NULL) {
+    pthread_once(&g_ws_once, ws_key_init);
+    t_ws = ekv_alloc(sizeof *t_ws, EKV_MEM_RUNTIME);
+    if (t_ws != NULL) pthread_setspecific(g_ws_key, t_ws); /* freed when the thread exits */
+  }
+  return t_ws;
+}
+
+static void *host_workspace(size_t bytes) {
+  ws_cache *c = ws_thread_cache();
+  for (int i = 0; c != NULL && i < c->n; i++) {
+    size_t have = ekv_alloc_usable(c->block[i]);
+    if (have >= bytes && have <= 2 * bytes + 4096) { /* a close fit: no block hoards a larger one */
+      void *p = c->block[i];
+      c->block[i] = c->block[--c->n];
+      return p;
+    }
+  }
+  return ekv_alloc_uninit(bytes ? bytes : 1, EKV_MEM_WORKSPACE);
+}
+
+static void host_workspace_free(void *p) {
+  ws_cache *c = t_ws;
+  if (c != NULL && c->n < WS_SLOTS && ekv_alloc_usable(p) <= WS_MAX_CACHED) c->block[c->n++] = p;
+  else ekv_free(p);
+}
+
+void ekv_workspace_release(void) {
+  if (t_ws == NULL) return;
+  for (int i = 0; i < t_ws->n; i++) ekv_free(t_ws->block[i]);
+  t_ws->n = 0;
+}
+
 /* A kernel's temporary buffer: host memory, or (a GPU build's host code asking for device
  * memory) a buffer of the device the kernels run on. */
 static void *alloc_workspace(int device_type, int device_id, uint64_t nbytes, int code_hint, int bits_hint) {
   if (nbytes > SIZE_MAX / 2) return NULL;
-  if (device_type == kDLCPU) return ekv_alloc((size_t)nbytes, EKV_MEM_WORKSPACE);
+  if (device_type == kDLCPU) return host_workspace((size_t)nbytes);
   if (t_device == NULL || t_device->host_memory || (int)t_device->dl.device_type != device_type) return NULL;
   return t_device->alloc(t_device, nbytes ? (size_t)nbytes : 1);
 }
 
 static int free_workspace(int device_type, int device_id, void *ptr) {
-  if (device_type == kDLCPU) ekv_free(ptr);
+  if (device_type == kDLCPU) host_workspace_free(ptr);
   else if (t_device != NULL) t_device->free(t_device, ptr);
   return 0;
 }

@@ -33,6 +33,8 @@ ekv_kernel_fn ekv_library_kernel(const ekv_library *lib, const char *name);
 /* The pool TVM's parallel loops run on and the device device workspaces come from, while the
  * calling thread executes kernels (thread-local: each session's runner sets its model's). */
 void ekv_set_current(ekv_threadpool *pool, ekv_device *device);
+/* Free the kernel workspaces this thread keeps for reuse (after a program function). */
+void ekv_workspace_release(void);
 /* The message the last failing kernel left on this thread ("" when none); cleared by reading. */
 const char *ekv_kernel_error(void);
 void ekv_kernel_error_clear(void);

@@ -204,11 +204,13 @@ ekv_status ekv_run_function(ekv_session *s, int function) {
     int rc = m->kernels[call->kernel](NULL, &s->args[call->arg_begin], (int32_t)call->arg_count, &ret);
     if (rc != 0) {
       ekv_set_current(NULL, NULL);
+      ekv_workspace_release();
       return ekv_fail(&s->err, EKV_ERR_KERNEL, "kernel %s (call %u of %s) failed: %s", p->kernels[call->kernel], c,
                       f->name, ekv_kernel_error()[0] ? ekv_kernel_error() : "no message");
     }
   }
   ekv_set_current(NULL, NULL);
+  ekv_workspace_release();
   const void *logits = s->data[p->func_buffers[f->out_begin]];
   if (dev->host_memory) {
     s->logits = logits;
