@@ -567,6 +567,7 @@ def compile_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write (replaced as a whole when it holds an artifact)")] = Path("build/edgekv"),
     mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
+    weights: Annotated[Optional[str], typer.Option(help="weight format: q4 (GGML Q4_1 linear layers, Q8_0 embedding), q8 (Q8_0), fp32; default: q4 for a 4-bit source such as SmolLM2's GGUF on the host CPU, else fp32")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -597,7 +598,8 @@ def compile_cmd(
                     if not err.is_terminal:
                         say(msg.replace(str(tmp), str(output)))
 
-                result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress)
+                result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress,
+                                       weights=weights)
             replace_dir(tmp, output)
         finally:
             if tmp.exists():
@@ -613,6 +615,7 @@ def compile_cmd(
         table.add_row("artifact", str(output))
         table.add_row("target", json.dumps(manifest["target"]["tvm"]))
         table.add_row("attention sites rewritten", str(manifest["num_layers"]))
+        table.add_row("weights", weights_summary(manifest))
         plan = manifest["memory_plan"]
         table.add_row("plan: weights / KV cache / activations",
                       f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
@@ -626,6 +629,14 @@ def compile_cmd(
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
+
+
+def weights_summary(manifest: dict) -> str:
+    """``q4 (Q4_1 × 210, Q8_0 × 1, fp32 × 61; 98.9 MiB)`` from an artifact's manifest."""
+    w = manifest.get("weights") or {"format": "fp32"}
+    parts = ", ".join(f"{k} × {v}" for k, v in (w.get("tensors") or {}).items())
+    size = f"; {human_bytes(w['bytes'])}" if "bytes" in w else ""
+    return f"{w['format']} ({parts}{size})" if parts else w["format"]
 
 
 def check_static_cache(cfg, budget: int, block: int) -> None:
@@ -831,7 +842,8 @@ def bench(
     block: Annotated[int, typer.Option(help=HELP["block"])] = DEFAULT_BLOCK,
     policy: Annotated[str, typer.Option(help=HELP["policy"])] = DEFAULT_POLICY,
     systems: Annotated[str, typer.Option(help="systems to run")] = "edgekv-eager,edgekv-compiled,hf,kvpress,llamacpp,onnxruntime",
-    artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled")] = None,
+    artifact: Annotated[Optional[Path], typer.Option(help="compiled artifact for edgekv-compiled and edgekv-native")] = None,
+    fp32_artifact: Annotated[Optional[Path], typer.Option(help="the same build with --weights fp32, for edgekv-native-fp32 (what quantised weights change)")] = None,
     onnx: Annotated[Optional[Path], typer.Option(help="ONNX file (past_key_values form, `edgekv export-onnx --form past`) for the onnxruntime peer")] = None,
     decode_tokens: Annotated[int, typer.Option("--max-new-tokens", "--decode-tokens", help="tokens decoded after the prompt")] = 32,
     repeats: Annotated[int, typer.Option(help="runs per point (median reported)")] = 3,
@@ -869,7 +881,8 @@ def bench(
         cfg = BenchConfig(model=model, systems=names, lengths=lengths, memory_only_lengths=mem_lengths,
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
                           decode_tokens=decode_tokens, repeats=repeats, threads=choice.count,
-                          artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None)
+                          artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None,
+                          fp32_artifact=str(fp32_artifact) if fp32_artifact else None)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
         results["command"] = "edgekv bench " + " ".join(sys.argv[2:])

@@ -5,6 +5,9 @@ section itself):
   accuracy.md   tools/results_accuracy.py        (edgekv eval sweeps)
   bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
   bench_native/bench.md  edgekv bench --systems edgekv-compiled,edgekv-native -o docs/results/bench_native
+  bench_q4/bench.md  edgekv bench --artifact <q4> --fp32-artifact <fp32> --systems edgekv-native,edgekv-native-fp32,edgekv-compiled,llamacpp
+  weight_kernels.md  tools/bench_weight_kernels.py    (q4/q8/fp32 GEMV GB/s vs the measured bandwidth, GEMMs)
+  weights_fidelity.md  tools/check_weights_fidelity.py  (q4 vs fp32 artifact vs llama.cpp: top-1, KL)
   compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
   compile_time.md  tools/bench_compiled.py --skip profile,gemm,e2e --json/--md docs/results/compile_time.*
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
@@ -30,6 +33,9 @@ SECTIONS = [
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("The native runtime against TVM's VM on the same artifact (a quiet run)", "bench_native/bench.md"),
+    ("4-bit weights: speed and memory against llama.cpp (one run)", "bench_q4/bench.md"),
+    ("4-bit weights: the kernels against the memory bandwidth", "weight_kernels.md"),
+    ("4-bit weights: fidelity against fp32 and llama.cpp", "weights_fidelity.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
     ("Compile time", "compile_time.md"),
     ("Compiled model vs the reference engine: KeyDiff", "compiled_agreement.md"),

@@ -26,6 +26,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def stored_bytes(nbytes: int) -> int:
+    """The bytes an array of ``nbytes`` takes in the file, its alignment padding included."""
+    return _align(nbytes)
+
+
 def write_params(params: list[tuple[str, np.ndarray]], path: str | Path,
                  metadata: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
     """Write the arrays in order; returns {name: (absolute byte offset, bytes)}. Atomic: written

@@ -12,24 +12,35 @@ def _row(results, system, length):
     return None
 
 
+def own_rss(r: dict) -> int:
+    """The system's own peak memory (``worker.py``): older results have only the process peak."""
+    return r.get("own_rss") or r["peak_rss"]
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     systems = [s for s in cfg["systems"] if s not in results["skipped"]]
     lines = [f"Model `{cfg['model']}`, policy `{cfg['policy']}`, N = {cfg['budget']}, B = {cfg['block']}, "
              f"{cfg['threads']} threads, decode {cfg['decode_tokens']} tokens, median of {cfg['repeats']} runs, "
              "each run in its own process.", "",
-             "| system | prompt | prefill tok/s | decode tok/s | peak RSS |", "|---|---:|---:|---:|---:|"]
+             "| system | prompt | prefill tok/s | decode tok/s | peak RSS | own RSS |", "|---|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['length']} | error: {r['error'][:80]} | | |")
+            lines.append(f"| {r['system']} | {r['length']} | error: {r['error'][:80]} | | | |")
             continue
         dec = f"{r['decode_tok_s']:.1f}" if r.get("decode_tok_s") else "—"
         pre = f"{r['prefill_tok_s']:.1f}" if not r["memory_only"] else f"({r['prefill_tok_s']:.1f}, memory run)"
-        lines.append(f"| {r['system']} | {r['length']} | {pre} | {dec} | {human_bytes(r['peak_rss'])} |")
-    peers = [s for s in systems if not s.startswith("edgekv")]
-    for ours in [s for s in systems if s.startswith("edgekv")]:
+        lines.append(f"| {r['system']} | {r['length']} | {pre} | {dec} | {human_bytes(r['peak_rss'])} | "
+                     f"{human_bytes(own_rss(r))} |")
+    lines += ["", "own RSS: a system run inside the Python worker (HF, kvpress, llama.cpp, ONNX Runtime, "
+              "edgekv eager/compiled) is charged its process peak less the interpreter's RSS before it loaded "
+              "anything (Python + torch); `edgekv-run` is its own C process, charged all of it. Memory ratios "
+              "below use own RSS."]
+    # peers of each edgekv system: the other projects, and the fp32 build of the same artifact
+    peers = [s for s in systems if not s.startswith("edgekv")] + [s for s in systems if s == "edgekv-native-fp32"]
+    for ours in [s for s in systems if s.startswith("edgekv") and s != "edgekv-native-fp32"]:
         lines += ["", f"**{ours} / peer** (ratio > 1: edgekv faster; memory ratio < 1: edgekv smaller)", "",
-                  "| peer | prompt | prefill | decode | peak RSS |", "|---|---:|---:|---:|---:|"]
+                  "| peer | prompt | prefill | decode | own RSS |", "|---|---:|---:|---:|---:|"]
         for peer in peers:
             for length in cfg["lengths"]:
                 a, b = _row(results, ours, length), _row(results, peer, length)
@@ -37,7 +48,7 @@ def markdown(results: dict) -> str:
                     continue
                 dec = f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}×" if a.get("decode_tok_s") and b.get("decode_tok_s") else "—"
                 lines.append(f"| {peer} | {length} | {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}× | {dec} | "
-                             f"{a['peak_rss'] / b['peak_rss']:.2f}× |")
+                             f"{own_rss(a) / own_rss(b):.2f}× |")
     if "edgekv-native" in systems and "edgekv-compiled" in systems:
         # the native runtime against the TVM VM runtime on the same artifact, and its memory against its plan
         lines += ["", "**edgekv-native / edgekv-compiled** (the same artifact; native runtime vs TVM's VM), and the "

@@ -30,12 +30,13 @@ class BenchConfig:
     threads: int = 1  # the CLI passes edgekv.threads.choose_threads(--threads)
     artifact: str | None = None
     onnx: str | None = None  # past_key_values-form ONNX file for the onnxruntime peer
+    fp32_artifact: str | None = None  # the same build with fp32 weights (edgekv-native-fp32)
     timeout: int = 900
 
 
 def installed(system: str) -> bool:
     module = NEEDS.get(system)
-    if system == "edgekv-native":
+    if system in ("edgekv-native", "edgekv-native-fp32"):
         from ..runtime import native
 
         return native.cli_path() is not None
@@ -45,7 +46,7 @@ def installed(system: str) -> bool:
 def run_once(cfg: BenchConfig, system: str, ids: list[int], decode_tokens: int) -> dict:
     spec = {"system": system, "ids": ids, "model": cfg.model, "budget": cfg.budget, "block": cfg.block,
             "policy": cfg.policy, "decode_tokens": decode_tokens, "threads": cfg.threads, "artifact": cfg.artifact,
-            "onnx": cfg.onnx}
+            "onnx": cfg.onnx, "fp32_artifact": cfg.fp32_artifact}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -68,8 +69,8 @@ def summarize(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[0]["error"] if runs else "no runs"}
     out = {"repeats": len(ok)}
-    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss", "prefill_seconds", "decode_seconds", "startup_seconds",
-                "plan_bytes"):
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss", "own_rss", "prefill_seconds", "decode_seconds",
+                "startup_seconds", "plan_bytes"):
         values = [r[key] for r in ok if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
@@ -87,6 +88,9 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
             continue
         if system in ("edgekv-compiled", "edgekv-native") and not cfg.artifact:
             skipped[system] = "no artifact given (--artifact DIR from `edgekv compile`)"
+            continue
+        if system == "edgekv-native-fp32" and not cfg.fp32_artifact:
+            skipped[system] = "no fp32 artifact given (--fp32-artifact DIR from `edgekv compile --weights fp32`)"
             continue
         if system == "onnxruntime" and not cfg.onnx:
             skipped[system] = "no ONNX file given (--onnx FILE from `edgekv export-onnx --form past`)"

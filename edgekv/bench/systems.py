@@ -14,7 +14,7 @@ import torch
 SYSTEMS: dict[str, Callable] = {}
 NEEDS = {  # the import each peer needs; missing → reported as "not installed"
     "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama_cpp", "edgekv-compiled": "tvm",
-    "onnxruntime": "onnxruntime", "edgekv-native": "edgekv-run",
+    "onnxruntime": "onnxruntime", "edgekv-native": "edgekv-run", "edgekv-native-fp32": "edgekv-run",
 }
 
 
@@ -69,6 +69,14 @@ def run_edgekv_compiled(ids, args):
     return {"prefill_seconds": prefill, "decode_seconds": dec, "block_seconds": rt.stats.block_seconds}
 
 
+@system("edgekv-native-fp32")
+def run_edgekv_native_fp32(ids, args):
+    """``edgekv-native`` on the same build with fp32 weights (``--fp32-artifact``)."""
+    if not args.get("fp32_artifact"):
+        raise RuntimeError("no fp32 artifact given (--fp32-artifact); build one with `edgekv compile --weights fp32`")
+    return run_edgekv_native(ids, {**args, "artifact": args["fp32_artifact"]})
+
+
 @system("edgekv-native")
 def run_edgekv_native(ids, args):
     """The native runtime's own command, ``edgekv-run``, as a child process that never starts
@@ -99,7 +107,7 @@ def run_edgekv_native(ids, args):
         r = json.loads(open(report).read())
     return {"prefill_seconds": r["prefill_seconds"], "decode_seconds": r["decode_seconds"],
             "peak_rss": r["memory"]["peak_rss_bytes"], "plan_bytes": r["memory"]["plan"]["total_bytes"],
-            "startup_seconds": r["startup_seconds"], "threads": r["threads"]}
+            "startup_seconds": r["startup_seconds"], "threads": r["threads"], "child_process": True}
 
 
 def _hf_generate(model, ids, decode_tokens, press=None):

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 
 def main(spec_path: str) -> None:
-    from ..memory import peak_rss_bytes
+    from ..memory import current_rss_bytes, peak_rss_bytes
     from .systems import SYSTEMS
 
     spec = json.loads(open(spec_path).read())
@@ -22,6 +22,7 @@ def main(spec_path: str) -> None:
 
     apply_threads(spec["threads"])  # torch and TVM (edgekv-compiled) alike
     ids = torch.tensor(spec["ids"], dtype=torch.long)
+    interpreter = current_rss_bytes()  # Python, torch and the worker, before the system loads anything
     result = SYSTEMS[spec["system"]](ids, spec)
     n = ids.numel()
     result.update({
@@ -30,6 +31,9 @@ def main(spec_path: str) -> None:
         # a system run in its own child process (edgekv-native) reports that process's peak
         "peak_rss": result.get("peak_rss") or peak_rss_bytes(),
     })
+    # the system's own memory: a child process's peak as it is; an in-process peer's (llama.cpp,
+    # HF, ...) peak less the interpreter it runs in, which a C program using it would not carry
+    result["own_rss"] = result["peak_rss"] if result.get("child_process") else result["peak_rss"] - interpreter
     print("EDGEKV_BENCH " + json.dumps(result), flush=True)
 
 

@@ -101,14 +101,17 @@ def entry_state_names(lowered) -> list[str]:
 
 
 def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
-    """Static plan in bytes: weights and caches exactly (K, V, positions, fill and the policy's
+    """Static plan in bytes: weights as stored (each array padded to the params file's 64-byte
+    alignment: the bytes a runtime maps) and caches exactly (K, V, positions, fill and the policy's
     state, ``block_cache.cache_layout``); activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
     of what TVM's static block-memory planner allocates, which reuses storage)."""
     from .attention_sites import _arg_vars, op_name, shape_of
     from .block_cache import cache_layout
 
-    weights = sum(int(a.nbytes) for _, a in lowered.params)
+    from ..artifact.params_file import stored_bytes
+
+    weights = sum(stored_bytes(int(a.nbytes)) for _, a in lowered.params)  # what a runtime maps
     cache = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for s in lowered.sites
                 for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy))
     func = lowered.mod["prefill_block"]
@@ -144,15 +147,45 @@ def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
             "total_bytes": int(weights + cache + peak)}
 
 
+def weight_layout(profile: dict, tgt: dict) -> str | None:
+    """How a target's build lays out its weights: ``host`` (this CPU: fp32 panels or quantised
+    panels), ``cpu`` (a cross-compiled CPU: fp32 as TVM lays it out, quantised panels), ``gpu``
+    (quantised rows that dlight schedules), or None where quantised weights have no kernels yet
+    (Hexagon: its float16 conversions are untested)."""
+    from .gpu_schedule import is_gpu_target
+
+    if is_gpu_target(tgt):
+        return "gpu"
+    if tgt.get("kind") != "llvm" or "hexagon" in str(tgt.get("mtriple", "")):
+        return None
+    return "cpu" if (profile.get("host") or "mtriple" in tgt) else "host"
+
+
+def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
+    """The weight format of a build: ``weights`` when given, else q4 for a 4-bit source
+    (``quant_formats.default_weights``) and fp32 otherwise; fp32 where the target has no
+    quantised kernels (``weight_layout`` None), and asking for more there is refused."""
+    from .quant_formats import WEIGHT_CHOICES, default_weights
+
+    if weights is None:
+        return default_weights(model) if layout is not None else "fp32"
+    if weights not in WEIGHT_CHOICES:
+        raise CompileError(f"--weights {weights!r} is not a weight format; use one of {', '.join(WEIGHT_CHOICES)}")
+    if weights != "fp32" and layout is None:
+        raise CompileError(f"--weights {weights} has no kernels for this target yet; compile it with --weights fp32")
+    return weights
+
+
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
-                  progress=None, imported=None) -> BuildResult:
+                  progress=None, imported=None, weights: str | None = None) -> BuildResult:
     """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
     from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N
     and block B for ``target``; write the artifact to ``out_dir`` when given.
 
     ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
-    several policies can be compiled from one export."""
+    several policies can be compiled from one export. ``weights``: q4 | q8 | fp32
+    (``resolve_weights``; None: the model's default)."""
     import tvm
 
     from .block_cache import BlockCacheSpec
@@ -166,12 +199,14 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         (progress or (lambda msg: None))("importing the ONNX graph")
         imported = model.import_graph(block)
-    if profile.get("host") or tgt.get("kind") != "llvm" or "mtriple" in tgt:
+    layout = weight_layout(profile, tgt)
+    weights = resolve_weights(model, weights, layout)
+    if layout != "host":
         # GPU / NPU / cross-compiled CPU targets (compile/cuda.json, opencl, metal, hexagon, android-cpu)
         from .targets import build_for_target
 
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
-                                out_dir, imported=imported, progress=progress, mem_limit=mem_limit)
+                                out_dir, imported=imported, progress=progress, mem_limit=mem_limit, weights=weights)
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
                           extra_rows=extra_rows(policy), cores=int(tgt.get("num-cores", 1)))
     say = progress or (lambda msg: None)
@@ -183,18 +218,13 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     mod, sites, transposed = lower_module(mod, spec)
     timings["passes_s"] = time.perf_counter() - t0
     lowered = Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
+    say(f"laying out the weights ({weights})")
+    weight_info = lay_out_weights(lowered, model, weights, spec.cores, "host")
     plan = memory_plan(lowered, budget, policy.name)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
                            f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
-                           f"{mem_limit}; lower --budget or --block")
-    # weights as contiguous column panels for the host CPU's GEMM/GEMV kernels (pack_weights.py)
-    from .pack_weights import PackWeights, pack_params
-    from .pipeline import FUNCTIONS
-
-    packer = PackWeights(list(FUNCTIONS), spec.cores)
-    lowered.mod = packer(lowered.mod)
-    lowered.params = pack_params(lowered.params, packer.packed)
+                           f"{mem_limit}; lower --budget or --block" + ("" if weights == "q4" else ", or use --weights q4"))
     # the policy's per-prompt function (D2O's probe → layer budgets), over the final weight layout
     from .prepare import add_prepare_function
 
@@ -209,12 +239,46 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     ex = tvm.compile(lowered.mod, target=target_obj,
                      relax_pipeline=capture_final_module(cpu_pipeline, final)(target_obj))
     lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
-    manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan)
+    manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan,
+                              weights=weight_info)
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params, final_module=final.get("mod"), policy=policy)
     if out_dir is not None:
         write_artifact(result, lowered.params, tgt, getattr(model, "tokenizer", None))
     return result
+
+
+def lay_out_weights(lowered, model: Any, weights: str, cores: int, layout: str) -> dict[str, Any]:
+    """The weights as the target's kernels read them (``layout``: ``weight_layout``) — fp32
+    column panels on the host (``pack_weights.py``; elsewhere fp32 stays as TVM lays it out) or
+    quantised blocks (``quantize_weights.py``) — rewriting ``lowered.mod`` and ``lowered.params``
+    in place. Returns the manifest's ``weights`` entry."""
+    from .pipeline import FUNCTIONS
+
+    if weights == "fp32" and layout != "host":
+        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+    if weights == "fp32":
+        from .pack_weights import PackWeights, pack_params
+
+        packer = PackWeights(list(FUNCTIONS), cores)
+        lowered.mod = packer(lowered.mod)
+        lowered.params = pack_params(lowered.params, packer.packed)
+        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+    from .quant_formats import GROUP, open_source_blocks
+    from .quantize_weights import QuantizeWeights, quantize_params
+
+    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu")
+    lowered.mod = quantizer(lowered.mod)
+    lowered.params, origin = quantize_params(lowered.params, quantizer.plan, open_source_blocks(model))
+    kinds: dict[str, int] = {}
+    for q in quantizer.plan.values():
+        kinds[q.fmt.ggml] = kinds.get(q.fmt.ggml, 0) + 1
+    kinds["fp32"] = len([n for n, a in lowered.params if str(getattr(a, "dtype", "")) == "float32"])
+    return {"format": weights, "group": GROUP, "scale_dtype": "float32" if layout == "gpu" else "float16",
+            "layout": "rows" if layout == "gpu" else "panels", "tensors": kinds,
+            # blocks taken from the source GGUF as they are, and tensors quantised here from fp32
+            "blocks_from_source": origin["gguf"], "quantized_here": origin["quantized"],
+            "bytes": int(sum(int(a.nbytes) for _, a in lowered.params))}
 
 
 def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, profile: dict, target: Any,

@@ -44,8 +44,9 @@ def _matmul_use(value, weight) -> tuple[tuple, tuple] | None:
     return tuple(int(d) for d in xs), tuple(int(d) for d in ws)
 
 
-def plan(mod: tvm.IRModule, functions: list[str], cores: int) -> dict[str, int]:
-    """{weight input name: NR} for the weights whose every use is a packable matmul."""
+def matmul_weights(mod: tvm.IRModule, functions: list[str]) -> dict[str, list[tuple[tuple, tuple]]]:
+    """{weight input name: its uses as (x shape, W shape)} for the weights whose every use is a
+    ``matmul(x, W)`` the dense kernels take (``_matmul_use``)."""
     uses: dict[str, list] = {}
     bad: set[str] = set()
     for name in functions:
@@ -60,10 +61,13 @@ def plan(mod: tvm.IRModule, functions: list[str], cores: int) -> dict[str, int]:
                             bad.add(weights[a])
                         else:
                             uses.setdefault(weights[a], []).append(use)
+    return {w: us for w, us in uses.items() if w not in bad}
+
+
+def plan(mod: tvm.IRModule, functions: list[str], cores: int) -> dict[str, int]:
+    """{weight input name: NR} for the weights whose every use is a packable matmul."""
     out = {}
-    for w, us in uses.items():
-        if w in bad:
-            continue
+    for w, us in matmul_weights(mod, functions).items():
         (xs, (K, N)) = max(us, key=lambda u: u[0][-2])  # the widest M (the prefill step) picks NR
         tiles = dense_tiles(xs[-2], K, N, cores)
         if tiles is not None:

@@ -8,7 +8,10 @@
   3. (TVM) DeadCodeElimination: drops the dead softmax/mask subgraphs and the full LM head
   3b. ``pretranspose.py``     PretransposeWeights: linear weights stored as Wᵀ (no per-call transposes)
   3c. ``pack_weights.py``    PackWeights (host CPU builds, run by ``build.py``): each linear weight
-                              as [N/NR, K, NR] column panels, its matmuls as the packed GEMM/GEMV
+                              as [N/NR, K, NR] column panels, its matmuls as the packed GEMM/GEMV;
+      ``quantize_weights.py`` or, for ``--weights q4|q8``, QuantizeWeights: the same weights as
+                              Q4_1/Q8_0 block panels (the embedding / tied head as Q8_0 rows) and
+                              kernels that dequantise as they read
   4. ``build.py``             tvm.compile: TVM's Relax CPU pipeline with ``cpu_schedule.py``
                               (ScheduleCPU: one rule per kernel kind — register-blocked dense
                               GEMM/GEMV, generic matmul, NT matmul, fused elementwise) after FuseTIR, LLVM codegen,

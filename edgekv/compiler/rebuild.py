@@ -10,6 +10,8 @@ from tvm import relax
 
 from .block_cache import substitute, without_function
 
+SKIP = object()  # a rewrite's answer: drop the binding (its value must have no other use)
+
 
 def swap_weight_params(func: relax.Function, new_weights: dict[str, relax.Var]) -> tuple[list, dict]:
     """(the function's parameters with the weight inputs named in ``new_weights`` replaced by
@@ -27,8 +29,9 @@ def rebuild_function(mod: tvm.IRModule, name: str, params: list,
                      rewrite: Callable[[object, dict, relax.BlockBuilder], object] | None = None) -> tvm.IRModule:
     """``mod`` with function ``name`` rebuilt over ``params`` (same attributes). Every binding is
     emitted again with its vars substituted, unless ``rewrite(binding, vmap, bb)`` answers: an
-    existing var (the binding becomes an alias of it, nothing is emitted) or an expression to
-    emit in the binding's place; None keeps the binding."""
+    existing var (the binding becomes an alias of it, nothing is emitted), ``SKIP`` (dropped: a
+    value whose every use the rewrite replaces) or an expression to emit in the binding's place;
+    None keeps the binding."""
     func = mod[name]
     bb = relax.BlockBuilder(without_function(mod, name))
     attrs = {k: func.attrs[k] for k in func.attrs.keys() if k != "global_symbol"}
@@ -38,6 +41,8 @@ def rebuild_function(mod: tvm.IRModule, name: str, params: list,
             for block in func.body.blocks:
                 for b in block.bindings:
                     new = rewrite(b, vmap, bb) if rewrite is not None else None
+                    if new is SKIP:
+                        continue
                     if isinstance(new, relax.Var):
                         vmap[b.var] = new
                         continue

@@ -182,7 +182,7 @@ def elf_machine(obj: bytes) -> int | None:
 
 def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "cuda",
                      out_dir: str | Path | None = None, *, imported=None, progress=None,
-                     mem_limit: int | None = None) -> BuildResult:
+                     mem_limit: int | None = None, weights: str | None = None) -> BuildResult:
     """Compile for a device target and (with ``out_dir``) write the complete artifact.
 
     The manifest's ``device`` section says where each function runs, the generated code sizes
@@ -193,6 +193,11 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     profile, tgt, host = device_target(target)
     say("exporting and lowering")
     lowered, spec = lower_for_target(model, policy, budget, block, imported)
+    from .build import lay_out_weights, resolve_weights, weight_layout
+
+    layout = weight_layout(profile, tgt)
+    weights = resolve_weights(model, weights, layout)
+    weight_info = lay_out_weights(lowered, model, weights, int(tgt.get("num-cores", 1)), layout)
     plan = memory_plan(lowered, budget, policy.name)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
@@ -224,7 +229,7 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     tool["status"] = "needs-toolchain" if needs else "complete"
     info["toolchain"] = tool
     manifest = build_manifest(model, policy, spec, budget, block, profile, target, tgt, lowered, plan,
-                              host=host, device=info)
+                              host=host, device=info, weights=weight_info)
     # a CPU or OpenCL build carries the flat program (program.ekv) the native runtime runs
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params, final_module=final.get("mod"), policy=policy)

@@ -52,6 +52,9 @@ class GeometryWork:
     cfg: ModelConfig
     static_keys: int | None = None  # compiled: every call attends to this many slots (N + B)
     source: str = "geometry (model config + N + B)"
+    # an artifact's stored weight bytes (its memory plan: 4-bit blocks for --weights q4); None:
+    # every parameter at the precision's bytes per value
+    weight_bytes: int | None = None
 
     def _layer_weights(self) -> int:
         c = self.cfg
@@ -84,9 +87,10 @@ class GeometryWork:
             ev_flops = c.num_kv_heads * cand * (6 * c.head_dim + 16)
             ev_bytes = c.num_kv_heads * (cand * c.head_dim * vb + 2 * cand * (2 * c.head_dim * vb + 4))
         per_layer = Work(gemm + attn + elem + ev_flops, kv_read + kv_write + act + ev_bytes)
+        head_rows = b if self.weight_bytes is not None else c.vocab_size + b  # the table is in weight_bytes
         head = Work(2 * c.hidden_size * c.vocab_size + 4 * c.hidden_size,
-                    vb * (c.vocab_size + b) * c.hidden_size)  # LM head (last row) + embedding rows
-        weights = Work(0.0, float(vb * self.weight_params()))
+                    vb * head_rows * c.hidden_size)  # LM head (last row) + embedding rows
+        weights = Work(0.0, float(self.weight_bytes if self.weight_bytes is not None else vb * self.weight_params()))
         return per_layer.scaled(c.num_layers) + head + weights
 
     def block(self, n_cache: int, b: int, evicts: bool, value_bytes: int = 4) -> Work:
@@ -141,8 +145,11 @@ def work_from_manifest(manifest: dict, cfg: ModelConfig) -> WorkModel:
             source += " + geometry FLOPs for kernels TVM cannot estimate (" + ", ".join(
                 sorted(set(pre.get("unestimated", []) + dec.get("unestimated", [])))[:4]) + ")"
         return ManifestWork(Work(pre_f, float(pre["bytes"])), Work(dec_f, float(dec["bytes"])), vb, source)
-    return GeometryWork(cfg, static_keys=n_static,
-                        source="geometry of the artifact's manifest (static N + B shapes); the manifest has no 'work' counts")
+    weights = int(manifest["memory_plan"]["weights_bytes"])
+    fmt = (manifest.get("weights") or {}).get("format", "fp32")
+    return GeometryWork(cfg, static_keys=n_static, weight_bytes=weights,
+                        source=f"geometry of the artifact's manifest (static N + B shapes; its {fmt} weights, "
+                               f"{weights / 2**20:.1f} MiB read per step); the manifest has no 'work' counts")
 
 
 @dataclass(frozen=True)

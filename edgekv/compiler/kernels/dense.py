@@ -92,6 +92,8 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     W_SHAPE = packed_shape(K, N, NR) if PACKED else (K, N)
 
+    tile = gemm_tile(M, K, N, MR, NR)
+
     @T.prim_func(private=True, s_tir=True)
     def dense(a: T.handle, w: T.handle, c: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -106,22 +108,45 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
                 T.reads(A[0:M * K], W[0:K * N])
                 T.writes(C[0:M * N])
                 acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
-                for io in T.serial(NI):
-                    for r in T.unroll(MR):
-                        for j in T.vectorized(NR):
-                            acc[r, j] = T.float32(0)
-                    for k in T.serial(K):
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NR):
-                                if PACKED:  # panel jo, row k: [N / NR, K, NR]
-                                    acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[(jo * K + k) * NR + j]
-                                else:  # row k, columns of panel jo: [K, N]
-                                    acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[k * N + jo * NR + j]
-                    for r in T.unroll(MR):
-                        for j in T.vectorized(NR):
-                            C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
+                if PACKED:  # panel jo: K rows of NR, contiguous ([N / NR, K, NR])
+                    tile(A, W, C, acc, jo, jo * K * NR, NR)
+                else:  # row k, columns of panel jo: [K, N]
+                    tile(A, W, C, acc, jo, jo * NR, N)
 
     return dense
+
+
+def gemm_tile(M: int, K: int, N: int, MR: int, NR: int):
+    """The register-blocked body shared by the fp32 and the quantised GEMMs, as a macro
+    ``tile(A, W, C, acc, jo, w_base, w_stride)``: for column panel ``jo``, every MR-row block of
+    A [M·K] times the K × NR panel read at ``W[w_base + k · w_stride + j]`` (a packed panel, a
+    column slice of [K, N], or a dequantised panel), into C [M·N] (a last panel past N writes its
+    first N mod NR columns only). ``acc`` is the [MR, NR] register tile."""
+    NI = M // MR
+    LAST = N - (-(-N // NR) - 1) * NR  # columns of the last panel
+    TAIL = LAST != NR
+
+    @T.macro
+    def tile(A, W, C, acc, jo, w_base, w_stride):
+        for io in T.serial(NI):
+            for r in T.unroll(MR):
+                for j in T.vectorized(NR):
+                    acc[r, j] = T.float32(0)
+            for k in T.serial(K):
+                for r in T.unroll(MR):
+                    for j in T.vectorized(NR):
+                        acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[w_base + k * w_stride + j]
+            if TAIL:
+                for r in T.unroll(MR):
+                    for j in T.serial(NR):
+                        if jo * NR + j < N:
+                            C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
+            else:
+                for r in T.unroll(MR):
+                    for j in T.vectorized(NR):
+                        C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
+
+    return tile
 
 
 def build_packed_gemv_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...],

@@ -1,0 +1,282 @@
+"""Dense kernels over quantised weights (``quant_formats.py``: GGML Q4_1 / Q8_0 blocks of 32
+along K), the dequantisation fused in, for the host CPU.
+
+* **GEMM** (the prefill step): the same register-blocked kernel as the fp32 one (``dense.py``'s
+  ``gemm_tile`` body, one task per NR-wide column panel), with the panel dequantised into a
+  K × NR fp32 buffer first (L2-resident: ≤ 96 KB at NR = 16, 384 KB at NR = 64 for SmolLM2's
+  K = 1536); all M rows then use it, so dequantising costs 1/M of the FMAs and the weight is
+  read from memory as 4- or 8-bit quants once per call. Summation over k is sequential:
+  results equal the fp32 kernel's over the dequantised weight up to FMA contraction.
+* **GEMV** (decode, memory-bound: reads every weight byte once per token): per panel and block,
+  NR lanes accumulate Σ x·q over the block's 32 weights, then acc += d · that (+ m · Σ x, the
+  block's x sum computed once per call) — two FMAs per weight and one conversion, no fp32
+  weight materialised. Summed per block, so the order differs from the dequantise-then-matmul
+  reference (≈1e-6 relative).
+* **Embedding lookup** and **tied LM head** (Q8_0 rows of the [V, K] table): a row gather that
+  dequantises, and an NT GEMV (each output one row's dot product, 16-lane partial sums per block).
+
+K not a multiple of 32: the weight is padded with zero blocks (x read as zero past K); N not a
+multiple of NR: padded panels, the last one's tail not written.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..quant_formats import GROUP, WeightFormat, padded
+from .dense import VEC, gemm_tile, register_rows
+
+
+def _check_rows(a_shape, c_shape, n: int):
+    *lead, M, K = a_shape
+    if tuple(c_shape) != (*lead, M, n) or any(d != 1 for d in lead) or len(lead) > 1:
+        raise ValueError(f"not a dense shape: {a_shape} -> {c_shape} (N = {n})")
+    return M, K
+
+
+def _weight_geometry(fmt: WeightFormat, K: int, N: int, NR: int):
+    if NR % VEC:
+        raise ValueError(f"panel width {NR} is not a multiple of {VEC}")
+    KP, NP = padded(K, GROUP), padded(N, NR)
+    return KP, NP // NR, KP // GROUP, (KP // 2 if fmt.bits == 4 else KP)
+
+
+def _signature(body, a_shape, c_shape, a_len: int, c_len: int, q_shape, q_dtype: str, scale_shape, has_min: bool):
+    """The kernel ``(A, quants, scales[, minima], C)`` around ``body(A, Q, D, MN, C)`` (A and C
+    as flat [a_len] / [c_len] views; MN None for a format without minima, Q8_0)."""
+    if has_min:  # Q4_1: quants, scales, minima
+        @T.prim_func(private=True, s_tir=True)
+        def quant_dense(a: T.handle, q: T.handle, d: T.handle, mn: T.handle, c: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            A0 = T.match_buffer(a, a_shape, "float32")
+            Q = T.match_buffer(q, q_shape, q_dtype)
+            D = T.match_buffer(d, scale_shape, "float16")
+            MN = T.match_buffer(mn, scale_shape, "float16")
+            C0 = T.match_buffer(c, c_shape, "float32")
+            body(T.decl_buffer((a_len,), "float32", data=A0.data), Q, D, MN,
+                 T.decl_buffer((c_len,), "float32", data=C0.data))
+    else:  # Q8_0: quants, scales
+        @T.prim_func(private=True, s_tir=True)
+        def quant_dense(a: T.handle, q: T.handle, d: T.handle, c: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            A0 = T.match_buffer(a, a_shape, "float32")
+            Q = T.match_buffer(q, q_shape, q_dtype)
+            D = T.match_buffer(d, scale_shape, "float16")
+            C0 = T.match_buffer(c, c_shape, "float32")
+            body(T.decl_buffer((a_len,), "float32", data=A0.data), Q, D, None,
+                 T.decl_buffer((c_len,), "float32", data=C0.data))
+    return quant_dense
+
+
+def build_quant_gemm_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int, NR: int):
+    """``C[(1,) M, N] = A[(1,) M, K] · dequant(W)`` with W as ``quant_formats.panel_arrays``."""
+    M, K2 = _check_rows(a_shape, c_shape, N)
+    if K2 != K:
+        raise ValueError(f"A has K = {K2}, the weight {K}")
+    KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
+    MR = register_rows(M, NR)
+    NI = M // MR
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+    Q4, HAS_MIN, QDT = fmt.bits == 4, fmt.has_min, fmt.quant_dtype
+    tile = gemm_tile(M, K, N, MR, NR)
+
+    @T.macro
+    def body(A, Q, D, MN, C):
+        for jo in T.parallel(NJ):
+            with T.sblock("gemm_q"):
+                W = T.sblock_alloc_buffer((KP * NR,), "float32")  # the dequantised panel
+                acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                for kb in T.serial(KB):
+                    for i in T.serial(GROUP // 2 if Q4 else GROUP):
+                        for j in T.vectorized(NR):
+                            if Q4:  # byte i of the block: quant i (low nibble), quant i + 16 (high)
+                                W[(kb * GROUP + i) * NR + j] = (
+                                    T.Cast("float32", T.bitwise_and(Q[jo, kb * 16 + i, j], T.uint8(15)))
+                                    * T.Cast("float32", D[jo, kb, j]) + T.Cast("float32", MN[jo, kb, j]))
+                                W[(kb * GROUP + i + 16) * NR + j] = (
+                                    T.Cast("float32", T.shift_right(Q[jo, kb * 16 + i, j], T.uint8(4)))
+                                    * T.Cast("float32", D[jo, kb, j]) + T.Cast("float32", MN[jo, kb, j]))
+                            else:
+                                W[(kb * GROUP + i) * NR + j] = (T.Cast("float32", Q[jo, kb * GROUP + i, j])
+                                                                * T.Cast("float32", D[jo, kb, j]))
+                tile(A, W, C, acc, jo, 0, NR)
+
+    return _signature(body, A_SHAPE, C_SHAPE, M * K, M * N, (NJ, QK, NR), QDT, (NJ, KB, NR), HAS_MIN)
+
+
+def build_quant_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int, NR: int):
+    """``C[(1,) 1, N] = x · dequant(W)`` over the same panel arrays as the GEMM (decode)."""
+    M, K2 = _check_rows(a_shape, c_shape, N)
+    if M != 1 or K2 != K:
+        raise ValueError(f"not a GEMV: {a_shape} with K = {K}")
+    KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+    Q4, HAS_MIN, QDT = fmt.bits == 4, fmt.has_min, fmt.quant_dtype
+    TAIL = N % NR != 0
+
+    @T.macro
+    def body(A, Q, D, MN, C):
+        X = T.alloc_buffer((KP,), "float32")  # x padded with zeros to whole blocks
+        XS = T.alloc_buffer((KB,), "float32")  # Σ x per block (the minimum's term)
+        for k in T.serial(KP):
+            X[k] = T.if_then_else(k < K, A[T.min(k, K - 1)], T.float32(0))
+        for kb in T.serial(KB):
+            XS[kb] = T.float32(0)
+            for i in T.serial(GROUP):
+                XS[kb] = XS[kb] + X[kb * GROUP + i]
+        for jo in T.parallel(NJ):
+            with T.sblock("gemv_q"):
+                acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
+                blk = T.sblock_alloc_buffer((NR,), "float32", scope="local")
+                for j in T.vectorized(NR):
+                    acc[j] = T.float32(0)
+                for kb in T.serial(KB):
+                    for j in T.vectorized(NR):
+                        blk[j] = T.float32(0)
+                    for i in T.serial(GROUP // 2 if Q4 else GROUP):
+                        for j in T.vectorized(NR):
+                            if Q4:
+                                blk[j] = (blk[j] + X[kb * GROUP + i]
+                                          * T.Cast("float32", T.bitwise_and(Q[jo, kb * 16 + i, j], T.uint8(15)))
+                                          + X[kb * GROUP + i + 16]
+                                          * T.Cast("float32", T.shift_right(Q[jo, kb * 16 + i, j], T.uint8(4))))
+                            else:
+                                blk[j] = blk[j] + X[kb * GROUP + i] * T.Cast("float32", Q[jo, kb * GROUP + i, j])
+                    for j in T.vectorized(NR):
+                        if HAS_MIN:
+                            acc[j] = (acc[j] + T.Cast("float32", D[jo, kb, j]) * blk[j]
+                                      + T.Cast("float32", MN[jo, kb, j]) * XS[kb])
+                        else:
+                            acc[j] = acc[j] + T.Cast("float32", D[jo, kb, j]) * blk[j]
+                if TAIL:
+                    for j in T.serial(NR):
+                        if jo * NR + j < N:
+                            C[jo * NR + j] = acc[j]
+                else:
+                    for j in T.vectorized(NR):
+                        C[jo * NR + j] = acc[j]
+
+    return _signature(body, A_SHAPE, C_SHAPE, K, N, (NJ, QK, NR), QDT, (NJ, KB, NR), HAS_MIN)
+
+
+def build_q8_take_kernel(ids_len: int, ids_dtype: str, V: int, K: int):
+    """``out[t, :] = dequant(table[ids[t], :])``: the embedding lookup over a Q8_0 [V, K] table
+    (quants [V, K] int8, scales [V, K/32] float16; K a whole number of blocks). Ids are not
+    checked, as with ``take(mode="fast")`` that it replaces: the runtimes check prompt ids."""
+    if K % GROUP:
+        raise ValueError(f"K = {K} is not a whole number of {GROUP}-wide blocks")
+    KB = K // GROUP
+
+    @T.prim_func(private=True, s_tir=True)
+    def take_q8(q: T.handle, d: T.handle, ids: T.handle, o: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        Q = T.match_buffer(q, (V, K), "int8")
+        D = T.match_buffer(d, (V, KB), "float16")
+        I = T.match_buffer(ids, (ids_len,), ids_dtype)
+        O = T.match_buffer(o, (ids_len, K), "float32")
+        for t in T.serial(ids_len):
+            for kb in T.serial(KB):
+                for i in T.vectorized(GROUP):
+                    O[t, kb * GROUP + i] = T.Cast("float32", Q[I[t], kb * GROUP + i]) * T.Cast("float32", D[I[t], kb])
+
+    return take_q8
+
+
+def build_q8_gemv_nt_kernel(a_shape, c_shape, V: int, K: int):
+    """``C[(1,) M, V] = A[(1,) M, K] · dequant(table)ᵀ``: the tied LM head over the Q8_0 table
+    (M = 1 after the last-token gather). Memory-bound: the table streams once per call. Parallel
+    over blocks of JB = 4 rows; per row, 16-lane partial sums of d · (x · q) (summed at the end:
+    a fixed order, ≈1e-6 relative from the dequantise-then-matmul reference)."""
+    M, K2 = _check_rows(a_shape, c_shape, V)
+    if K2 != K or K % GROUP or V % 4:
+        raise ValueError(f"an NT GEMV needs K a whole number of blocks and V a multiple of 4: K = {K}, V = {V}")
+    JB, KB = 4, K // GROUP
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_nt_q8(a: T.handle, q: T.handle, d: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        Q = T.match_buffer(q, (V, K), "int8")
+        D = T.match_buffer(d, (V, KB), "float16")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((M * K,), "float32", data=A0.data)
+        C = T.decl_buffer((M * V,), "float32", data=C0.data)
+        for jo in T.parallel(V // JB):
+            with T.sblock("gemv_nt_q8"):
+                part = T.sblock_alloc_buffer((JB, VEC), "float32", scope="local")
+                for i in T.serial(M):
+                    for r in T.unroll(JB):
+                        for l in T.vectorized(VEC):
+                            part[r, l] = T.float32(0)
+                    for kb in T.serial(KB):
+                        for h in T.unroll(GROUP // VEC):
+                            for r in T.unroll(JB):
+                                for l in T.vectorized(VEC):
+                                    part[r, l] = part[r, l] + T.Cast("float32", D[jo * JB + r, kb]) * (
+                                        A[i * K + kb * GROUP + h * VEC + l]
+                                        * T.Cast("float32", Q[jo * JB + r, kb * GROUP + h * VEC + l]))
+                    for r in T.unroll(JB):
+                        C[i * V + jo * JB + r] = T.float32(0)
+                        for l in T.serial(VEC):
+                            C[i * V + jo * JB + r] = C[i * V + jo * JB + r] + part[r, l]
+
+    return gemv_nt_q8
+
+
+# ---- GPU targets: unscheduled definitions that dlight schedules (gpu_schedule.py) -------------
+# On a GPU the weights keep GGML's row layout — quants [N, Kp/2] uint8 (Q4_1; quants 2j and 2j + 1
+# in byte j: dlight's GEMV rule does not follow GGML's i / i + 16 pairing) or [N, Kp] int8 (Q8_0),
+# scales (and minima) [N, Kp/32] float32 (the float16 values widened, exactly: not every OpenCL
+# device has cl_khr_fp16) — and the kernels are
+# plain compute definitions, a dequantise stage feeding a matmul, which TVM's dlight GEMV /
+# Matmul rules schedule with the dequantisation inlined (MLC-LLM's q4f32_1 scheme).
+
+def gpu_row_shapes(fmt: WeightFormat, K: int, N: int) -> list[tuple[tuple[int, ...], str]]:
+    KP = padded(K, GROUP)
+    shapes = [((N, KP // 2 if fmt.bits == 4 else KP), fmt.quant_dtype), ((N, KP // GROUP), "float32")]
+    if fmt.has_min:
+        shapes.append(((N, KP // GROUP), "float32"))
+    return shapes
+
+
+def _dequantized(fmt: WeightFormat, K: int, N: int):
+    """(placeholders, ``value(n, k)``: the dequantised weight at row n, column k)."""
+    from tvm import te, tirx
+
+    shapes = gpu_row_shapes(fmt, K, N)
+    q = te.placeholder(shapes[0][0], shapes[0][1], name="q")
+    d = te.placeholder(shapes[1][0], "float32", name="d")
+    m = te.placeholder(shapes[2][0], "float32", name="m") if fmt.has_min else None
+
+    def value(n, k):
+        if fmt.bits == 4:
+            nib = tirx.bitwise_and(tirx.shift_right(q[n, k // 2], tirx.Cast("uint8", k % 2 * 4)),
+                                   tirx.const(15, "uint8"))
+            return tirx.Cast("float32", nib) * d[n, k // GROUP] + m[n, k // GROUP]
+        return tirx.Cast("float32", q[n, k]) * d[n, k // GROUP]
+
+    return [t for t in (q, d, m) if t is not None], value
+
+
+def build_gpu_quant_matmul(a_shape, fmt: WeightFormat, K: int, N: int):
+    """``C[..., N] = A[..., K] · dequant(W)ᵀ`` over row-layout blocks (GEMV when A has one row)."""
+    from tvm import te
+
+    a = te.placeholder(tuple(a_shape), "float32", name="a")
+    weights, value = _dequantized(fmt, K, N)
+    w = te.compute((N, K), value, name="dequantize")  # inlined into the matmul by dlight
+    r = te.reduce_axis((0, K), name="k")
+    c = te.compute(tuple(a_shape[:-1]) + (N,), lambda *i: te.sum(a[i[:-1] + (r,)] * w[i[-1], r], axis=r),
+                   name="matmul")
+    return te.create_prim_func([a, *weights, c]).without_attr("global_symbol")
+
+
+def build_gpu_quant_take(ids_len: int, ids_dtype: str, fmt: WeightFormat, V: int, K: int):
+    """``out[t, :] = dequant(table[ids[t], :])`` over row-layout blocks (the embedding lookup)."""
+    from tvm import te, tirx
+
+    weights, value = _dequantized(fmt, K, V)
+    ids = te.placeholder((ids_len,), ids_dtype, name="ids")
+    out = te.compute((ids_len, K), lambda t, k: value(tirx.Cast("int32", ids[t]), k), name="take")
+    return te.create_prim_func([*weights, ids, out]).without_attr("global_symbol")
