@@ -130,11 +130,14 @@ def _artifacts(name: str, model, imported, tmp_path_factory) -> dict[str, Path]:
         from edgekv.compiler.build import compile_model
         from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target, finish
 
+        policy, _, weights = name.partition("-")  # "keydiff-q4": 4-bit weights (the quantised CPU kernels)
+        weights = weights or "fp32"
         base = tmp_path_factory.mktemp(f"art_{name}")
-        compile_model(model, _policy(name), N, B, "host", base / "host", imported=imported)
+        compile_model(model, _policy(policy), N, B, "host", base / "host", imported=imported, weights=weights)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ToolchainNeededWarning)
-            build_for_target(model, _policy(name), N, B, "aarch64-linux", base / "aarch64", imported=imported)
+            build_for_target(model, _policy(policy), N, B, "aarch64-linux", base / "aarch64", imported=imported,
+                             weights=weights)
         m = json.loads((base / "aarch64" / "manifest.json").read_text())
         assert m["files"]["library"]["name"] == "model.tar" and m["files"]["program"]["name"] == "program.ekv"
         env = m["device"]["toolchain"]["env"]
@@ -160,11 +163,12 @@ def _generate(cmd: list[str], artifact: Path, tmp_path: Path, tag: str) -> dict:
     return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("policy", ["keydiff", "snapkv", "d2o"])
-def test_aarch64_under_qemu_matches_host(runtimes, model, imported, tmp_path_factory, tmp_path, policy):
+@pytest.mark.parametrize("variant", ["keydiff", "snapkv", "d2o", "keydiff-q4"])
+def test_aarch64_under_qemu_matches_host(runtimes, model, imported, tmp_path_factory, tmp_path, variant):
     from edgekv.artifact import program_file
 
-    arts = _artifacts(policy, model, imported, tmp_path_factory)
+    arts = _artifacts(variant, model, imported, tmp_path_factory)
+    policy = variant.partition("-")[0]
     check = _run([*runtimes["aarch64"], arts["aarch64"], "--check", "--verify-weights"])
     assert check.returncode == 0, check.stderr
     host = _generate(runtimes["host"], arts["host"], tmp_path, "host")
