@@ -8,6 +8,7 @@ section itself):
   bench_q4/bench.md  edgekv bench --artifact <q4> --fp32-artifact <fp32> --systems edgekv-native,edgekv-native-fp32,edgekv-compiled,llamacpp
   weight_kernels.md  tools/bench_weight_kernels.py    (q4/q8/fp32 GEMV GB/s vs the measured bandwidth, GEMMs)
   weights_fidelity.md  tools/check_weights_fidelity.py  (q4 vs fp32 artifact vs llama.cpp: top-1, KL)
+  weights_passkey.md   tools/check_weights_passkey.py   (passkey answers of the q4 and fp32 artifacts)
   compiled.md   tools/bench_compiled.py          (compiled kernels, per-kernel table)
   compile_time.md  tools/bench_compiled.py --skip profile,gemm,e2e --json/--md docs/results/compile_time.*
   simulate.md   tools/results_simulate.py        (memory-limited runs, device estimates)
@@ -36,6 +37,7 @@ SECTIONS = [
     ("4-bit weights: speed and memory against llama.cpp (one run)", "bench_q4/bench.md"),
     ("4-bit weights: the kernels against the memory bandwidth", "weight_kernels.md"),
     ("4-bit weights: fidelity against fp32 and llama.cpp", "weights_fidelity.md"),
+    ("4-bit weights: passkey answers against fp32", "weights_passkey.md"),
     ("Compiled kernels on the host CPU", "compiled.md"),
     ("Compile time", "compile_time.md"),
     ("Compiled model vs the reference engine: KeyDiff", "compiled_agreement.md"),
