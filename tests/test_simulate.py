@@ -303,3 +303,34 @@ def test_compiled_artifact_runs_under_the_cap_with_graph_counted_work(tmp_path):
     run = res["runs"][0]
     assert run["status"] == FITS and run["measured_peak"] <= 2 * GiB
     assert run["engine"].startswith("compiled artifact") and res["work_source"].startswith("artifact graph")
+
+
+def test_compiled_artifact_runs_in_the_native_runtime_under_the_cap(tmp_path, monkeypatch):
+    """An artifact with a flat program is simulated in `edgekv-run` (no Python, torch or TVM in
+    the capped process): it fits a cap the host runtime's Python could not, and a cap below what
+    the runtime itself needs is out of memory, not an error."""
+    pytest.importorskip("tvm")
+    from edgekv.compiler import compile_model
+    from edgekv.models import tiny_random_model
+    from edgekv.policies.keydiff import KeyDiffPolicy
+    from edgekv.runtime import native
+    from edgekv.simulate.command import SimRequest, simulate
+
+    if native.cli_path() is None:
+        pytest.skip("edgekv-run is not built (pip install -e . builds runtime/)")
+    out = tmp_path / "kd"
+    compile_model(tiny_random_model(0, layers=2), KeyDiffPolicy(), 32, 8,
+                  target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=out)
+    ids = list(range(100))
+    res = simulate(SimRequest(model=str(out), prompt_ids=ids, mem_limit="96MiB", max_new_tokens=4))
+    run = res["runs"][0]
+    assert run["engine"] == "compiled artifact (native runtime, edgekv-run)"
+    assert run["status"] == FITS and 0 < run["measured_peak"] <= 96 * 2**20, run
+    assert run["report"]["generated_tokens"] == 4 and run["report"]["engine"] == "native (edgekv-run)"
+    res = simulate(SimRequest(model=str(out), prompt_ids=ids, mem_limit="4MiB", max_new_tokens=4))
+    assert res["runs"][0]["status"] == DOES_NOT_FIT, res["runs"][0]
+    # the host runtime stays reachable; it cannot run under the same cap (Python + torch + TVM)
+    monkeypatch.setenv("EDGEKV_SIMULATE_HOST_RUNTIME", "1")
+    res = simulate(SimRequest(model=str(out), prompt_ids=ids, mem_limit="96MiB", max_new_tokens=4))
+    assert res["runs"][0]["engine"] == "compiled artifact (host runtime, TVM Relax VM)"
+    assert res["runs"][0]["status"] != FITS

@@ -19,6 +19,8 @@ import time
 EXIT_OK, EXIT_OOM, EXIT_ERROR = 0, 3, 4
 _OOM_TEXT = re.compile(r"can't allocate memory|Cannot allocate memory|out of memory|std::bad_alloc|ENOMEM", re.I)
 _REQ = re.compile(r"tried to allocate (\d+) bytes")
+_NATIVE_OOM = re.compile(r"cannot allocate|out of (host )?memory|failed to map segment|cannot start worker thread",
+                         re.I)
 
 
 class _Events:
@@ -37,14 +39,15 @@ class _Events:
                 pass
 
 
-def _status() -> dict:
+def _status(pid: int | str = "self") -> dict:
     from .limits import proc_status
 
-    return proc_status("self")
+    return proc_status(pid)
 
 
 class _Sampler(threading.Thread):
-    """Samples this process's VmData / VmRSS every ``period`` s and keeps the peaks."""
+    """Samples a process's VmData / VmRSS every ``period`` s (this one, or the native runtime it
+    started) and keeps the peaks."""
 
     def __init__(self, events: _Events, period: float = 0.02):
         super().__init__(daemon=True)
@@ -52,9 +55,10 @@ class _Sampler(threading.Thread):
         self.peak: dict[str, int] = {}
         self.stop = threading.Event()
         self.last_emit = 0.0
+        self.pid: int | str | None = "self"  # None: nothing to follow yet
 
     def sample(self) -> dict:
-        s = _status()
+        s = _status(self.pid) if self.pid is not None else {}
         for k, v in s.items():
             if v > self.peak.get(k, 0):
                 self.peak[k] = v
@@ -97,13 +101,61 @@ def _run_artifact(job: dict, ids, events: _Events, sampler: _Sampler, progress) 
     return rep
 
 
+def _run_native(job: dict, events: _Events, sampler: _Sampler) -> int:
+    """The artifact in ``edgekv-run``, the native runtime's own command, as the measured process:
+    the cap is applied in it between fork and exec (this Python process stays outside, free to
+    watch and report) and the samples follow it, so the cap meets the runtime an app would use —
+    no Python, torch or TVM in it. Report keys as ``_run_artifact``'s."""
+    from .limits import apply_in_child
+
+    import subprocess
+    import tempfile
+
+    report = tempfile.mktemp(suffix=".json", dir=os.path.dirname(job["result"]))
+    cmd = [job["native_cli"], job["artifact"], "--prompt-ids", "@" + job["prompt_ids_csv"], "--max-new-tokens",
+           str(int(job["max_new_tokens"])), "--report", report, "--quiet", "--allow-beyond-context"]
+    if job.get("threads"):
+        cmd += ["--threads", str(int(job["threads"]))]
+    events.emit(kind="stage", stage="loading", status={})
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: apply_in_child(job["mechanism"], int(job["cap"]), job.get("cgroup_dir")))
+    sampler.pid = proc.pid  # from here the samples (and the peaks) are the native runtime's
+    _, err = proc.communicate()
+    sampler.stop.set()
+    text = err.decode("utf-8", "replace").strip()
+    if proc.returncode == 0 and os.path.isfile(report):
+        with open(report) as fh:
+            rep = json.load(fh)
+        mem = rep.get("memory") or {}
+        if mem.get("peak_rss_bytes"):
+            sampler.peak["VmHWM"] = max(sampler.peak.get("VmHWM", 0), int(mem["peak_rss_bytes"]))
+        rep.update({"engine": "native (edgekv-run)",
+                    "wall_seconds": (rep.get("prefill_seconds") or 0) + (rep.get("decode_seconds") or 0)})
+        events.emit(kind="stage", stage="done", status={})
+        _write_result(job["result"], {"status": "ok", "report": rep, "peak": sampler.peak, "final": {}})
+        return EXIT_OK
+    # the runtime's allocation failures ("cannot allocate the KV cache ...", "out of memory"), and
+    # the loader's when the library's writable segments do not fit ("failed to map segment")
+    oom = bool(_OOM_TEXT.search(text) or _NATIVE_OOM.search(text)) or proc.returncode < 0
+    _write_result(job["result"], {"status": "oom" if oom else "error", "stage": "native run",
+                                  "error": f"edgekv-run exited {proc.returncode}: {text[-1500:]}",
+                                  "requested_bytes": None, "peak": sampler.peak, "final": {}})
+    return EXIT_OOM if oom else EXIT_ERROR
+
+
 def main(job_path: str) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
     from .limits import apply_in_child
 
-    reserve = bytearray(8 << 20)  # freed when memory runs out, so the report can still be written
     events = _Events(job["events"])
+    if job.get("native_cli"):  # the cap goes on the runtime's own process, not on this Python one
+        sampler = _Sampler(events)
+        sampler.pid = None  # until the runtime starts: this process's memory is not the run's
+        sampler.start()
+        events.emit(kind="stage", stage="started", status={})
+        return _run_native(job, events, sampler)
+    reserve = bytearray(8 << 20)  # freed when memory runs out, so the report can still be written
     apply_in_child(job["mechanism"], int(job["cap"]), job.get("cgroup_dir"))
     sampler = _Sampler(events)
     sampler.sample()

@@ -133,6 +133,19 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
+def native_cli(t: Target) -> str | None:
+    """``edgekv-run`` when it can run this target: an artifact with a flat program, and the native
+    runtime built (else the artifact runs in the host runtime, inside Python)."""
+    if t.kind != "artifact" or "program" not in (t.manifest.get("files") or {}):
+        return None
+    if os.environ.get("EDGEKV_SIMULATE_HOST_RUNTIME"):  # the TVM VM path, kept reachable for comparison
+        return None
+    from ..runtime import native
+
+    exe = native.cli_path()
+    return str(exe) if exe is not None else None
+
+
 def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
     t = job.target
     pol = make_policy(job.policy, job.policy_args)
@@ -146,7 +159,9 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
                   prompt_tokens=len(job.prompt_ids), cap=job.cap, mechanism=job.mechanism.name,
                   mechanism_reason=job.mechanism.reason, measures=job.mechanism.measures, status=ERROR,
                   plan=plan.to_dict(), measured_peak_field=field_name,
-                  engine="eager" if t.kind == "model" else "compiled artifact (host runtime, TVM Relax VM)")
+                  engine="eager" if t.kind == "model" else (
+                      "compiled artifact (native runtime, edgekv-run)" if native_cli(t) else
+                      "compiled artifact (host runtime, TVM Relax VM)"))
     if plan.total > job.cap:
         out.status = REFUSED
         out.needs_bytes = plan.total
@@ -162,11 +177,13 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
     cg = None
     try:
         (work / "ids.json").write_text(json.dumps([int(i) for i in job.prompt_ids]))
+        (work / "ids.csv").write_text(",".join(str(int(i)) for i in job.prompt_ids))
         spec = {"spec": t.spec, "prompt_ids": str(work / "ids.json"), "policy": job.policy,
                 "policy_args": job.policy_args, "budget": job.budget, "block": job.block,
                 "max_new_tokens": job.max_new_tokens, "cap": job.cap, "mechanism": job.mechanism.name,
                 "threads": job.threads, "events": str(work / "events.jsonl"), "result": str(work / "result.json"),
-                "artifact": str(t.artifact_dir) if t.kind == "artifact" else None}
+                "artifact": str(t.artifact_dir) if t.kind == "artifact" else None,
+                "native_cli": native_cli(t), "prompt_ids_csv": str(work / "ids.csv")}
         if job.mechanism.name == "cgroup2":
             cg = limits.make_cgroup(job.mechanism.cgroup_parent, job.cap)
             spec["cgroup_dir"] = str(cg)
@@ -237,6 +254,13 @@ def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, w
     out.peak_rss = max(v for v in (out.peak_rss, hwm) if v) if (out.peak_rss or hwm) else None
     loaded = next((ev for ev in events if ev.get("stage") == "loaded"), None)
     base = loaded["status"].get(key) if loaded else None
+    native = "native runtime" in out.engine
+    native_rss = ((result or {}).get("report") or {}).get("memory", {}).get("peak_rss_bytes")
+    if native:  # edgekv-run's own high-water mark: the Python child that started it is not the run
+        out.peak_rss = int(native_rss) if native_rss else hwm
+        if peak is None and native_rss:  # a run shorter than one sampling period
+            peak = out.measured_peak = int(native_rss)
+            out.measured_peak_field = "VmHWM (from edgekv-run's report: the run ended before a sample)"
     if rc == 0 and result and result.get("status") == "ok":
         rep = result["report"]
         out.status = FITS
@@ -245,7 +269,9 @@ def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, w
                                                  "prefill_tok_s", "decode_tok_s", "generated_tokens",
                                                  "torch_threads")})
         if peak is not None:
-            out.runtime_overhead = peak - plan.total
+            # an rlimit does not count edgekv-run's weights: a read-only file mapping, not private data
+            counted = plan.total - (plan.weights if native and mech.startswith("rlimit") else 0)
+            out.runtime_overhead = peak - counted
         return
     # did not finish: out of memory under the cap, another error, or killed
     tail = ""
