@@ -33,6 +33,9 @@ sys.path.insert(0, str(ROOT))
 DEMO = ROOT / "examples" / "long_document.txt"
 
 
+WEIGHTS = "fp32"  # --weights: the format both artifacts are built with
+
+
 def build(model, name: str, budget: int, block: int, work: Path) -> tuple[Path, Path, dict]:
     from edgekv.compiler import compile_model
     from edgekv.compiler.targets import build_for_target
@@ -41,10 +44,11 @@ def build(model, name: str, budget: int, block: int, work: Path) -> tuple[Path, 
     cpu, ocl = work / f"{name}-{budget}-cpu", work / f"{name}-{budget}-opencl"
     t0 = time.perf_counter()
     if not (cpu / "program.ekv").is_file():
-        compile_model(model, make_policy(name, {}), budget, block, out_dir=cpu)
+        compile_model(model, make_policy(name, {}), budget, block, out_dir=cpu, weights=WEIGHTS)
     t1 = time.perf_counter()
     if not (ocl / "program.ekv").is_file():
-        build_for_target(model, make_policy(name, {}), budget, block, target="opencl-host", out_dir=ocl)
+        build_for_target(model, make_policy(name, {}), budget, block, target="opencl-host", out_dir=ocl,
+                         weights=WEIGHTS)
     return cpu, ocl, {"compile_cpu_s": t1 - t0, "compile_opencl_s": time.perf_counter() - t1}
 
 
@@ -108,7 +112,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--weights", choices=("fp32", "q8", "q4"), default="fp32",
+                    help="weight format of both artifacts (q4: the dequantising kernels, dlight-scheduled on OpenCL)")
+    ap.add_argument("--name", default="opencl", help="results file stem (<out>/<name>.json and .md)")
     args = ap.parse_args()
+    global WEIGHTS
+    WEIGHTS = args.weights
 
     from edgekv.corpus import natural_text
     from edgekv.models import load_model
@@ -131,17 +140,19 @@ def main() -> None:
             rows.append(agree(model, name, args.budget, args.block, ids, args.new_tokens, work))
             print(json.dumps(rows[-1]), flush=True)
     command = "python tools/check_opencl.py " + " ".join(sys.argv[1:])
-    data = {"model": "smollm2-135m", "budget": args.budget, "block": args.block, "prompt_tokens": len(ids),
+    data = {"model": "smollm2-135m", "weights": args.weights, "budget": args.budget, "block": args.block,
+            "prompt_tokens": len(ids),
             "new_tokens": args.new_tokens, "demo": demo_row, "rows": rows, "command": command.strip()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "opencl.json").write_text(json.dumps(data, indent=2))
-    write_markdown(data, args.out / "opencl.md")
+    (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=2))
+    write_markdown(data, args.out / f"{args.name}.md")
 
 
 def write_markdown(data: dict, path: Path) -> None:
     mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "—"  # noqa: E731
     lines = ["# The OpenCL path on SmolLM2: an OpenCL artifact against the CPU artifact", "",
-             f"Regenerate: `{data['command']}`. Both artifacts run in the native runtime; the OpenCL one on "
+             f"Regenerate: `{data['command']}`. Weights: {data.get('weights', 'fp32')} in both artifacts. Both "
+             "artifacts run in the native runtime; the OpenCL one on "
              f"{(data['rows'] or [{}])[0].get('device') or (data['demo'] or {}).get('device')}.", ""]
     d = data["demo"]
     if d:

@@ -1,5 +1,6 @@
 """Dense kernels over quantised weights (``quant_formats.py``: GGML Q4_1 / Q8_0 blocks of 32
-along K), the dequantisation fused in, for the host CPU.
+along K), the dequantisation fused in: scheduled kernels for CPUs (the host, and cross-compiled
+aarch64 / Android), and at the end of the file the GPU definitions that dlight schedules.
 
 * **GEMM** (the prefill step): the same register-blocked kernel as the fp32 one (``dense.py``'s
   ``gemm_tile`` body, one task per NR-wide column panel), with the panel dequantised into a
@@ -9,7 +10,7 @@ along K), the dequantisation fused in, for the host CPU.
   results equal the fp32 kernel's over the dequantised weight up to FMA contraction.
 * **GEMV** (decode, memory-bound: reads every weight byte once per token): per panel and block,
   NR lanes accumulate Σ x·q over the block's 32 weights, then acc += d · that (+ m · Σ x, the
-  block's x sum computed once per call) — two FMAs per weight and one conversion, no fp32
+  block's x sum computed once per call) — one FMA and one conversion per weight, no fp32
   weight materialised. Summed per block, so the order differs from the dequantise-then-matmul
   reference (≈1e-6 relative).
 * **Embedding lookup** and **tied LM head** (Q8_0 rows of the [V, K] table): a row gather that
