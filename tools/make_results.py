@@ -18,6 +18,7 @@ section itself):
   native_footprint.md     tools/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
   native_aarch64.md       tools/check_native_aarch64.py     (the aarch64 build under qemu-user)
   opencl.md               tools/check_opencl.py             (OpenCL artifacts on PoCL vs CPU artifacts)
+  opencl_q4.md            tools/check_opencl.py --weights q4 --name opencl_q4 (the same with 4-bit weights)
   snapshot.md             tools/bench_snapshot.py           (saved document caches: size, time to first token, accuracy)
   demo.md       tools/pick_demo.py               (how the README's main job was chosen)
   threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
@@ -48,6 +49,7 @@ SECTIONS = [
     ("Native runtime footprint", "native_footprint.md"),
     ("Native runtime on aarch64 (qemu-user)", "native_aarch64.md"),
     ("The OpenCL path end to end (PoCL)", "opencl.md"),
+    ("The OpenCL path with 4-bit weights (PoCL)", "opencl_q4.md"),
     ("Read once, ask many: saved document caches", "snapshot.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
