@@ -159,7 +159,13 @@ def main(job_path: str) -> int:
     apply_in_child(job["mechanism"], int(job["cap"]), job.get("cgroup_dir"))
     sampler = _Sampler(events)
     sampler.sample()
-    sampler.start()
+    try:
+        sampler.start()
+    except RuntimeError as exc:  # "can't start new thread": the cap leaves no room for a thread's stack
+        del reserve
+        _write_result(job["result"], {"status": "oom", "stage": "start", "error": f"{type(exc).__name__}: {exc}",
+                                      "requested_bytes": None, "peak": sampler.peak, "final": _status()})
+        return EXIT_OOM
     events.emit(kind="stage", stage="started", status=_status())
     stage = "import"
     try:

@@ -284,10 +284,12 @@ def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, w
         out.error = result.get("error", "")
         out.exit = f"exit {rc} in stage {result.get('stage')}"
         return
-    # out of memory: Python's MemoryError, C++'s bad_alloc, errno ENOMEM's text, or the dynamic
-    # loader's "cannot allocate memory for thread-local data" (a child that dies while loading)
+    # out of memory: Python's MemoryError, C++'s bad_alloc, errno ENOMEM's text, the dynamic
+    # loader's "cannot allocate memory for thread-local data" (a child that dies while loading),
+    # or OpenBLAS giving up at numpy's import ("Memory allocation still failed after 10 retries")
     oom = (result and result.get("status") == "oom") or oom_kills > 0 or rc < 0 or \
-        any(s in tail.lower() for s in ("memoryerror", "cannot allocate memory", "can't allocate memory", "bad_alloc"))
+        any(s in tail.lower() for s in ("memoryerror", "cannot allocate memory", "can't allocate memory", "bad_alloc",
+                                        "memory allocation still failed"))
     if not oom:
         out.status = ERROR
         out.error = tail.strip()[-800:] or f"the child exited with {rc} and wrote no report"
