@@ -33,10 +33,7 @@ sys.path.insert(0, str(ROOT))
 DEMO = ROOT / "examples" / "long_document.txt"
 
 
-WEIGHTS = "fp32"  # --weights: the format both artifacts are built with
-
-
-def build(model, name: str, budget: int, block: int, work: Path) -> tuple[Path, Path, dict]:
+def build(model, name: str, budget: int, block: int, work: Path, weights: str = "fp32") -> tuple[Path, Path, dict]:
     from edgekv.compiler import compile_model
     from edgekv.compiler.targets import build_for_target
     from edgekv.policies import make_policy
@@ -44,11 +41,11 @@ def build(model, name: str, budget: int, block: int, work: Path) -> tuple[Path, 
     cpu, ocl = work / f"{name}-{budget}-cpu", work / f"{name}-{budget}-opencl"
     t0 = time.perf_counter()
     if not (cpu / "program.ekv").is_file():
-        compile_model(model, make_policy(name, {}), budget, block, out_dir=cpu, weights=WEIGHTS)
+        compile_model(model, make_policy(name, {}), budget, block, out_dir=cpu, weights=weights)
     t1 = time.perf_counter()
     if not (ocl / "program.ekv").is_file():
         build_for_target(model, make_policy(name, {}), budget, block, target="opencl-host", out_dir=ocl,
-                         weights=WEIGHTS)
+                         weights=weights)
     return cpu, ocl, {"compile_cpu_s": t1 - t0, "compile_opencl_s": time.perf_counter() - t1}
 
 
@@ -62,8 +59,8 @@ def run_cli(art: Path, report: Path, new_tokens: int) -> dict:
     return json.loads(report.read_text())
 
 
-def demo(model, work: Path, budget: int = 512, block: int = 128, new_tokens: int = 64) -> dict:
-    cpu, ocl, times = build(model, "keydiff", budget, block, work)
+def demo(model, work: Path, weights: str = "fp32", budget: int = 512, block: int = 128, new_tokens: int = 64) -> dict:
+    cpu, ocl, times = build(model, "keydiff", budget, block, work, weights)
     c = run_cli(cpu, work / "demo-cpu.json", new_tokens)
     o = run_cli(ocl, work / "demo-ocl.json", new_tokens)
     mem = o["memory"]
@@ -76,10 +73,12 @@ def demo(model, work: Path, budget: int = 512, block: int = 128, new_tokens: int
             "opencl_load_s": o.get("load_seconds"), **times}
 
 
-def agree(model, name: str, budget: int, block: int, ids: list[int], new_tokens: int, work: Path) -> dict:
+def agree(model, name: str, budget: int, block: int, ids: list[int], new_tokens: int, work: Path,
+          weights: str = "fp32") -> dict:
     from edgekv.runtime import native
 
-    cpu, ocl, times = build(model, name, budget if name != "full" else len(ids) + new_tokens + 64, block, work)
+    cpu, ocl, times = build(model, name, budget if name != "full" else len(ids) + new_tokens + 64, block, work,
+                            weights)
     out = {}
     for tag, art in (("cpu", cpu), ("opencl", ocl)):
         rt = native.NativeRuntime(art)
@@ -116,8 +115,6 @@ def main() -> None:
                     help="weight format of both artifacts (q4: the dequantising kernels, dlight-scheduled on OpenCL)")
     ap.add_argument("--name", default="opencl", help="results file stem (<out>/<name>.json and .md)")
     args = ap.parse_args()
-    global WEIGHTS
-    WEIGHTS = args.weights
 
     from edgekv.corpus import natural_text
     from edgekv.models import load_model
@@ -132,12 +129,12 @@ def main() -> None:
     names = args.policies.split(",") if args.policies else sorted(REGISTRY)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        demo_row = None if args.skip_demo else demo(model, work)
+        demo_row = None if args.skip_demo else demo(model, work, args.weights)
         if demo_row:
             print(json.dumps(demo_row), flush=True)
         rows = []
         for name in names:
-            rows.append(agree(model, name, args.budget, args.block, ids, args.new_tokens, work))
+            rows.append(agree(model, name, args.budget, args.block, ids, args.new_tokens, work, args.weights))
             print(json.dumps(rows[-1]), flush=True)
     command = "python tools/check_opencl.py " + " ".join(sys.argv[1:])
     data = {"model": "smollm2-135m", "weights": args.weights, "budget": args.budget, "block": args.block,

@@ -107,7 +107,7 @@ def run_edgekv_native(ids, args):
         r = json.loads(open(report).read())
     return {"prefill_seconds": r["prefill_seconds"], "decode_seconds": r["decode_seconds"],
             "peak_rss": r["memory"]["peak_rss_bytes"], "plan_bytes": r["memory"]["plan"]["total_bytes"],
-            "startup_seconds": r["startup_seconds"], "threads": r["threads"], "child_process": True}
+            "startup_seconds": r["startup_seconds"], "threads": r["threads"]}
 
 
 def _hf_generate(model, ids, decode_tokens, press=None):

@@ -24,16 +24,16 @@ def main(spec_path: str) -> None:
     ids = torch.tensor(spec["ids"], dtype=torch.long)
     interpreter = current_rss_bytes()  # Python, torch and the worker, before the system loads anything
     result = SYSTEMS[spec["system"]](ids, spec)
+    own_process = "peak_rss" in result  # a system run in its own child process (edgekv-native) reports its peak
     n = ids.numel()
     result.update({
         "prefill_tok_s": n / result["prefill_seconds"],
         "decode_tok_s": spec["decode_tokens"] / result["decode_seconds"] if spec["decode_tokens"] else None,
-        # a system run in its own child process (edgekv-native) reports that process's peak
-        "peak_rss": result.get("peak_rss") or peak_rss_bytes(),
+        "peak_rss": result["peak_rss"] if own_process else peak_rss_bytes(),
     })
     # the system's own memory: a child process's peak as it is; an in-process peer's (llama.cpp,
     # HF, ...) peak less the interpreter it runs in, which a C program using it would not carry
-    result["own_rss"] = result["peak_rss"] if result.get("child_process") else result["peak_rss"] - interpreter
+    result["own_rss"] = result["peak_rss"] if own_process else result["peak_rss"] - interpreter
     print("EDGEKV_BENCH " + json.dumps(result), flush=True)
 
 

@@ -136,13 +136,13 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
     transposed: dict = {}  # var of permute_dims(table) → table var
     kernels: dict[tuple, Any] = {}
 
-    def kernel(bb, key, build, fname):
+    def kernel(bb, key, build, fname, q):
         if key not in kernels:
             f = build()
-            if not fname.endswith("_gpu"):  # the CPU kernels are scheduled; dlight schedules the GPU ones
+            if not q.gpu:  # the CPU kernels are scheduled; dlight schedules the GPU ones
                 # opaque to FuseOps: a fused neighbour (the ids' reshape) would not match the kernel's buffers
                 f = f.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
-            kernels[key] = bb.add_func(f, fname)
+            kernels[key] = bb.add_func(f, fname + ("_gpu" if q.gpu else ""))
         return kernels[key]
 
     def rewrite(b, vmap, bb):
@@ -159,7 +159,7 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
             n_ids, ids_dt = shape_of(v.args[1])[0], str(v.args[1].ty.dtype)
             build = ((lambda: build_gpu_quant_take(n_ids, ids_dt, q.fmt, q.n, q.k)) if q.gpu else
                      (lambda: build_q8_take_kernel(n_ids, ids_dt, q.n, q.k)))
-            f = kernel(bb, ("take", n_ids, ids_dt, q), build, f"take_q8_t{n_ids}_v{q.n}_k{q.k}" + ("_gpu" if q.gpu else ""))
+            f = kernel(bb, ("take", n_ids, ids_dt, q), build, f"take_q8_t{n_ids}_v{q.n}_k{q.k}", q)
             return relax.call_tir(f, [*parts[table], ids], relax.TensorType((n_ids, q.k), "float32"))
         if op_name(v) != "relax.matmul":
             raise RuntimeError(f"a quantised weight has a use the plan did not allow: {op_name(v)}")
@@ -171,7 +171,7 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
             cs = xs[:-1] + (q.n,)
             build = ((lambda: build_gpu_quant_matmul(xs, q.fmt, q.k, q.n)) if q.gpu else
                      (lambda: build_q8_gemv_nt_kernel(xs, cs, q.n, q.k)))
-            f = kernel(bb, ("nt", xs, q), build, f"matmul_nt_q8_m{xs[-2]}_k{q.k}_n{q.n}" + ("_gpu" if q.gpu else ""))
+            f = kernel(bb, ("nt", xs, q), build, f"matmul_nt_q8_m{xs[-2]}_k{q.k}_n{q.n}", q)
             return relax.call_tir(f, [x, *parts[table]], relax.TensorType(cs, "float32"))
         w = v.args[1]
         q = quantized[w.name]
@@ -186,7 +186,7 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
             build = lambda: build_quant_gemm_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)  # noqa: E731
         tag = "gemv" if gemv else "gemm"
         # "matmul" in the name: benchmarks and profiles class it with the GEMMs
-        f = kernel(bb, (tag, xs, q), build, f"matmul_{q.fmt.name}_{tag}_m{xs[-2]}_k{q.k}_n{q.n}" + ("_gpu" if q.gpu else ""))
+        f = kernel(bb, (tag, xs, q), build, f"matmul_{q.fmt.name}_{tag}_m{xs[-2]}_k{q.k}_n{q.n}", q)
         return relax.call_tir(f, [x, *parts[w]], relax.TensorType(cs, "float32"))
 
     return rebuild_function(mod, name, params, rewrite)

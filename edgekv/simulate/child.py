@@ -109,9 +109,8 @@ def _run_native(job: dict, events: _Events, sampler: _Sampler) -> int:
     from .limits import apply_in_child
 
     import subprocess
-    import tempfile
 
-    report = tempfile.mktemp(suffix=".json", dir=os.path.dirname(job["result"]))
+    report = os.path.join(os.path.dirname(job["result"]), "native_report.json")  # the job's private folder
     cmd = [job["native_cli"], job["artifact"], "--prompt-ids", "@" + job["prompt_ids_csv"], "--max-new-tokens",
            str(int(job["max_new_tokens"])), "--report", report, "--quiet", "--allow-beyond-context"]
     if job.get("threads"):

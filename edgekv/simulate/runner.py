@@ -155,12 +155,13 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
         plan = MemoryPlan(weights=int(mp["weights_bytes"]), kv_cache=int(mp["cache_bytes"]),
                           activations=int(mp["activation_bytes"]))
     field_name = limits.PEAK_FIELD[job.mechanism.name]
+    cli = native_cli(t)  # the artifact runs in edgekv-run (None: the host runtime, or the eager engine)
     out = Outcome(policy=job.policy, policy_params=pol.params(), budget=job.budget, block=job.block,
                   prompt_tokens=len(job.prompt_ids), cap=job.cap, mechanism=job.mechanism.name,
                   mechanism_reason=job.mechanism.reason, measures=job.mechanism.measures, status=ERROR,
                   plan=plan.to_dict(), measured_peak_field=field_name,
                   engine="eager" if t.kind == "model" else (
-                      "compiled artifact (native runtime, edgekv-run)" if native_cli(t) else
+                      "compiled artifact (native runtime, edgekv-run)" if cli else
                       "compiled artifact (host runtime, TVM Relax VM)"))
     if plan.total > job.cap:
         out.status = REFUSED
@@ -183,7 +184,7 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
                 "max_new_tokens": job.max_new_tokens, "cap": job.cap, "mechanism": job.mechanism.name,
                 "threads": job.threads, "events": str(work / "events.jsonl"), "result": str(work / "result.json"),
                 "artifact": str(t.artifact_dir) if t.kind == "artifact" else None,
-                "native_cli": native_cli(t), "prompt_ids_csv": str(work / "ids.csv")}
+                "native_cli": cli, "prompt_ids_csv": str(work / "ids.csv")}
         if job.mechanism.name == "cgroup2":
             cg = limits.make_cgroup(job.mechanism.cgroup_parent, job.cap)
             spec["cgroup_dir"] = str(cg)
@@ -225,7 +226,7 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
                 result = json.loads((work / "result.json").read_text())
             except json.JSONDecodeError:
                 result = None
-        _finish(out, job, plan, events, result, proc.returncode, work, cg)
+        _finish(out, job, plan, events, result, proc.returncode, work, cg, native=cli is not None)
     finally:
         if cg is not None:
             limits.remove_cgroup(cg)
@@ -241,7 +242,8 @@ def _peak_from(events: list[dict], result: dict | None, key: str) -> int | None:
     return max(vals) if vals else None
 
 
-def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, work: Path, cg) -> None:
+def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, work: Path, cg,
+            native: bool = False) -> None:
     mech = job.mechanism.name
     key = {"rlimit-data": "VmData", "rlimit-as": "VmPeak", "cgroup2": "VmRSS"}[mech]
     peak = _peak_from(events, result, key)
@@ -254,7 +256,6 @@ def _finish(out: Outcome, job: Job, plan: MemoryPlan, events, result, rc: int, w
     out.peak_rss = max(v for v in (out.peak_rss, hwm) if v) if (out.peak_rss or hwm) else None
     loaded = next((ev for ev in events if ev.get("stage") == "loaded"), None)
     base = loaded["status"].get(key) if loaded else None
-    native = "native runtime" in out.engine
     native_rss = ((result or {}).get("report") or {}).get("memory", {}).get("peak_rss_bytes")
     if native:  # edgekv-run's own high-water mark: the Python child that started it is not the run
         out.peak_rss = int(native_rss) if native_rss else hwm

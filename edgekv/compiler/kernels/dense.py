@@ -87,7 +87,7 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
     if tiles is None:
         raise ValueError(f"no register tile fits N = {N}")
     MR, NR = tiles
-    NJ, NI = N // NR, M // MR
+    NJ = N // NR
     PACKED = bool(packed_nr)
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     W_SHAPE = packed_shape(K, N, NR) if PACKED else (K, N)

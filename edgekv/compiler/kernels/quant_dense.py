@@ -76,7 +76,6 @@ def build_quant_gemm_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int,
         raise ValueError(f"A has K = {K2}, the weight {K}")
     KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
     MR = register_rows(M, NR)
-    NI = M // MR
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     Q4, HAS_MIN, QDT = fmt.bits == 4, fmt.has_min, fmt.quant_dtype
     tile = gemm_tile(M, K, N, MR, NR)
