@@ -1,4 +1,4 @@
-"""Run edgekv's GPU kernels (``edgekv/compiler/gpu_kernels.py``) on a real OpenCL device and
+"""Run edgekv's GPU kernels (``*_gpu`` builders beside each CPU kernel) on a real OpenCL device and
 hold them against the CPU kernels they replace (``edgekv/compiler/kernels``) on random inputs.
 
 Any OpenCL device will do — a phone GPU, a desktop GPU, or pocl on a CPU
@@ -19,11 +19,12 @@ import pytest
 tvm = pytest.importorskip("tvm")
 cl = pytest.importorskip("pyopencl")
 
-from edgekv.compiler import gpu_kernels as gk  # noqa: E402
 from edgekv.compiler.kernels import attention, select  # noqa: E402
-from edgekv.policies.keydiff import build_keydiff_evict_kernel  # noqa: E402
-from edgekv.policies.lagkv import build_lagkv_evict_kernel  # noqa: E402
-from edgekv.policies.streaming import build_streaming_evict_kernel  # noqa: E402
+from edgekv.compiler.kernels.attention import build_block_attention_kernel_gpu  # noqa: E402
+from edgekv.compiler.kernels.select import build_select_compact_kernel_gpu  # noqa: E402
+from edgekv.policies.keydiff import build_keydiff_evict_kernel, build_keydiff_evict_kernel_gpu  # noqa: E402
+from edgekv.policies.lagkv import build_lagkv_evict_kernel, build_lagkv_evict_kernel_gpu  # noqa: E402
+from edgekv.policies.streaming import build_streaming_evict_kernel, build_streaming_evict_kernel_gpu  # noqa: E402
 
 
 def _context():
@@ -124,15 +125,15 @@ def test_attention(shape, nf, nv, G):
            "out": np.full((1, H * G, B, D), 7.0, "float32")}
     names = ["q", "k_blk", "v_blk", "k_cache", "v_cache", "fill", "n_valid", "out"]
     want = run_cpu(attention.build_block_attention_kernel(H * G, H, N, B, D, D ** -0.5), arr, names)["out"]
-    got = run_opencl(gk.build_gpu_attention_kernel(H * G, H, N, B, D, D ** -0.5), arr)["out"]
+    got = run_opencl(build_block_attention_kernel_gpu(H * G, H, N, B, D, D ** -0.5), arr)["out"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 SCORES = [
-    ("streaming", build_streaming_evict_kernel, gk.build_gpu_streaming_score, {"sinks": 2}),
-    ("keydiff", build_keydiff_evict_kernel, gk.build_gpu_keydiff_score, {"recent": 0}),
-    ("keydiff-recent", build_keydiff_evict_kernel, gk.build_gpu_keydiff_score, {"recent": 3}),
-    ("lagkv", build_lagkv_evict_kernel, gk.build_gpu_lagkv_score, {"sinks": 2, "lag": 4}),
+    ("streaming", build_streaming_evict_kernel, build_streaming_evict_kernel_gpu, {"sinks": 2}),
+    ("keydiff", build_keydiff_evict_kernel, build_keydiff_evict_kernel_gpu, {"recent": 0}),
+    ("keydiff-recent", build_keydiff_evict_kernel, build_keydiff_evict_kernel_gpu, {"recent": 3}),
+    ("lagkv", build_lagkv_evict_kernel, build_lagkv_evict_kernel_gpu, {"sinks": 2, "lag": 4}),
 ]
 
 
@@ -164,7 +165,7 @@ def test_select(shape, nf, nv, ties):
     st["score"] = score
     names = EVICT_ARGS + ["score"]
     want = run_cpu(select.build_select_compact_kernel(H, N, B, D, "float32", True), st, names)
-    got = run_opencl(gk.build_gpu_select_kernel(H, N, B, D, "float32", True), st)
+    got = run_opencl(build_select_compact_kernel_gpu(H, N, B, D, "float32", True), st)
     n = min(int(want["fill"][0]), N)
     assert got["fill"][0] == want["fill"][0]
     for key in ("k_cache", "v_cache", "pos_cache"):
@@ -176,7 +177,7 @@ def test_append(nf, nv):
     H, N, B, D = 2, 16, 8, 16
     st = _state(H, N, B, D, nf, nv, 6)
     want = run_cpu(select.build_select_compact_kernel(H, N, B, D, "float32", False), st, EVICT_ARGS)
-    got = run_opencl(gk.build_gpu_select_kernel(H, N, B, D, "float32", False), st)
+    got = run_opencl(build_select_compact_kernel_gpu(H, N, B, D, "float32", False), st)
     for key in ("k_cache", "v_cache", "pos_cache", "fill"):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
@@ -195,7 +196,7 @@ def test_attention_with_pseudo_rows(nf, nv, G):
     names = ["q", "k_blk", "v_blk", "k_cache", "v_cache", "fill", "n_valid", "out"]
     want = run_cpu(attention.build_block_attention_kernel(H * G, H, N, B + W, D, D ** -0.5, extra_rows=W),
                    arr, names)["out"]
-    got = run_opencl(gk.build_gpu_attention_kernel(H * G, H, N, B + W, D, D ** -0.5, extra_rows=W), arr)["out"]
+    got = run_opencl(build_block_attention_kernel_gpu(H * G, H, N, B + W, D, D ** -0.5, extra_rows=W), arr)["out"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -211,7 +212,7 @@ DAPQ_CASES = [((2, 16, 8, 16), 16, 8), ((2, 16, 8, 16), 12, 5), ((2, 16, 8, 16),
 @pytest.mark.parametrize("rows", ["prefill", "decode"])
 @pytest.mark.parametrize("params", DAPQ, ids=[str(p) for p in DAPQ])
 def test_dapq_score(shape, nf, nv, rows, params):
-    from edgekv.policies.dapq import build_dapq_evict_kernel, build_dapq_gpu_evict_kernel
+    from edgekv.policies.dapq import build_dapq_evict_kernel, build_dapq_evict_kernel_gpu
 
     H, N, B, D = shape
     T_ = B + params["window"] if rows == "prefill" else 1
@@ -223,7 +224,7 @@ def test_dapq_score(shape, nf, nv, rows, params):
     site = {"num_q_heads": H * G, "sm_scale": D ** -0.5}
     want = run_cpu(build_dapq_evict_kernel(H, N, T_, D, "float32", **params, **site), st,
                    EVICT_ARGS + ["q", "score"])["score"]
-    got = run_opencl(build_dapq_gpu_evict_kernel(H, N, T_, D, "float32", **params, **site), st)["score"]
+    got = run_opencl(build_dapq_evict_kernel_gpu(H, N, T_, D, "float32", **params, **site), st)["score"]
     n = min(nf, N) + nv
     assert n > N  # the scores are read
     np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=1e-5, atol=1e-6)

@@ -123,9 +123,9 @@ def _run_cpu(func, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (200, 1), (20, 16))) -> list[str]:
-    from edgekv.compiler import gpu_kernels as gk
     from edgekv.compiler.kernels import build_observe, build_score, build_select, site_params
-    from edgekv.policies import make_policy
+    from edgekv.compiler.kernels.select import build_select_compact_kernel_gpu
+    from edgekv.policies import REGISTRY, make_policy
 
     problems = []
     policies = {"snapkv": {"window": "8", "kernel": "5"}, "snapkv++": {"window": "4", "kernel_short": "3",
@@ -143,7 +143,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
             if pol.entry_state:
                 a["state"] = rng.random((1, H, N)).astype("float32")
                 cpu = _run_cpu(build_observe(name, H, N, B, D, "float32", params), dict(a, cand_state=np.zeros((1, H, N + B), "float32")))
-                gpu = run_on_pocl(gk.GPU_OBSERVE_KERNELS[name](H, N, B, D, "float32", **params),
+                gpu = run_on_pocl(REGISTRY[name].gpu_observe_kernel(H, N, B, D, "float32", **params),
                                   dict(a, cand_state=np.zeros((1, H, N + B), "float32")))
                 if not np.allclose(gpu["cand_state"][..., :n], cpu["cand_state"][..., :n], rtol=1e-5, atol=1e-6):
                     problems.append(f"{label} observe fill={fill} n_valid={nv}: GPU state differs")
@@ -152,7 +152,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
                 continue
             score0 = np.zeros((H, N + B), "float32")
             cpu = _run_cpu(build_score(name, H, N, B, D, "float32", params), dict(a, score=score0))
-            gpu = run_on_pocl(gk.GPU_SCORE_KERNELS[name](H, N, B, D, "float32", **params), dict(a, score=score0))
+            gpu = run_on_pocl(REGISTRY[name].gpu_evict_kernel(H, N, B, D, "float32", **params), dict(a, score=score0))
             c, g = cpu["score"][:, :n], gpu["score"][:, :n]
             fin = np.isfinite(c)
             if not (np.array_equal(fin, np.isfinite(g)) and np.array_equal(c[~fin], g[~fin])
@@ -171,7 +171,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
                 a["state"] = rng.standard_normal((S, H, N)).astype("float32")
                 a["cand_state"] = rng.standard_normal((S, H, N + B)).astype("float32")
             cpu = _run_cpu(build_select(H, N, B, D, "float32", True, S), a)
-            gpu = run_on_pocl(gk.build_gpu_select_kernel(H, N, B, D, "float32", True, S), a)
+            gpu = run_on_pocl(build_select_compact_kernel_gpu(H, N, B, D, "float32", True, S), a)
             k = min(fill + nv, N)
             for buf in ("k_cache", "v_cache", "pos_cache", "fill") + (("state",) if S else ()):
                 cv, gv = cpu[buf], gpu[buf]

@@ -134,10 +134,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from edgekv.models import load_model
-    from edgekv.policies import REGISTRY
+    from edgekv.policies.base import compiled_policy_names
 
     model = load_model("smollm2-135m")
-    names = args.policies.split(",") if args.policies else sorted(REGISTRY)
+    names = args.policies.split(",") if args.policies else compiled_policy_names()  # eager-only ones cannot compile
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
     question = (ROOT / "examples" / "long_document.txt").read_text()
     rows = []

@@ -6,8 +6,8 @@ TVM's dlight rules do not touch such hand-written functions, and a PrimFunc with
 bindings is compiled for the *host* — on a GPU target it would then read device memory from
 the CPU. So for GPU targets:
 
-1. ``ReplaceKernels`` swaps each edgekv kernel for its GPU version (``gpu_kernels.py``: same
-   signature, thread-bound, shared-memory tiles), recognised by the function names that
+1. ``ReplaceKernels`` swaps each edgekv kernel for its GPU version (beside the CPU one: same
+   signature by construction (``kernels/signature.py``), thread-bound, shared-memory tiles), recognised by the function names that
    ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<tag>_h{H}_d{D}``,
    ``<fn>_score_<tag>_h{Hq}_{H}_d{D}`` and ``<fn>_observe_<tag>_h{Hq}_{H}_d{D}`` for policies with
    kernel inputs / per-entry state, ``<fn>_select_h{H}_d{D}_{score|append}[_s{S}]``; ``<tag>`` is
@@ -28,9 +28,10 @@ import tvm
 from tvm import relax, tirx
 
 from ..policies import REGISTRY
-from . import gpu_kernels as gk
 from .build import CompileError
 from .kernels import kernel_spec, policy_tag, site_params
+from .kernels.attention import build_block_attention_kernel_gpu
+from .kernels.select import build_select_compact_kernel_gpu
 
 GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
 
@@ -64,8 +65,8 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         scale = sm_scales.get((Hq, H, D))
         if scale is None:
             raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
-        return gk.build_gpu_attention_kernel(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0))
-    for rx, table, what in ((_SCORE, gk.GPU_SCORE_KERNELS, "score"), (_OBSERVE, gk.GPU_OBSERVE_KERNELS, "observe")):
+        return build_block_attention_kernel_gpu(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0))
+    for rx, attr, what in ((_SCORE, "gpu_evict_kernel", "score"), (_OBSERVE, "gpu_observe_kernel", "observe")):
         m = rx.search(name)
         if not m:
             continue
@@ -73,9 +74,11 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         B = _shape(func, 4)[2]
         if m.group(1) != policy_tag(policy):
             raise GPUKernelError(f"{name}: {what} kernel of '{m.group(1)}' but the build is for '{policy}'")
-        if policy not in table:
+        builder = getattr(REGISTRY[policy], attr) if policy in REGISTRY else None
+        if builder is None:
+            have = sorted(n for n, cls in REGISTRY.items() if getattr(cls, attr) is not None)
             raise GPUKernelError(f"policy '{policy}' has no GPU {what} kernel yet (GPU {what} kernels: "
-                                 f"{', '.join(sorted(table)) or 'none'}); compile it for an llvm target")
+                                 f"{', '.join(have) or 'none'}); compile it for an llvm target")
         params = dict(policy_params)
         if kernel_spec(policy).needs_site:
             Hq = int(m.group(2))
@@ -83,13 +86,13 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
             if m.group(3) is None or int(m.group(3)) != H or scale is None:
                 raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
             params.update(site_params(policy, Hq, scale))
-        return table[policy](H, N, B, D, "float32", **params)
+        return builder(H, N, B, D, "float32", **params)
     m = _SELECT.search(name)
     if m:
         H, N, D = _shape(func, 0)
         B = _shape(func, 4)[2]
-        return gk.build_gpu_select_kernel(H, N, B, D, "float32", with_score=m.group(3) == "score",
-                                          num_state=int(m.group(4) or 0))
+        return build_select_compact_kernel_gpu(H, N, B, D, "float32", with_score=m.group(3) == "score",
+                                               num_state=int(m.group(4) or 0))
     return None
 
 

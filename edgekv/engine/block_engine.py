@@ -66,6 +66,7 @@ class BlockEngine:
         if block <= 0:
             raise PolicyError("the block size must be a positive number of tokens")
         policy.check_budget(budget, block)
+        policy.check_model(model.config)
         self.model, self.policy, self.budget, self.block = model, policy, budget, block
         self.cfg = model.config
         self.record_kept = record_kept
@@ -127,11 +128,14 @@ class BlockEngine:
         return out.view(h.shape[0], heads, self.cfg.head_dim).transpose(0, 1)
 
     @torch.no_grad()
-    def step(self, token_ids: torch.Tensor, *, all_logits: bool = False, extra=None) -> torch.Tensor:
+    def step(self, token_ids: torch.Tensor, *, all_logits: bool = False, extra=None,
+             decoding: bool = False) -> torch.Tensor:
         """Run one block of real tokens (positions continue from self.position).
 
         ``extra`` = (ids, positions) of pseudo tokens appended after the block (DapQ); their
-        queries are handed to the policy and their K/V never stay in the cache.
+        queries are handed to the policy and their K/V never stay in the cache. ``decoding``: a
+        generated token (``decode``), whose attention the policy may replace
+        (``Policy.decode_attention``); prompt tokens always attend densely.
         Returns logits of the last real token [vocab] (or of every real token [b, vocab])."""
         cfg = self.cfg
         b = token_ids.shape[0]
@@ -155,19 +159,24 @@ class BlockEngine:
             cache.write(old, k, v, all_pos)
             n_all = old + b + n_extra
             keys, values, key_pos = cache.view(n_all)
-            # Causal by original position: cache entries precede the block, so only the block
-            # (and pseudo rows after it) is masked. Positions are shared by all heads for the
-            # block's own entries, and every cached position is < the block's first.
-            mask = key_pos[0][None, :].long() <= all_pos[:, None]
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True
-            )[0]
+            attn = None
+            if decoding and not n_extra:
+                attn = self.policy.decode_attention(layer, q, cache, n_all, budget=self.budget, scale=self.scale)
+            if attn is None:
+                # Causal by original position: cache entries precede the block, so only the block
+                # (and pseudo rows after it) is masked. Positions are shared by all heads for the
+                # block's own entries, and every cached position is < the block's first.
+                mask = key_pos[0][None, :].long() <= all_pos[:, None]
+                attn = F.scaled_dot_product_attention(
+                    q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True
+                )[0]
             x = x + F.linear(attn.transpose(0, 1).reshape(b + n_extra, -1), lw["self_attn.o_proj.weight"])
             h = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_eps)
             gate, up = F.linear(h, lw["mlp.gate_proj.weight"]), F.linear(h, lw["mlp.up_proj.weight"])
             x = x + F.linear(F.silu(gate) * up, lw["mlp.down_proj.weight"])
-            if self._evict(layer, cache, old + b, q, all_pos, b, n_extra):
-                record.evicted = True
+            compacted = self._evict(layer, cache, old + b, q, all_pos, b, n_extra)
+            record.evicted = record.evicted or compacted
+            self.policy.after_step(layer, cache, compacted, budget=self.budget)
             if record.kept_positions is not None:
                 record.kept_positions.append(self.kept_positions(layer))
         self.position += b
@@ -352,7 +361,7 @@ class BlockEngine:
         import time
 
         t0 = time.perf_counter()
-        logits = self.step(torch.tensor([token_id], dtype=torch.long))
+        logits = self.step(torch.tensor([token_id], dtype=torch.long), decoding=True)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_tokens += 1
         return logits

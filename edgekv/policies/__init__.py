@@ -12,6 +12,7 @@ from .full import FullPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .lagkv import LagKVPolicy
+from .rocketkv import RocketKVPolicy
 from .snapkv import SnapKVPolicy
 from .snapkv_pp import SnapKVPlusPlusPolicy
 from .streaming import StreamingPolicy
@@ -24,6 +25,7 @@ REGISTRY: dict[str, type[Policy]] = {
     "lagkv": LagKVPolicy,
     "snapkv": SnapKVPolicy,
     "snapkv++": SnapKVPlusPlusPolicy,
+    "rocketkv": RocketKVPolicy,
     "tova": TOVAPolicy,
     "h2o": H2OPolicy,
     "dapq": DapQPolicy,

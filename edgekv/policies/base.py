@@ -110,8 +110,8 @@ KERNEL_INPUTS: dict[str, str] = {
 #       the generic top-N + compaction: ``cand_state`` rows are appended / compacted into
 #       ``state`` with the same kept indices as K/V/pos.
 #
-# The GPU versions (``edgekv/compiler/gpu_kernels.py``: GPU_SCORE_KERNELS / GPU_OBSERVE_KERNELS,
-# keyed by policy name) take the same arguments.
+# The GPU versions (``gpu_evict_kernel`` / ``gpu_observe_kernel``, in the policy's file beside the
+# CPU builders) take the same arguments.
 #
 # Two further extension points, for what the generic observe → score → select cannot express:
 #
@@ -134,6 +134,15 @@ KERNEL_INPUTS: dict[str, str] = {
 # compiled per-prompt function: ``emit_prepare(bb, kernel, probe, caches, n_valid, prompt_len,
 # budget)`` (``compiler/prepare.py`` builds ``prepare`` around it; D2O's first-block probe writes
 # ``d2o_budget``), run by the runtimes before a prompt longer than ``prepare_min_prompt(budget)``.
+
+
+# Decode-step attention (eager engine only). A policy may replace the attention of a decode step
+# (B = 1, after the new token's K/V are written at row n − 1, before the step's eviction) with its
+# own — RocketKV's sparse attention over a selected subset of the cache — through
+# ``decode_attention``; returning None keeps the engine's dense attention, so every other policy
+# runs bit-identically. State a policy derives from the cached keys (RocketKV's page min/max) is kept
+# in step with the cache through ``after_step``, which the engine calls after every layer's step,
+# saying whether the eviction reordered the rows.
 
 
 class PolicyError(ValueError):
@@ -172,6 +181,10 @@ class Policy:
     # Builder of the per-step state-update kernel (required when ``entry_state`` is non-empty):
     # ``build(num_kv_heads, budget, block, head_dim, dtype, **kernel_params, **site)``.
     observe_kernel: ClassVar[Callable[..., Any] | None] = None
+    # Their GPU versions (same arguments, same PrimFunc signature: ``compiler/kernels/signature.py``),
+    # swapped in by ``gpu_schedule.ReplaceKernels`` for GPU targets; None: no GPU build of this policy.
+    gpu_evict_kernel: ClassVar[Callable[..., Any] | None] = None
+    gpu_observe_kernel: ClassVar[Callable[..., Any] | None] = None
     # Per-layer site hooks (see "Per-layer site hooks" above; D2O): the pass's per-site emitter,
     # the per-layer cache tensors after k, v, pos, fill (and state), and the GPU kernel lookup.
     emit_site_eviction: ClassVar[Callable[..., Any] | None] = None
@@ -219,6 +232,29 @@ class Policy:
 
     def observe(self, ctx: EvictionContext) -> None:
         """Update per-entry state in ``ctx.state`` in place (for ``observes_every_step``)."""
+
+    def check_model(self, config: Any) -> None:
+        """Raise PolicyError if this policy cannot run on a model of this geometry (a
+        ``ModelConfig``: head dim, heads); the eager engine calls it once, after ``check_budget``."""
+
+    def decode_attention(self, layer: int, q: torch.Tensor, cache: Any, n: int, *, budget: int,
+                         scale: float) -> torch.Tensor | None:
+        """The attention output [Hq, 1, d] of one decode step of ``layer``, or None (the default) for
+        the engine's dense attention over the cache's first ``n`` rows. ``q`` [Hq, 1, d] post-RoPE;
+        ``cache`` the layer's ``LayerCache``, holding the new token at row n − 1 (nothing evicted yet);
+        ``budget`` the engine's N; ``scale`` the softmax scale."""
+        return None
+
+    def after_step(self, layer: int, cache: Any, compacted: bool, *, budget: int) -> None:
+        """Called after every step of every layer (blocks and decode) once ``cache.length`` rows are
+        live; ``compacted``: the step's eviction moved rows (derived per-layer state must be rebuilt);
+        ``budget`` the engine's N."""
+
+    def decode_bytes_per_step(self, fill: int, head_dim: int, budget: int, *, num_kv_heads: int = 1,
+                              num_layers: int = 1, dtype_bytes: int = 4) -> int:
+        """KV-cache bytes one decode step's attention reads when the cache holds ``fill`` entries per
+        layer and KV head (the new token included): dense attention reads every K and V row."""
+        return num_layers * num_kv_heads * fill * 2 * head_dim * dtype_bytes
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -246,6 +246,71 @@ def _update_tau_macro(H: int, NB: int, beta: float, ema: bool):
     return update_tau
 
 
+def _score_signature(s, body, *, gpu: bool):
+    """D2O's score kernel signature (CPU and GPU: one declaration, ``kernels/signature.py``'s way):
+    ``(q, k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc, d2o_budget, score, acc_cand,
+    col_sums)``."""
+    from tvm.script import tirx as T
+
+    from ..compiler.kernels.signature import kernel_attrs
+
+    H, N, B, D, Hq, NB = s.H, s.N, s.B, s.D, s.Hq, s.NB
+    attrs = kernel_attrs(gpu)
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_score(
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        k_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        acc: T.Buffer((1, H, N), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        col_sums: T.Buffer((Hq, NB), "float32"),
+    ):
+        T.func_attr(attrs)
+        body(q, k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc, d2o_budget, score, acc_cand, col_sums)
+
+    return d2o_score
+
+
+def _evict_signature(s, body, *, gpu: bool):
+    """D2O's evict (select + merge + compaction) signature: the common eight, then ``score,
+    acc_cand, d2o_budget, acc, d2o_tau``."""
+    from tvm.script import tirx as T
+
+    from ..compiler.kernels.signature import kernel_attrs
+
+    H, N, B, D, NB = s.H, s.N, s.B, s.D, s.NB
+    attrs = kernel_attrs(gpu)
+
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_evict(
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        score: T.Buffer((H, NB), "float32"),
+        acc_cand: T.Buffer((H, NB), "float32"),
+        d2o_budget: T.Buffer((2,), "int32"),
+        acc: T.Buffer((1, H, N), "float32"),
+        d2o_tau: T.Buffer((2,), "float32"),
+    ):
+        T.func_attr(attrs)
+        body(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, acc_cand, d2o_budget, acc,
+             d2o_tau)
+
+    return d2o_evict
+
+
 def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int, head_dim: int,
                            sm_scale: float, dtype: str = "float32", sinks: int = 4):
     """TIR kernel: ``D2OPolicy.observe`` + ``D2OPolicy.score`` of one layer, on every step.
@@ -263,6 +328,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes
 
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
@@ -273,22 +339,8 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
     S = int(sinks)
     scale = float(sm_scale)
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_score(
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        k_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        acc: T.Buffer((1, H, N), "float32"),
-        d2o_budget: T.Buffer((2,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-        acc_cand: T.Buffer((H, NB), "float32"),
-        col_sums: T.Buffer((Hq, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def d2o_score(q, k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc, d2o_budget, score, acc_cand, col_sums):
         for hq in T.parallel(Hq):
             with T.sblock("d2o_col_sums"):
                 T.reads(q[0, hq, 0:B, 0:D], k_cache[hq // G, 0:N, 0:D], pos_cache[hq // G, 0:N], fill[0:1],
@@ -342,7 +394,7 @@ def build_d2o_score_kernel(num_q_heads: int, num_kv_heads: int, budget: int, blo
                         if T.if_then_else(j < nf2, pos_cache[h, T.min(j, N - 1)], pos_blk[T.max(j - nf2, 0)]) < S:
                             score[h, j] = T.float32("inf")
 
-    return d2o_score
+    return _score_signature(StepShapes(H, N, B, D, Hq=Hq), d2o_score, gpu=False)
 
 
 def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
@@ -368,6 +420,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes
     from ..compiler.kernels.select import evicted_mask_macro
 
     check_dtype(dtype)
@@ -383,23 +436,8 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
     mark_evicted = evicted_mask_macro(NB)
     update_tau = _update_tau_macro(H, NB, float(beta), threshold == "ema")
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_evict(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-        acc_cand: T.Buffer((H, NB), "float32"),
-        d2o_budget: T.Buffer((2,), "int32"),
-        acc: T.Buffer((1, H, N), "float32"),
-        d2o_tau: T.Buffer((2,), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def d2o_evict(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, acc_cand, d2o_budget, acc, d2o_tau):
         gone = T.alloc_buffer((H, NB), "int32")
         best = T.alloc_buffer((H, NB), "float32")
         target = T.alloc_buffer((H, NB), "int32")
@@ -542,7 +580,7 @@ def build_d2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim:
         with T.sblock("d2o_fill"):
             fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
 
-    return d2o_evict
+    return _evict_signature(StepShapes(H, N, B, D), d2o_evict, gpu=False)
 
 
 # ---- GPU versions (same signatures; swapped in by gpu_schedule.ReplaceKernels) -------------------
@@ -559,6 +597,7 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes
 
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
@@ -572,22 +611,8 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
     KPT = (NB + NT - 1) // NT  # candidates per thread
     QL = (D + NT - 1) // NT
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_score_gpu(
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        k_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        acc: T.Buffer((1, H, N), "float32"),
-        d2o_budget: T.Buffer((2,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-        acc_cand: T.Buffer((H, NB), "float32"),
-        col_sums: T.Buffer((Hq, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+    @T.macro
+    def d2o_score_gpu(q, k_cache, pos_cache, fill, k_blk, pos_blk, n_valid, acc, d2o_budget, score, acc_cand, col_sums):
         for hq in T.thread_binding(Hq, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("d2o_col_sums"):
@@ -667,7 +692,7 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
                                                   pos_blk[T.min(T.max(u * NT + tx - nf2, 0), B - 1)]) < S:
                                     score[h, T.min(u * NT + tx, NB - 1)] = T.float32("inf")
 
-    return d2o_score_gpu
+    return _score_signature(StepShapes(H, N, B, D, Hq=Hq), d2o_score_gpu, gpu=True)
 
 
 def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
@@ -683,6 +708,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes
     from ..compiler.kernels.select import evicted_mask_macro
 
     check_dtype(dtype)
@@ -703,23 +729,8 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     mark_evicted = evicted_mask_macro(NB, lanes=1)  # run by one GPU thread: no vector lanes
     update_tau = _update_tau_macro(H, NB, float(beta), threshold == "ema")
 
-    @T.prim_func(private=True, s_tir=True)
-    def d2o_evict_gpu(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-        acc_cand: T.Buffer((H, NB), "float32"),
-        d2o_budget: T.Buffer((2,), "int32"),
-        acc: T.Buffer((1, H, N), "float32"),
-        d2o_tau: T.Buffer((2,), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+    @T.macro
+    def d2o_evict_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, acc_cand, d2o_budget, acc, d2o_tau):
         gone = T.alloc_buffer((H, NB), "int32")
         best = T.alloc_buffer((H, NB), "float32")
         target = T.alloc_buffer((H, NB), "int32")
@@ -879,7 +890,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                     T.writes()
                     fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
 
-    return d2o_evict_gpu
+    return _evict_signature(StepShapes(H, N, B, D), d2o_evict_gpu, gpu=True)
 
 
 def d2o_gpu_kernel(name: str, func, policy_params: dict, sm_scales: dict):
@@ -1089,19 +1100,15 @@ def build_d2o_budget_kernel(num_layers: int, num_q_heads: int, candidates: int, 
                 budgets[l, 0] = out[l]
                 budgets[l, 1] = T.Cast("int32", T.floor(T.Cast(F, out[l]) * T.Cast(F, recent_ratio)))
 
-    if device:
-        @T.prim_func(private=True, s_tir=True)
-        def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
-                              prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
-            T.func_attr({"tirx.noalias": True})
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
+                          prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        if device:  # one work-item: the allocation is a few hundred scalar steps
             for _b in T.thread_binding(1, thread="blockIdx.x"):
                 for _t in T.thread_binding(1, thread="threadIdx.x"):
                     allocate(col_sums, n_valid, prompt_len, budgets)
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def d2o_layer_budgets(col_sums: T.Buffer((L, Hq, NB), "float32"), n_valid: T.Buffer((1,), "int32"),
-                              prompt_len: T.Buffer((1,), "int64"), budgets: T.Buffer((L, 2), "int32")):
-            T.func_attr({"tirx.noalias": True})
+        else:
             allocate(col_sums, n_valid, prompt_len, budgets)
 
     return d2o_layer_budgets
@@ -1123,21 +1130,16 @@ def build_d2o_set_layer_kernel(num_layers: int, device: bool = False):
                 d2o_tau[i] = T.float32(0)
             fill[0] = 0
 
-    if device:
-        @T.prim_func(private=True, s_tir=True)
-        def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
-                          d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
-                          fill: T.Buffer((1,), "int32")):
-            T.func_attr({"tirx.noalias": True})
+    @T.prim_func(private=True, s_tir=True)
+    def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
+                      d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
+                      fill: T.Buffer((1,), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        if device:
             for _b in T.thread_binding(1, thread="blockIdx.x"):
                 for _t in T.thread_binding(1, thread="threadIdx.x"):
                     set_layer(budgets, layer, d2o_budget, d2o_tau, fill)
-    else:
-        @T.prim_func(private=True, s_tir=True)
-        def d2o_set_layer(budgets: T.Buffer((num_layers, 2), "int32"), layer: T.Buffer((1,), "int32"),
-                          d2o_budget: T.Buffer((2,), "int32"), d2o_tau: T.Buffer((2,), "float32"),
-                          fill: T.Buffer((1,), "int32")):
-            T.func_attr({"tirx.noalias": True})
+        else:
             set_layer(budgets, layer, d2o_budget, d2o_tau, fill)
 
     return d2o_set_layer

@@ -29,7 +29,7 @@ arrive as ``ctx.extra_queries`` / ``ctx.extra_keys`` (without the keys, e.g. a h
 softmax runs over the candidates alone). Cost: w extra tokens through every layer per evicting block
 (+25 % linear-layer work at w = 32, B = 128) and a [Hq, w, N + B + w] attention tile per layer.
 
-Compiled: ``build_dapq_evict_kernel`` (CPU) and ``build_dapq_gpu_evict_kernel`` (GPU) score from the
+Compiled: ``build_dapq_evict_kernel`` (CPU) and ``build_dapq_evict_kernel_gpu`` (GPU) score from the
 step's post-RoPE queries (``kernel_inputs``), one pseudo row's attention at a time; the compiled
 prefill step carries the pseudo rows as its last w rows (``edgekv/compiler/pseudo_rows.py``,
 docs/COMPILER.md "Pseudo rows"), on every prefill block.
@@ -128,6 +128,7 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes, score_kernel
 
     check_dtype(dtype)
     H, N, TR, D = num_kv_heads, budget, block, head_dim
@@ -158,20 +159,8 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
             red[0] = red[0] + part[l]
         red[0] = red[0] * T.float32(scale)
 
-    @T.prim_func(private=True, s_tir=True)
-    def dapq_score(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, TR, D), "float32"),
-        v_blk: T.Buffer((1, H, TR, D), "float32"),
-        pos_blk: T.Buffer((TR,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        q: T.Buffer((1, Hq, TR, D), "float32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def dapq_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, score):
         for h in T.parallel(H):
             with T.sblock("dapq"):
                 # explicit regions: automatic inference would reference the block's own let vars
@@ -245,10 +234,10 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
                         else:
                             score[h, i] = T.float32("-inf")
 
-    return dapq_score
+    return score_kernel(StepShapes(H, N, TR, D, Hq=Hq), dapq_score, queries=True)
 
 
-def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
+def build_dapq_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                                 window: int = 32, softmax_pseudo: bool = True, kernel: int = 1, pooling: str = "avg",
                                 keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None):
     """GPU version of ``build_dapq_evict_kernel`` (same signature and definition), the flash-style
@@ -265,6 +254,7 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes, score_kernel
 
     check_dtype(dtype)
     H, N, TR, D = num_kv_heads, budget, block, head_dim
@@ -307,20 +297,8 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
             st[0] = st[0] + q_sh[k, c] * kreg[c]
         st[0] = st[0] * T.float32(scale)
 
-    @T.prim_func(private=True, s_tir=True)
-    def dapq_score_gpu(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, TR, D), "float32"),
-        v_blk: T.Buffer((1, H, TR, D), "float32"),
-        pos_blk: T.Buffer((TR,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        q: T.Buffer((1, Hq, TR, D), "float32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+    @T.macro
+    def dapq_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, score):
         for h in T.thread_binding(H, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("dapq"):
@@ -433,7 +411,7 @@ def build_dapq_gpu_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                                 else:
                                     score[h, u * NT + tx] = T.float32("-inf")
 
-    return dapq_score_gpu
+    return score_kernel(StepShapes(H, N, TR, D, Hq=Hq), dapq_score_gpu, gpu=True, queries=True)
 
 
 @dataclass
@@ -443,6 +421,7 @@ class DapQPolicy(Policy):
     needs_queries = True  # only used when a step has no pseudo rows (decoding)
     uses_question = True  # the question replaces the pseudo rows (`--question`)
     evict_kernel = staticmethod(build_dapq_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_dapq_evict_kernel_gpu)
     # the compiled kernels also take the step's post-RoPE queries (the pseudo rows' among them)
     kernel_inputs = ("queries",)
     window: int = 32

@@ -69,6 +69,18 @@ def build_h2o_observe_kernel(num_kv_heads: int, budget: int, block: int, head_di
                                        heads="group_mean", dtype=dtype)
 
 
+def build_h2o_evict_kernel_gpu(H, N, B, D, dtype="float32", *, recent, num_q_heads, sm_scale):
+    from ..compiler.kernels.attention_scores import build_state_score_kernel_gpu
+
+    return build_state_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, recent=recent, dtype=dtype)
+
+
+def build_h2o_observe_kernel_gpu(H, N, B, D, dtype="float32", *, recent=0, num_q_heads, sm_scale):
+    from ..compiler.kernels.attention_scores import build_colsum_observe_kernel_gpu
+
+    return build_colsum_observe_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, heads="group_mean", dtype=dtype)
+
+
 @dataclass
 class H2OPolicy(Policy):
     name = "h2o"
@@ -79,7 +91,9 @@ class H2OPolicy(Policy):
     entry_state = (STATE,)
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_h2o_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_h2o_evict_kernel_gpu)
     observe_kernel = staticmethod(build_h2o_observe_kernel)
+    gpu_observe_kernel = staticmethod(build_h2o_observe_kernel_gpu)
     recent_ratio: float = 0.5
 
     def check_budget(self, budget: int, block: int) -> None:

@@ -74,6 +74,7 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype, lane_tree_sum
+    from ..compiler.kernels.signature import StepShapes, score_kernel
 
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
@@ -101,19 +102,8 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
                 part[l] = part[l] + x[c0 * LANES + l] * y[c0 * LANES + l]
         lane_sum(part)
 
-    @T.prim_func(private=True, s_tir=True)
-    def keydiff_score(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def keydiff_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
         norm = T.alloc_buffer((H, NB), "float32")
         anchor = T.alloc_buffer((H, D), "float32")
         if fill[0] + n_valid[0] > N:
@@ -175,7 +165,111 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
                                                       pos_blk[T.max(i - nf, 0)]) > newest - W:
                                         score[h, i] = T.float32("inf")
 
-    return keydiff_score
+    return score_kernel(StepShapes(H, N, B, D), keydiff_score)
+
+
+def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                                   dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
+    """One thread block per KV head, NT threads. Pass 1: per tile of NT candidates each thread
+    computes one row's norm (into shared memory), then thread (group, channel) pairs
+    accumulate the normalised keys column-wise (coalesced); the per-group partial anchors are
+    summed in shared memory and normalised. Pass 2: one thread per candidate, −k̂ · μ̂."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes, score_kernel
+
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    EPS = float(eps)
+    W = int(recent)
+    NT = 128 if D <= 128 else D
+    GR = max(1, NT // D)  # row groups in the column pass
+    TILES = (NB + NT - 1) // NT
+
+    @T.macro
+    def keydiff_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("keydiff"):
+                    T.reads()
+                    T.writes()
+                    inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
+                    anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    grp: T.let[T.int32] = tx // D
+                    ch: T.let[T.int32] = tx % D
+                    if n > N:
+                        red[1] = T.float32(0)  # this thread's partial anchor for channel ch
+                        for it in T.serial((n + NT - 1) // NT):
+                            # norm of candidate it*NT + tx
+                            red[0] = T.float32(0)
+                            if it * NT + tx < n:
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                            inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                            T.tvm_storage_sync("shared")
+                            if grp < GR:
+                                for r in T.serial((NT + GR - 1) // GR):
+                                    if r * GR + grp < NT:
+                                        if it * NT + r * GR + grp < n:
+                                            red[1] = red[1] + T.if_then_else(
+                                                it * NT + r * GR + grp < nf,
+                                                k_cache[h, T.min(it * NT + r * GR + grp, N - 1), ch],
+                                                k_blk[0, h, T.min(T.max(it * NT + r * GR + grp - nf, 0), B - 1), ch]
+                                            ) / inv_sh[r * GR + grp]
+                            T.tvm_storage_sync("shared")
+                        if grp < GR:
+                            part_sh[grp, ch] = red[1]
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            red[1] = T.float32(0)
+                            for gg in T.serial(GR):
+                                red[1] = red[1] + part_sh[gg, tx]
+                            anchor_sh[tx] = red[1] / T.Cast("float32", n)
+                        T.tvm_storage_sync("shared")
+                        red[0] = T.float32(0)
+                        for c in T.serial(D):
+                            red[0] = red[0] + anchor_sh[c] * anchor_sh[c]
+                        red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            anchor_sh[tx] = anchor_sh[tx] / red[0]
+                        T.tvm_storage_sync("shared")
+                        for it in T.serial(TILES):
+                            if it * NT + tx < n:
+                                red[0] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                red[1] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[1] = red[1] - (T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) / red[0]) * anchor_sh[c]
+                                if W > 0:
+                                    if T.if_then_else(it * NT + tx < nf, pos_cache[h, T.min(it * NT + tx, N - 1)],
+                                                      pos_blk[T.min(T.max(it * NT + tx - nf, 0), B - 1)]) > pos_blk[
+                                                          T.max(nv - 1, 0)] - W:
+                                        red[1] = T.float32("inf")
+                                score[h, it * NT + tx] = red[1]
+                            elif it * NT + tx < NB:
+                                score[h, it * NT + tx] = T.float32("-inf")
+
+    return score_kernel(StepShapes(H, N, B, D), keydiff_score_gpu, gpu=True)
 
 
 @dataclass
@@ -183,6 +277,7 @@ class KeyDiffPolicy(Policy):
     name = "keydiff"
     summary = "KeyDiff: keeps the keys least similar to their mean (the most diverse); no attention scores needed"
     evict_kernel = staticmethod(build_keydiff_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_keydiff_evict_kernel_gpu)
     # Guard for zero-norm keys / a zero anchor (not a paper parameter, hence not a field).
     EPS = 1e-6
 

@@ -93,6 +93,7 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes, score_kernel
 
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
@@ -102,19 +103,8 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
     EPS = float(eps)
     DDOF = float(D - 1) if (unbiased_std and D > 1) else float(D)
 
-    @T.prim_func(private=True, s_tir=True)
-    def lagkv_score(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def lagkv_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
         for h in T.parallel(H):
             with T.sblock("lagkv"):
                 # explicit regions: automatic inference would reference the block's own let vars
@@ -203,7 +193,159 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
                                         better[0] = better[0] + 1
                             score[h, start + p * L + t] = T.Cast("float32", L - 1 - better[0]) / T.float32(L)
 
-    return lagkv_score
+    return score_kernel(StepShapes(H, N, B, D), lagkv_score)
+
+
+def build_lagkv_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                                 dtype: str = "float32", sinks: int = 16, lag: int = 128,
+                                 value_weight: float = 1.0, unbiased_std: bool = True, eps: float = 1e-6):
+    """Two launches. (1) elementwise over (head, candidate): sinks +inf, tail 2 + i/n, beyond n
+    −inf, scored partitions 0. (2) one thread block per (head, partition p): threads over
+    channels find partition p+1's per-channel min/max (shared), threads over tokens take the
+    std of each min-max-normalised token, softmax over the L tokens (shared), K then V
+    accumulated into raw (shared), and each token's rank inside the partition is its score."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..compiler.kernels.common import check_dtype
+    from ..compiler.kernels.signature import StepShapes, score_kernel
+
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    S, L = int(sinks), int(lag)
+    WV = float(value_weight)
+    EPS = float(eps)
+    DDOF = float(D - 1) if (unbiased_std and D > 1) else float(D)
+    TPB = 128
+    NBLK = (H * NB + TPB - 1) // TPB
+    PMAX = max(1, (NB - min(S, NB)) // L - 1)  # most scored partitions any step can have
+    NT = 128
+    TPT = (L + NT - 1) // NT  # tokens per thread
+    CPT = (D + NT - 1) // NT  # channels per thread
+
+    @T.macro
+    def lagkv_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
+        for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("lagkv_base"):
+                    T.reads()
+                    T.writes()
+                    e: T.let[T.int32] = bx * TPB + tx
+                    h: T.let[T.int32] = e // NB
+                    i: T.let[T.int32] = e % NB
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    start: T.let[T.int32] = T.min(S, n)
+                    P: T.let[T.int32] = (n - start) // L
+                    scored_end: T.let[T.int32] = T.if_then_else(P >= 2, start + (P - 1) * L, start)
+                    if e < H * NB:
+                        if n > N:
+                            if i < start:
+                                score[h, i] = T.float32("inf")
+                            elif i < scored_end:
+                                score[h, i] = T.float32(0)
+                            elif i < n:
+                                score[h, i] = T.float32(2) + T.Cast("float32", i) / T.Cast("float32", n)
+                            else:
+                                score[h, i] = T.float32("-inf")
+        for bx in T.thread_binding(H * PMAX, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("lagkv_part"):
+                    T.reads()
+                    T.writes()
+                    lo_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    hi_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    part_sh = T.sblock_alloc_buffer((L,), "float32", scope="shared")
+                    raw_sh = T.sblock_alloc_buffer((L,), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                    better = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    h: T.let[T.int32] = bx // PMAX
+                    p: T.let[T.int32] = bx % PMAX
+                    nf: T.let[T.int32] = fill[0]
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    start: T.let[T.int32] = T.min(S, n)
+                    P: T.let[T.int32] = (n - start) // L
+                    if n > N:
+                        if p < P - 1:
+                            for u in T.serial(TPT):
+                                if u * NT + tx < L:
+                                    raw_sh[u * NT + tx] = T.float32(0)
+                            for z in T.serial(2):
+                                # per-channel range of the reference partition p + 1
+                                for u in T.serial(CPT):
+                                    if u * NT + tx < D:
+                                        acc[0] = T.float32("inf")
+                                        acc[1] = T.float32("-inf")
+                                        for t in T.serial(L):
+                                            acc[2] = T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + (p + 1) * L + t < nf,
+                                                               k_cache[h, T.min(start + (p + 1) * L + t, N - 1), u * NT + tx],
+                                                               k_blk[0, h, T.min(T.max(start + (p + 1) * L + t - nf, 0), B - 1), u * NT + tx]),
+                                                T.if_then_else(start + (p + 1) * L + t < nf,
+                                                               v_cache[h, T.min(start + (p + 1) * L + t, N - 1), u * NT + tx],
+                                                               v_blk[0, h, T.min(T.max(start + (p + 1) * L + t - nf, 0), B - 1), u * NT + tx]))
+                                            acc[0] = T.min(acc[0], acc[2])
+                                            acc[1] = T.max(acc[1], acc[2])
+                                        lo_sh[u * NT + tx] = acc[0]
+                                        hi_sh[u * NT + tx] = acc[1]
+                                T.tvm_storage_sync("shared")
+                                # std over channels of each normalised token of partition p
+                                for u in T.serial(TPT):
+                                    if u * NT + tx < L:
+                                        acc[0] = T.float32(0)
+                                        for c in T.serial(D):
+                                            acc[0] = acc[0] + (T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               k_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               k_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]),
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               v_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               v_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]))
+                                                - lo_sh[c]) / T.max(hi_sh[c] - lo_sh[c], T.float32(EPS))
+                                        acc[0] = acc[0] / T.float32(D)
+                                        acc[1] = T.float32(0)
+                                        for c in T.serial(D):
+                                            acc[2] = (T.if_then_else(
+                                                z == 0,
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               k_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               k_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]),
+                                                T.if_then_else(start + p * L + u * NT + tx < nf,
+                                                               v_cache[h, T.min(start + p * L + u * NT + tx, N - 1), c],
+                                                               v_blk[0, h, T.min(T.max(start + p * L + u * NT + tx - nf, 0), B - 1), c]))
+                                                - lo_sh[c]) / T.max(hi_sh[c] - lo_sh[c], T.float32(EPS))
+                                            acc[1] = acc[1] + (acc[2] - acc[0]) * (acc[2] - acc[0])
+                                        part_sh[u * NT + tx] = T.sqrt(acc[1] / T.float32(DDOF))
+                                T.tvm_storage_sync("shared")
+                                # softmax over the L tokens (each thread reduces the same values)
+                                acc[3] = T.float32("-inf")
+                                for t in T.serial(L):
+                                    acc[3] = T.max(acc[3], part_sh[t])
+                                acc[0] = T.float32(0)
+                                for t in T.serial(L):
+                                    acc[0] = acc[0] + T.exp(part_sh[t] - acc[3])
+                                for u in T.serial(TPT):
+                                    if u * NT + tx < L:
+                                        raw_sh[u * NT + tx] = raw_sh[u * NT + tx] + T.if_then_else(
+                                            z == 0, T.float32(1), T.float32(WV)) * (
+                                                T.exp(part_sh[u * NT + tx] - acc[3]) / acc[0])
+                                T.tvm_storage_sync("shared")
+                            # rank inside the partition: (L - 1 - #better) / L
+                            for u in T.serial(TPT):
+                                if u * NT + tx < L:
+                                    better[0] = 0
+                                    acc[0] = raw_sh[u * NT + tx]
+                                    for w in T.serial(L):
+                                        acc[1] = raw_sh[w]
+                                        if acc[1] > acc[0]:
+                                            better[0] = better[0] + 1
+                                        elif acc[1] == acc[0]:
+                                            if w < u * NT + tx:
+                                                better[0] = better[0] + 1
+                                    score[h, start + p * L + u * NT + tx] = T.Cast("float32", L - 1 - better[0]) / T.float32(L)
+
+    return score_kernel(StepShapes(H, N, B, D), lagkv_score_gpu, gpu=True)
 
 
 @dataclass
@@ -211,6 +353,7 @@ class LagKVPolicy(Policy):
     name = "lagkv"
     summary = "LagKV: scores each partition of tokens against the next one's min/max statistics; no attention scores"
     evict_kernel = staticmethod(build_lagkv_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_lagkv_evict_kernel_gpu)
     EPS = 1e-6  # guard on the per-channel range max − min (not a paper parameter)
 
     # First entries that are never evicted (attention sinks). Paper / official code: 16.

@@ -112,6 +112,14 @@ def window_select(ctx: EvictionContext, score: torch.Tensor, window: int, policy
     return Selection(kept=topk_keep(score, ctx.budget))
 
 
+def build_snapkv_evict_kernel_gpu(H, N, B, D, dtype="float32", *, window, kernel, pooling, num_q_heads, sm_scale):
+    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
+
+    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_mean",
+                                         pin_window=True, pooling=pooling, kernel_short=kernel, kernel_long=kernel,
+                                         dtype=dtype)
+
+
 @dataclass
 class SnapKVPolicy(Policy):
     name = "snapkv"
@@ -120,6 +128,7 @@ class SnapKVPolicy(Policy):
     uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkv_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_snapkv_evict_kernel_gpu)
     window: int = 32
     kernel: int = 7
     pooling: str = "avg"

@@ -45,6 +45,15 @@ def build_snapkvpp_evict_kernel(num_kv_heads: int, budget: int, block: int, head
                                      pooling=pooling, group="sum", num_q_heads=num_q_heads, sm_scale=sm_scale)
 
 
+def build_snapkvpp_evict_kernel_gpu(H, N, B, D, dtype="float32", *, window, kernel_short, kernel_long, long_threshold,
+                                    pooling, num_q_heads, sm_scale):
+    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
+
+    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_sum",
+                                         pin_window=True, pooling=pooling, kernel_short=kernel_short,
+                                         kernel_long=kernel_long, long_threshold=long_threshold, dtype=dtype)
+
+
 @dataclass
 class SnapKVPlusPlusPolicy(Policy):
     name = "snapkv++"
@@ -53,6 +62,7 @@ class SnapKVPlusPlusPolicy(Policy):
     uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkvpp_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_snapkvpp_evict_kernel_gpu)
     window: int = 32
     kernel_short: int = 63
     kernel_long: int = 511

@@ -43,6 +43,14 @@ def build_tova_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
                                      pooling="none", dtype=dtype)
 
 
+def build_tova_evict_kernel_gpu(H, N, B, D, dtype="float32", *, heads="group", num_q_heads, sm_scale):
+    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
+
+    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=1,
+                                         heads={"group": "group_mean", "layer": "layer_mean"}[heads], pin_window=False,
+                                         dtype=dtype)
+
+
 @dataclass
 class TOVAPolicy(Policy):
     name = "tova"
@@ -51,6 +59,7 @@ class TOVAPolicy(Policy):
     uses_question = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_tova_evict_kernel)
+    gpu_evict_kernel = staticmethod(build_tova_evict_kernel_gpu)
     heads: str = "group"
 
     def check_budget(self, budget: int, block: int) -> None:

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import check_dtype
+from .common import NEG_BIG, check_dtype
+from .signature import StepShapes, attention_kernel
 
-NEG_BIG = -3.0e38  # finite "minus infinity" for the running max (exp(NEG_BIG - m) = 0, no NaN)
 
 
 def vexp(x):
@@ -141,18 +141,8 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     # row are fully masked and skipped; a tile spanning heads (decode: B = 1) needs all B keys
     IN_HEAD = B % QT == 0
 
-    @T.prim_func(private=True, s_tir=True)
-    def block_attention(
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        fill: T.Buffer((1,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        out: T.Buffer((1, Hq, B, D), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def block_attention(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out):
         for task in T.parallel(H * NQT):
             with T.sblock("attn"):
                 # explicit regions: automatic inference would reference the block's own let vars
@@ -253,4 +243,133 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                     out[0, kh * G + (r0 + r) // B, (r0 + r) % B, c] = T.if_then_else(
                         T.Or((r0 + r) % B < nv, (r0 + r) % B >= BR), o[r, c] / lsum[r], T.float32(0))
 
-    return block_attention
+    return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), block_attention)
+
+
+# ---- GPU version (same signature; swapped in by gpu_schedule.ReplaceKernels) ----------------------
+
+def _gpu_lanes(d: int) -> int:
+    for w in (32, 16, 8, 4, 2, 1):
+        if d % w == 0 and w <= d:
+            return w
+    return 1
+
+
+def build_block_attention_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
+                                     head_dim: int, sm_scale: float, dtype: str = "float32",
+                                     rows_per_block: int = 4, extra_rows: int = 0):
+    """One thread block = ``RQ`` query rows that share a KV head (threadIdx.y) × ``TX`` lanes
+    (threadIdx.x). Keys are streamed in tiles of ``TK`` rows: the K and V tiles are loaded
+    into shared memory once (coalesced) and reused by all RQ rows; each row keeps an online
+    softmax (running max, sum, and its slice of the output in registers). Cache tiles run
+    only up to ``fill``, block tiles only up to ``n_valid`` (causal mask inside the block);
+    rows ≥ n_valid are written as zeros. With ``extra_rows`` = w pseudo rows (DapQ) the last w
+    of the ``block`` rows see the real rows < n_valid and the pseudo rows up to their own
+    (``kernels.attention.block_key_visible``); block tiles then run over all rows."""
+    check_dtype(dtype)
+    Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} are not a multiple of KV heads {H}")
+    W = int(extra_rows)
+    BR = B - W  # real rows
+    G = Hq // H
+    ROWS = G * B  # query rows per KV head
+    RQ = max(1, min(rows_per_block, ROWS))
+    RT = (ROWS + RQ - 1) // RQ  # row tiles per KV head
+    TX = _gpu_lanes(D)
+    TK = max(8, min(32, 2048 // D))
+    CPT = (D + TX - 1) // TX  # channels per lane
+    NT = RQ * TX
+    LOADS = (TK * D + NT - 1) // NT
+    SPT = (TK + TX - 1) // TX  # scores per lane per tile
+    scale = float(sm_scale)
+
+    @T.macro
+    def block_attention_gpu(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out):
+        for bx in T.thread_binding(H * RT, thread="blockIdx.x"):
+            for ty in T.thread_binding(RQ, thread="threadIdx.y"):
+                for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                    with T.sblock("attn"):
+                        T.reads()
+                        T.writes()
+                        q_sh = T.sblock_alloc_buffer((RQ, D), "float32", scope="shared")
+                        k_sh = T.sblock_alloc_buffer((TK, D + 1), "float32", scope="shared")  # +1: no bank conflicts
+                        v_sh = T.sblock_alloc_buffer((TK, D), "float32", scope="shared")
+                        s_sh = T.sblock_alloc_buffer((RQ, TK), "float32", scope="shared")
+                        acc = T.sblock_alloc_buffer((CPT,), "float32", scope="local")
+                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, tile max, rescale
+                        dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        kh: T.let[T.int32] = bx // RT
+                        rr: T.let[T.int32] = (bx % RT) * RQ + ty  # query row within the KV head
+                        g: T.let[T.int32] = T.min(rr, ROWS - 1) // B
+                        i: T.let[T.int32] = T.min(rr, ROWS - 1) % B
+                        h: T.let[T.int32] = kh * G + g
+                        tid: T.let[T.int32] = ty * TX + tx
+                        nf: T.let[T.int32] = fill[0]
+                        nv: T.let[T.int32] = n_valid[0]
+                        ct: T.let[T.int32] = (nf + TK - 1) // TK
+                        bt: T.let[T.int32] = T.if_then_else(W > 0, (B + TK - 1) // TK, (nv + TK - 1) // TK)
+                        for u in T.serial(CPT):
+                            if u * TX + tx < D:
+                                q_sh[ty, u * TX + tx] = q[0, h, i, u * TX + tx]
+                                acc[u] = T.float32(0)
+                        st[0] = T.float32(NEG_BIG)
+                        st[1] = T.float32(0)
+                        for it in T.serial(ct + bt):
+                            T.tvm_storage_sync("shared")
+                            # stage the K/V tile (cache rows, then block rows) in shared memory
+                            for u in T.serial(LOADS):
+                                if u * NT + tid < TK * D:
+                                    jj: T.let[T.int32] = (u * NT + tid) // D
+                                    cc: T.let[T.int32] = (u * NT + tid) % D
+                                    if it < ct:
+                                        k_sh[jj, cc] = T.if_then_else(it * TK + jj < nf,
+                                                                      k_cache[kh, T.min(it * TK + jj, N - 1), cc],
+                                                                      T.float32(0))
+                                        v_sh[jj, cc] = T.if_then_else(it * TK + jj < nf,
+                                                                      v_cache[kh, T.min(it * TK + jj, N - 1), cc],
+                                                                      T.float32(0))
+                                    else:
+                                        k_sh[jj, cc] = T.if_then_else(T.Or((it - ct) * TK + jj < nv,
+                                                                           T.And(W > 0, (it - ct) * TK + jj >= BR)),
+                                                                      k_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
+                                                                      T.float32(0))
+                                        v_sh[jj, cc] = T.if_then_else(T.Or((it - ct) * TK + jj < nv,
+                                                                           T.And(W > 0, (it - ct) * TK + jj >= BR)),
+                                                                      v_blk[0, kh, T.min((it - ct) * TK + jj, B - 1), cc],
+                                                                      T.float32(0))
+                            T.tvm_storage_sync("shared")
+                            # scores of this row against the tile
+                            for u in T.serial(SPT):
+                                if u * TX + tx < TK:
+                                    dot[0] = T.float32(0)
+                                    for c in T.serial(D):
+                                        dot[0] = dot[0] + q_sh[ty, c] * k_sh[u * TX + tx, c]
+                                    s_sh[ty, u * TX + tx] = T.if_then_else(
+                                        T.if_then_else(it < ct, it * TK + u * TX + tx < nf,
+                                                       block_key_visible((it - ct) * TK + u * TX + tx, i, nv, BR, W)),
+                                        dot[0] * T.float32(scale), T.float32(NEG_BIG))
+                            T.tvm_storage_sync("shared")
+                            # online softmax update (every lane of the row does the same scalar work)
+                            st[2] = st[0]
+                            for j in T.serial(TK):
+                                st[2] = T.max(st[2], s_sh[ty, j])
+                            st[3] = T.exp(st[0] - st[2])
+                            st[1] = st[1] * st[3]
+                            for u in T.serial(CPT):
+                                acc[u] = acc[u] * st[3]
+                            for j in T.serial(TK):
+                                dot[0] = T.if_then_else(s_sh[ty, j] > T.float32(NEG_BIG), T.exp(s_sh[ty, j] - st[2]),
+                                                        T.float32(0))
+                                st[1] = st[1] + dot[0]
+                                for u in T.serial(CPT):
+                                    if u * TX + tx < D:
+                                        acc[u] = acc[u] + dot[0] * v_sh[j, u * TX + tx]
+                            st[0] = st[2]
+                        if rr < ROWS:
+                            for u in T.serial(CPT):
+                                if u * TX + tx < D:
+                                    out[0, h, i, u * TX + tx] = T.if_then_else(
+                                        T.Or(i < nv, i >= BR), acc[u] / T.max(st[1], T.float32(1e-30)), T.float32(0))
+
+    return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), block_attention_gpu, gpu=True)

@@ -1,6 +1,6 @@
 """Attention-probability kernels of the query-based policies (SnapKV, SnapKV++, TOVA, H2O): the
-TIR counterparts of ``edgekv.policies.attention_rows`` (CPU; the GPU versions are in
-``edgekv/compiler/gpu_kernels.py``).
+TIR counterparts of ``edgekv.policies.attention_rows``, CPU and GPU (the ``_gpu`` builders at
+the end of this file; same signatures, ``signature.py``).
 
 Arguments (``edgekv.policies.base``, "Compiled kernels beyond K/V"): the common eight, then the
 block's queries ``q [1, Hq, B, d]`` (post-RoPE), then — for H2O — the state.
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import check_dtype
+from .common import NEG_BIG, check_dtype
+from .signature import StepShapes, observe_kernel, score_kernel, state_score_kernel
 
-NEG_BIG = -3.0e38  # finite "minus infinity" for running maxima
 
 HEADS = ("group_mean", "group_sum", "layer_mean")
 POOLS = ("none", "avg", "max")
@@ -150,20 +150,8 @@ def build_window_score_kernel(num_kv_heads: int, budget: int, block: int, head_d
     first, count, factor = _head_reduce(H, Hq, heads)
     colsum_stage = _colsum_macros(H, Hq, N, B, D, float(sm_scale), W)
 
-    @T.prim_func(private=True, s_tir=True)
-    def window_score(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def window_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, score):
         colsum = T.alloc_buffer((Hq, NB), "float32")
         if fill[0] + n_valid[0] > N:
             colsum_stage(q, k_cache, k_blk, fill, n_valid, colsum)
@@ -207,7 +195,7 @@ def build_window_score_kernel(num_kv_heads: int, budget: int, block: int, head_d
                         else:
                             score[h, j] = T.float32("-inf")
 
-    return window_score
+    return score_kernel(StepShapes(H, N, B, D, Hq=Hq), window_score, queries=True)
 
 
 def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
@@ -226,21 +214,8 @@ def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head
     first, count, factor = _head_reduce(H, Hq, heads)
     colsum_stage = _colsum_macros(H, Hq, N, B, D, float(sm_scale), B)
 
-    @T.prim_func(private=True, s_tir=True)
-    def colsum_observe(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        state: T.Buffer((S, H, N), "float32"),
-        cand_state: T.Buffer((S, H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def colsum_observe(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, state, cand_state):
         colsum = T.alloc_buffer((Hq, NB), "float32")
         colsum_stage(q, k_cache, k_blk, fill, n_valid, colsum)
         for h in T.parallel(H):
@@ -264,7 +239,7 @@ def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head
                     else:
                         cand_state[s, h, j] = T.float32(0)
 
-    return colsum_observe
+    return observe_kernel(StepShapes(H, N, B, D, Hq=Hq, S=S), colsum_observe)
 
 
 def build_state_score_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
@@ -278,21 +253,8 @@ def build_state_score_kernel(num_kv_heads: int, budget: int, block: int, head_di
     NB = N + B
     R = int(recent)
 
-    @T.prim_func(private=True, s_tir=True)
-    def state_score(
-        k_cache: T.Buffer((H, N, D), "float32"),
-        v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"),
-        fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"),
-        v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"),
-        n_valid: T.Buffer((1,), "int32"),
-        q: T.Buffer((1, Hq, B, D), "float32"),
-        cand_state: T.Buffer((S, H, NB), "float32"),
-        score: T.Buffer((H, NB), "float32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def state_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, cand_state, score):
         for h in T.parallel(H):
             with T.sblock("score"):
                 T.reads(cand_state[0, h, 0:NB], fill[0:1], n_valid[0:1])
@@ -302,4 +264,276 @@ def build_state_score_kernel(num_kv_heads: int, budget: int, block: int, head_di
                     score[h, j] = T.if_then_else(
                         j < n, T.if_then_else(j >= n - R, T.float32("inf"), cand_state[0, h, j]), T.float32("-inf"))
 
-    return state_score
+    return state_score_kernel(StepShapes(H, N, B, D, Hq=Hq, S=S), state_score)
+
+
+# ---- GPU versions (same signatures; swapped in by gpu_schedule.ReplaceKernels) ---------------------
+
+def _colsum_stages_gpu(H, Hq, N, B, D, scale, W, NT):
+    """Stages 1–2 as macros, each its own launch (launch boundaries order the global writes):
+
+    ``row_stats``: one thread block per (query head, window row); the NT threads take strided
+    candidates, keep an online max / sum of exp, and a shared-memory tree combines them into the
+    row's softmax max and denominator (``stats [Hq, W, 2]``).
+    ``column_sums``: one thread block per (query head, tile of NT candidates), one candidate per
+    thread (its key row in registers); every window row's query is staged in shared memory and the
+    thread adds exp(s − max) / sum — the probabilities re-derived from the row statistics, so no
+    row of N + B probabilities is ever stored (``colsum [Hq, N + B]``)."""
+    G = Hq // H
+    NB = N + B
+    SCAN = (NB + NT - 1) // NT
+    CT = SCAN
+    LEVELS = NT.bit_length() - 1
+    assert 1 << LEVELS == NT
+
+    @T.macro
+    def row_stats(q, k_cache, k_blk, fill, n_valid, stats):
+        for bx in T.thread_binding(Hq * W, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("row_stats"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    m_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    l_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, s, m_new
+                    hq: T.let[T.int32] = bx // W
+                    r0: T.let[T.int32] = bx % W
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    w: T.let[T.int32] = T.min(W, nv)
+                    r: T.let[T.int32] = T.max(nv - w + r0, 0)
+                    for u in T.serial((D + NT - 1) // NT):
+                        if u * NT + tx < D:
+                            q_sh[u * NT + tx] = q[0, hq, T.min(r, B - 1), u * NT + tx]
+                    T.tvm_storage_sync("shared")
+                    st[0] = T.float32(NEG_BIG)
+                    st[1] = T.float32(0)
+                    if r0 < w:
+                        for u in T.serial(SCAN):
+                            if u * NT + tx < nf or (u * NT + tx >= nf and u * NT + tx - nf <= r):
+                                st[2] = T.float32(0)
+                                for c in T.serial(D):
+                                    st[2] = st[2] + q_sh[c] * T.if_then_else(
+                                        u * NT + tx < nf, k_cache[hq // G, T.min(u * NT + tx, N - 1), c],
+                                        k_blk[0, hq // G, T.min(T.max(u * NT + tx - nf, 0), B - 1), c])
+                                st[2] = st[2] * T.float32(scale)
+                                st[3] = T.max(st[0], st[2])
+                                st[1] = st[1] * T.exp(st[0] - st[3]) + T.exp(st[2] - st[3])
+                                st[0] = st[3]
+                    m_sh[tx] = st[0]
+                    l_sh[tx] = st[1]
+                    T.tvm_storage_sync("shared")
+                    for lvl in T.unroll(LEVELS):
+                        if tx < T.shift_right(NT // 2, lvl):
+                            st[2] = m_sh[tx + T.shift_right(NT // 2, lvl)]
+                            st[3] = T.max(st[0], st[2])
+                            st[1] = st[1] * T.exp(st[0] - st[3]) + l_sh[tx + T.shift_right(NT // 2, lvl)] * T.exp(
+                                st[2] - st[3])
+                            st[0] = st[3]
+                        T.tvm_storage_sync("shared")
+                        if tx < T.shift_right(NT // 2, lvl):
+                            m_sh[tx] = st[0]
+                            l_sh[tx] = st[1]
+                        T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        stats[hq, r0, 0] = m_sh[0]
+                        stats[hq, r0, 1] = l_sh[0]
+
+    @T.macro
+    def column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum):
+        for bx in T.thread_binding(Hq * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("column_sums"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    kreg = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    hq: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    w: T.let[T.int32] = T.min(W, nv)
+                    for c in T.serial(D):
+                        kreg[c] = T.if_then_else(j < nf, k_cache[hq // G, T.min(j, N - 1), c],
+                                                 k_blk[0, hq // G, T.min(T.max(j - nf, 0), B - 1), c])
+                    acc[0] = T.float32(0)
+                    for r0 in T.serial(W):
+                        if r0 < w:
+                            T.tvm_storage_sync("shared")
+                            for u in T.serial((D + NT - 1) // NT):
+                                if u * NT + tx < D:
+                                    q_sh[u * NT + tx] = q[0, hq, T.min(T.max(nv - w + r0, 0), B - 1), u * NT + tx]
+                            T.tvm_storage_sync("shared")
+                            if j < nf or (j >= nf and j - nf <= nv - w + r0):
+                                acc[1] = T.float32(0)
+                                for c in T.serial(D):
+                                    acc[1] = acc[1] + q_sh[c] * kreg[c]
+                                acc[0] = acc[0] + T.exp(acc[1] * T.float32(scale) - stats[hq, r0, 0]) / stats[hq, r0, 1]
+                    if j < NB:
+                        colsum[hq, T.min(j, NB - 1)] = T.if_then_else(j < nf + nv, acc[0], T.float32(0))
+
+    return row_stats, column_sums
+
+
+def _head_reduce_gpu(H, Hq, heads):
+    G = Hq // H
+    if heads not in HEADS:
+        raise ValueError(f"heads must be one of {HEADS}, not {heads!r}")
+    return {"group_mean": (G, G, 1.0 / G), "group_sum": (G, G, 1.0), "layer_mean": (0, Hq, 1.0 / Hq)}[heads]
+
+
+def build_window_score_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                                  sm_scale: float, *, window: int, heads: str, pin_window: bool, pooling: str = "none",
+                                  kernel_short: int = 1, kernel_long: int = 1, long_threshold: int = 1 << 30,
+                                  dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_window_score_kernel``: row statistics, column sums,
+    then per (KV head, tile of candidates) the head reduction into ``votes [H, N + B]`` (a device
+    workspace), then the pooling / window pin into ``score`` — four launches, each fully parallel."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads cannot be grouped over {H} KV heads")
+    if pooling not in POOLS:
+        raise ValueError(f"pooling must be one of {POOLS}, not {pooling!r}")
+    NB = N + B
+    NT = 128
+    CT = (NB + NT - 1) // NT
+    W = max(1, min(int(window), B))
+    PINI = 1 if pin_window else 0
+    POOL = POOLS.index(pooling)
+    KS, KL, THR = int(kernel_short), int(kernel_long), int(long_threshold)
+    stride, count, factor = _head_reduce_gpu(H, Hq, heads)
+    row_stats, column_sums = _colsum_stages_gpu(H, Hq, N, B, D, float(sm_scale), W, NT)
+
+    @T.macro
+    def window_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, score):
+        stats = T.alloc_buffer((Hq, W, 2), "float32")
+        colsum = T.alloc_buffer((Hq, NB), "float32")
+        votes = T.alloc_buffer((H, NB), "float32")
+        row_stats(q, k_cache, k_blk, fill, n_valid, stats)
+        column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("reduce_heads"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    if j < NB:
+                        acc[0] = T.float32(0)
+                        for g in T.serial(count):
+                            acc[0] = acc[0] + colsum[h * stride + g, T.min(j, NB - 1)]
+                        votes[h, T.min(j, NB - 1)] = acc[0] * T.float32(factor)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("pool"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    m: T.let[T.int32] = n - T.min(W, nv) * PINI
+                    kap: T.let[T.int32] = T.if_then_else(pos_blk[T.max(nv - 1, 0)] + 1 < THR, KS, KL)
+                    if j < NB:
+                        if j < m:
+                            if POOL == 0:
+                                red[0] = votes[h, T.min(j, NB - 1)]
+                            elif POOL == 1:
+                                red[0] = T.float32(0)
+                                for t in T.serial(kap):
+                                    if j - kap // 2 + t >= 0 and j - kap // 2 + t < m:
+                                        red[0] = red[0] + votes[h, T.min(T.max(j - kap // 2 + t, 0), NB - 1)]
+                                red[0] = red[0] / T.Cast("float32", kap)
+                            else:
+                                red[0] = votes[h, T.min(j, NB - 1)]
+                                for t in T.serial(kap):
+                                    if j - kap // 2 + t >= 0 and j - kap // 2 + t < m:
+                                        red[0] = T.max(red[0], votes[h, T.min(T.max(j - kap // 2 + t, 0), NB - 1)])
+                            score[h, T.min(j, NB - 1)] = red[0]
+                        elif j < n:
+                            score[h, T.min(j, NB - 1)] = T.float32("inf")
+                        else:
+                            score[h, T.min(j, NB - 1)] = T.float32("-inf")
+
+    return score_kernel(StepShapes(H, N, B, D, Hq=Hq), window_score_gpu, gpu=True, queries=True)
+
+
+def build_colsum_observe_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                                    sm_scale: float, *, heads: str = "group_mean", num_state: int = 1,
+                                    dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_colsum_observe_kernel`` (H2O's per-step state update):
+    row statistics and column sums over all n_valid block rows, then per (KV head, candidate) the
+    head reduction added to the old state."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads cannot be grouped over {H} KV heads")
+    S = int(num_state)
+    NB = N + B
+    NT = 128
+    CT = (NB + NT - 1) // NT
+    stride, count, factor = _head_reduce_gpu(H, Hq, heads)
+    row_stats, column_sums = _colsum_stages_gpu(H, Hq, N, B, D, float(sm_scale), B, NT)
+
+    @T.macro
+    def colsum_observe_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, state, cand_state):
+        stats = T.alloc_buffer((Hq, B, 2), "float32")
+        colsum = T.alloc_buffer((Hq, NB), "float32")
+        row_stats(q, k_cache, k_blk, fill, n_valid, stats)
+        column_sums(q, k_cache, k_blk, fill, n_valid, stats, colsum)
+        for bx in T.thread_binding(H * CT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("accumulate"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    h: T.let[T.int32] = bx // CT
+                    j: T.let[T.int32] = (bx % CT) * NT + tx
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    if j < NB:
+                        acc[0] = T.float32(0)
+                        for g in T.serial(count):
+                            acc[0] = acc[0] + colsum[h * stride + g, T.min(j, NB - 1)]
+                        for s in T.serial(S):
+                            cand_state[s, h, T.min(j, NB - 1)] = T.if_then_else(
+                                j < nf, state[s, h, T.min(j, N - 1)], T.float32(0)) + T.if_then_else(
+                                s == 0 and j < nf + nv, acc[0] * T.float32(factor), T.float32(0))
+
+    return observe_kernel(StepShapes(H, N, B, D, Hq=Hq, S=S), colsum_observe_gpu, gpu=True)
+
+
+def build_state_score_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
+                                 sm_scale: float, *, recent: int = 0, num_state: int = 1, dtype: str = "float32"):
+    """GPU ``kernels.attention_scores.build_state_score_kernel``: elementwise, one thread per
+    (KV head, candidate)."""
+    check_dtype(dtype)
+    H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    S = int(num_state)
+    NB = N + B
+    R = int(recent)
+    TPB = 128
+    NBLK = (H * NB + TPB - 1) // TPB
+
+    @T.macro
+    def state_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, cand_state, score):
+        for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+            for tx in T.thread_binding(TPB, thread="threadIdx.x"):
+                with T.sblock("score"):
+                    T.reads()
+                    T.writes()
+                    e: T.let[T.int32] = bx * TPB + tx
+                    h: T.let[T.int32] = T.min(e // NB, H - 1)
+                    i: T.let[T.int32] = e % NB
+                    n: T.let[T.int32] = fill[0] + n_valid[0]
+                    if e < H * NB:
+                        score[h, i] = T.if_then_else(
+                            i < n, T.if_then_else(i >= n - R, T.float32("inf"), cand_state[0, h, i]), T.float32("-inf"))
+
+    return state_score_kernel(StepShapes(H, N, B, D, Hq=Hq, S=S), state_score_gpu, gpu=True)

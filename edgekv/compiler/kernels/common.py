@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 
 NEG_INF = -math.inf
+# A finite "minus infinity" for running maxima: exp(NEG_BIG - m) is 0 without producing NaN.
+NEG_BIG = -3.0e38
 POS_INF = math.inf
 
 

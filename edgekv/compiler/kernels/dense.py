@@ -187,6 +187,27 @@ def build_packed_gemv_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int],
     return gemv_packed
 
 
+def nt_row_block(M: int, N: int, JB: int, accumulate):
+    """The body of an NT GEMV task (the tied LM head: fp32 table here, Q8_0 in ``quant_dense``):
+    for each of the M rows of A, JB output columns as JB × VEC partial sums — zeroed, filled by
+    ``accumulate(A, W, scales, part, i, jo)`` (the table format's dot products over K), then
+    folded lane by lane into ``C[i, jo·JB : jo·JB + JB]``. A macro ``rows(A, W, scales, C, part, jo)``."""
+
+    @T.macro
+    def rows(A, W, scales, C, part, jo):
+        for i in T.serial(M):
+            for r in T.unroll(JB):
+                for l in T.vectorized(VEC):
+                    part[r, l] = T.float32(0)
+            accumulate(A, W, scales, part, i, jo)
+            for r in T.unroll(JB):
+                C[i * N + jo * JB + r] = T.float32(0)
+                for l in T.serial(VEC):
+                    C[i * N + jo * JB + r] = C[i * N + jo * JB + r] + part[r, l]
+
+    return rows
+
+
 def build_dense_nt_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...]):
     """``C[(1,) M, N] = A[(1,) M, K] · W[N, K]ᵀ`` — the tied LM head (the embedding table read
     row-wise after FuseTransposeMatmul; M = 1 since only the last token's logits are needed).
@@ -203,6 +224,15 @@ def build_dense_nt_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_
     NJ = N // JB
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
 
+    @T.macro
+    def accumulate(A, W, _scales, part, i, jo):
+        for k0 in T.serial(KC):
+            for r in T.unroll(JB):
+                for l in T.vectorized(VEC):
+                    part[r, l] = part[r, l] + A[i * K + k0 * VEC + l] * W[jo * JB + r, k0 * VEC + l]
+
+    rows = nt_row_block(M, N, JB, accumulate)
+
     @T.prim_func(private=True, s_tir=True)
     def dense_nt(a: T.handle, w: T.handle, c: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -216,18 +246,7 @@ def build_dense_nt_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_
                 T.reads(A[0:M * K], W[jo * JB:jo * JB + JB, 0:K])
                 T.writes(C[0:M * N])
                 part = T.sblock_alloc_buffer((JB, VEC), "float32", scope="local")
-                for i in T.serial(M):
-                    for r in T.unroll(JB):
-                        for l in T.vectorized(VEC):
-                            part[r, l] = T.float32(0)
-                    for k0 in T.serial(KC):
-                        for r in T.unroll(JB):
-                            for l in T.vectorized(VEC):
-                                part[r, l] = part[r, l] + A[i * K + k0 * VEC + l] * W[jo * JB + r, k0 * VEC + l]
-                    for r in T.unroll(JB):
-                        C[i * N + jo * JB + r] = T.float32(0)
-                        for l in T.serial(VEC):
-                            C[i * N + jo * JB + r] = C[i * N + jo * JB + r] + part[r, l]
+                rows(A, W, None, C, part, jo)
 
     return dense_nt
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..quant_formats import GROUP, WeightFormat, padded
-from .dense import VEC, gemm_tile, register_rows
+from .dense import VEC, gemm_tile, nt_row_block, register_rows
 
 
 def _check_rows(a_shape, c_shape, n: int):
@@ -193,6 +193,18 @@ def build_q8_gemv_nt_kernel(a_shape, c_shape, V: int, K: int):
     JB, KB = 4, K // GROUP
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
 
+    @T.macro
+    def accumulate(A, Q, D, part, i, jo):
+        for kb in T.serial(KB):
+            for h in T.unroll(GROUP // VEC):
+                for r in T.unroll(JB):
+                    for l in T.vectorized(VEC):
+                        part[r, l] = part[r, l] + T.Cast("float32", D[jo * JB + r, kb]) * (
+                            A[i * K + kb * GROUP + h * VEC + l]
+                            * T.Cast("float32", Q[jo * JB + r, kb * GROUP + h * VEC + l]))
+
+    rows = nt_row_block(M, V, JB, accumulate)
+
     @T.prim_func(private=True, s_tir=True)
     def gemv_nt_q8(a: T.handle, q: T.handle, d: T.handle, c: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -205,21 +217,7 @@ def build_q8_gemv_nt_kernel(a_shape, c_shape, V: int, K: int):
         for jo in T.parallel(V // JB):
             with T.sblock("gemv_nt_q8"):
                 part = T.sblock_alloc_buffer((JB, VEC), "float32", scope="local")
-                for i in T.serial(M):
-                    for r in T.unroll(JB):
-                        for l in T.vectorized(VEC):
-                            part[r, l] = T.float32(0)
-                    for kb in T.serial(KB):
-                        for h in T.unroll(GROUP // VEC):
-                            for r in T.unroll(JB):
-                                for l in T.vectorized(VEC):
-                                    part[r, l] = part[r, l] + T.Cast("float32", D[jo * JB + r, kb]) * (
-                                        A[i * K + kb * GROUP + h * VEC + l]
-                                        * T.Cast("float32", Q[jo * JB + r, kb * GROUP + h * VEC + l]))
-                    for r in T.unroll(JB):
-                        C[i * V + jo * JB + r] = T.float32(0)
-                        for l in T.serial(VEC):
-                            C[i * V + jo * JB + r] = C[i * V + jo * JB + r] + part[r, l]
+                rows(A, Q, D, C, part, jo)
 
     return gemv_nt_q8
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .common import check_dtype
+from .signature import StepShapes, select_kernel
 
 
 def evicted_mask_macro(NB: int, lanes: int = 16):
@@ -181,7 +182,7 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
     @T.macro
-    def append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, state, cand_state):
+    def append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state):
         for h in T.parallel(H):
             with T.sblock("append"):
                 nf: T.let[T.int32] = fill[0]
@@ -190,56 +191,194 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
         with T.sblock("fill"):
             fill[0] = T.min(fill[0] + n_valid[0], N)
 
-    # the four signatures (score or append-only) × (with or without state) share the bodies above
-    if with_score and S:
-        @T.prim_func(private=True, s_tir=True)
-        def select_compact_state(
-            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
-            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
-            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
-            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
-            score: T.Buffer((H, NB), "float32"),
-            state: T.Buffer((S, H, N), "float32"), cand_state: T.Buffer((S, H, NB), "float32"),
-        ):
-            T.func_attr({"tirx.noalias": True})
-            select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state)
+    # the four signatures (a score or append-only) × (with or without state) share the bodies above
+    return select_kernel(StepShapes(H, N, B, D, S=S), select_all if with_score else append_all, with_score=with_score)
 
-        return select_compact_state
-    if with_score:
-        @T.prim_func(private=True, s_tir=True)
-        def select_compact(
-            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
-            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
-            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
-            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
-            score: T.Buffer((H, NB), "float32"),
-        ):
-            T.func_attr({"tirx.noalias": True})
-            select_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, None, None)
 
-        return select_compact
-    if S:
-        @T.prim_func(private=True, s_tir=True)
-        def append_only_state(
-            k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
-            pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
-            k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
-            pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
-            state: T.Buffer((S, H, N), "float32"), cand_state: T.Buffer((S, H, NB), "float32"),
-        ):
-            T.func_attr({"tirx.noalias": True})
-            append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, state, cand_state)
+# ---- GPU version (same signatures; swapped in by gpu_schedule.ReplaceKernels) ----------------------
 
-        return append_only_state
+def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                                    dtype: str = "float32", with_score: bool = True, num_state: int = 0):
+    """GPU top-N select + in-place compaction, the signature of ``kernels/select.py`` (score or
+    append-only × with or without per-entry state ``state [S, H, N]`` / ``cand_state [S, H, N + B]``).
 
-    @T.prim_func(private=True, s_tir=True)
-    def append_only(
-        k_cache: T.Buffer((H, N, D), "float32"), v_cache: T.Buffer((H, N, D), "float32"),
-        pos_cache: T.Buffer((H, N), "int32"), fill: T.Buffer((1,), "int32"),
-        k_blk: T.Buffer((1, H, B, D), "float32"), v_blk: T.Buffer((1, H, B, D), "float32"),
-        pos_blk: T.Buffer((B,), "int32"), n_valid: T.Buffer((1,), "int32"),
-    ):
-        T.func_attr({"tirx.noalias": True})
-        append_all(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, None, None)
+    One thread block per KV head, NT threads.
 
-    return append_only
+    Append (n = fill + n_valid ≤ N, and always without a score): the block rows are copied behind
+    the cache (rows past N dropped: ``full`` refuses such runs on the host), and the candidate state
+    of every row [0, n) is written to ``state``.
+
+    Selection: ``n − N`` rounds; each round every thread scans its strided candidates for the
+    lowest score not yet evicted (``<=`` while scanning upwards, so among equal scores the
+    highest index), a shared-memory tree reduction with the same rule picks the round's
+    victim, and its bit is set in a shared bitset. NaN never compares ≤, so it is never evicted.
+
+    Compaction: candidates are walked in chunks of ``CH`` rows. Each chunk's K/V rows are
+    staged in shared memory (coalesced), every thread derives the destination of each kept
+    row from the bitset (a running count, identical in all threads), then the rows are
+    written out (state rows straight from ``cand_state``, a separate buffer). A destination is
+    never above its source, chunks go upwards and a chunk is fully read before it is written,
+    so the compaction is in place and race-free."""
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    S = int(num_state)
+    NB = N + B
+    NT = 128
+    WORDS = (NB + 31) // 32
+    CH = 32
+    LD = (CH * D + NT - 1) // NT
+    SCAN = (NB + NT - 1) // NT
+
+    @T.macro
+    def append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv):
+        for u in T.serial((B * D + NT - 1) // NT):
+            if u * NT + tx < nv * D:
+                if nf + (u * NT + tx) // D < N:
+                    k_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                        k_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+                    v_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
+                        v_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
+        for u in T.serial((B + NT - 1) // NT):
+            if u * NT + tx < nv:
+                if nf + u * NT + tx < N:
+                    pos_cache[h, T.min(nf + u * NT + tx, N - 1)] = pos_blk[T.min(u * NT + tx, B - 1)]
+        if S > 0:
+            for u in T.serial((N + NT - 1) // NT):
+                if u * NT + tx < T.min(nf + nv, N):
+                    for s in T.serial(S):
+                        state[s, h, T.min(u * NT + tx, N - 1)] = cand_state[s, h, T.min(u * NT + tx, NB - 1)]
+
+    @T.macro
+    def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, h, tx, nf, nv,
+              gone, rv, ri, k_sh, v_sh, p_sh, dst, bv, bi, cnt, ov, oi, word):
+        n = nf + nv
+        for u in T.serial((WORDS + NT - 1) // NT):
+            if u * NT + tx < WORDS:
+                gone[u * NT + tx] = T.uint32(0)
+        T.tvm_storage_sync("shared")
+        for _e in T.serial(n - N):
+            bv[0] = T.float32("inf")
+            bi[0] = -1
+            for u in T.serial(SCAN):
+                if u * NT + tx < n:
+                    word[0] = gone[(u * NT + tx) // 32]
+                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (u * NT + tx) % 32)),
+                                     T.uint32(1)) == T.uint32(0):
+                        if score[h, u * NT + tx] <= bv[0]:
+                            bv[0] = score[h, u * NT + tx]
+                            bi[0] = u * NT + tx
+            rv[tx] = bv[0]
+            ri[tx] = bi[0]
+            T.tvm_storage_sync("shared")
+            for lvl in T.unroll(7):  # NT = 128 = 2^7
+                if tx < T.shift_right(64, lvl):
+                    ov[0] = rv[tx + T.shift_right(64, lvl)]
+                    oi[0] = ri[tx + T.shift_right(64, lvl)]
+                T.tvm_storage_sync("shared")
+                if tx < T.shift_right(64, lvl):
+                    if oi[0] >= 0:
+                        if (bi[0] < 0) or (ov[0] < bv[0]) or (ov[0] == bv[0] and oi[0] > bi[0]):
+                            bv[0] = ov[0]
+                            bi[0] = oi[0]
+                            rv[tx] = ov[0]
+                            ri[tx] = oi[0]
+                T.tvm_storage_sync("shared")
+            if tx == 0:
+                bi[0] = ri[0]
+                if bi[0] >= 0:
+                    gone[bi[0] // 32] = T.bitwise_or(
+                        gone[bi[0] // 32], T.shift_left(T.uint32(1), T.Cast("uint32", bi[0] % 32)))
+            T.tvm_storage_sync("shared")
+        cnt[0] = 0
+        for it in T.serial((n + CH - 1) // CH):
+            # stage the chunk's rows (cache rows or block rows)
+            for u in T.serial(LD):
+                if u * NT + tx < CH * D:
+                    if it * CH + (u * NT + tx) // D < n:
+                        k_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
+                            it * CH + (u * NT + tx) // D < nf,
+                            k_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
+                            k_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
+                                  (u * NT + tx) % D])
+                        v_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
+                            it * CH + (u * NT + tx) // D < nf,
+                            v_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
+                            v_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
+                                  (u * NT + tx) % D])
+            if tx < CH:
+                if it * CH + tx < n:
+                    p_sh[tx] = T.if_then_else(it * CH + tx < nf,
+                                              pos_cache[h, T.min(it * CH + tx, N - 1)],
+                                              pos_blk[T.min(T.max(it * CH + tx - nf, 0), B - 1)])
+            # destinations (-1 = dropped), the same running count in every thread
+            for r in T.serial(CH):
+                if it * CH + r < n:
+                    word[0] = gone[(it * CH + r) // 32]
+                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (it * CH + r) % 32)),
+                                     T.uint32(1)) == T.uint32(0):
+                        if cnt[0] < N:
+                            if tx == 0:
+                                dst[r] = cnt[0]
+                            cnt[0] = cnt[0] + 1
+                        elif tx == 0:
+                            dst[r] = -1
+                    elif tx == 0:
+                        dst[r] = -1
+                elif tx == 0:
+                    dst[r] = -1
+            T.tvm_storage_sync("shared")
+            for u in T.serial(LD):
+                if u * NT + tx < CH * D:
+                    oi[0] = dst[(u * NT + tx) // D]
+                    if oi[0] >= 0:
+                        k_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
+                            k_sh[(u * NT + tx) // D, (u * NT + tx) % D]
+                        v_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
+                            v_sh[(u * NT + tx) // D, (u * NT + tx) % D]
+            if tx < CH:
+                oi[0] = dst[tx]
+                if oi[0] >= 0:
+                    pos_cache[h, T.min(oi[0], N - 1)] = p_sh[tx]
+                    if S > 0:
+                        for s in T.serial(S):
+                            state[s, h, T.min(oi[0], N - 1)] = cand_state[s, h, T.min(it * CH + tx, NB - 1)]
+            T.tvm_storage_sync("shared")
+
+    @T.macro
+    def launch(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state):
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("select"):
+                    T.reads()
+                    T.writes()
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    if with_score:
+                        gone = T.sblock_alloc_buffer((WORDS,), "uint32", scope="shared")
+                        rv = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                        ri = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                        k_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
+                        v_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
+                        p_sh = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
+                        dst = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
+                        bv = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        bi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        ov = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        oi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        word = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        if nf + nv <= N:
+                            append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv)
+                        else:
+                            evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
+                                  h, tx, nf, nv, gone, rv, ri, k_sh, v_sh, p_sh, dst, bv, bi, cnt, ov, oi, word)
+                    else:
+                        append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv)
+        for _b in T.thread_binding(1, thread="blockIdx.x"):
+            for _t in T.thread_binding(1, thread="threadIdx.x"):
+                with T.sblock("fill"):
+                    T.reads()
+                    T.writes()
+                    fill[0] = T.min(fill[0] + n_valid[0], N)
+
+    return select_kernel(StepShapes(H, N, B, D, S=S), launch, with_score=with_score, gpu=True)
