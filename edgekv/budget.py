@@ -2,12 +2,14 @@
 
 A token budget N is the number of KV entries kept per layer per KV head (the KeyDiff
 paper's convention). A byte budget is the whole KV cache at its peak — N + B entries per
-layer and head (K, V and the entry's position) — so N = bytes / bytes_per_token − B."""
+layer and head (K, V and the entry's position; under `--kv-dtype int8` K and V are int8 codes plus
+their float16 scales, `memory.kv_bytes_per_token`) — so N = bytes / bytes_per_token − B."""
 
 from __future__ import annotations
 
 import re
 
+from .memory import DEFAULT_KV_DTYPE, kv_bytes_per_token
 from .models.config import ModelConfig
 
 # the defaults every command shares (`edgekv run`, `compile`, `simulate`, `bench`)
@@ -31,8 +33,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
-def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128, dtype_bytes: int = 4) -> int:
-    """Tokens N per layer and KV head. Byte forms need the model geometry (``config``)."""
+def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
+                 kv_dtype: str | None = None) -> int:
+    """Tokens N per layer and KV head. Byte forms need the model geometry (``config``) and count
+    the cache in ``kv_dtype`` (``memory.KV_DTYPES``: int8 entries with their scales, so the same
+    bytes buy more entries than fp32; None: fp32)."""
     raw = str(text).strip()
     m = _TOKENS.match(raw)
     if m:
@@ -46,14 +51,15 @@ def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
     elif _BYTES.match(raw):
         if config is None:
             raise BudgetError("a byte budget needs the model geometry; give tokens (e.g. 2k) instead")
-        per_token = config.kv_bytes_per_token(dtype_bytes)
+        per_token = kv_bytes_per_token(config, kv_dtype or DEFAULT_KV_DTYPE)
         total_tokens = parse_size(raw) // per_token
         tokens = total_tokens - block
         if tokens < block:
             need = 2 * block * per_token
+            cache = " with an int8 KV cache" if kv_dtype == "int8" else ""
             raise BudgetError(
                 f"budget {raw} holds only {total_tokens} tokens of KV cache ({per_token} bytes per token for "
-                f"this model), not enough for the cache plus one block of {block}; give at least "
+                f"this model{cache}), not enough for the cache plus one block of {block}; give at least "
                 f"{_human(need)} or a smaller --block"
             )
     else:

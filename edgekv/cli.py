@@ -44,6 +44,9 @@ HELP = {
     "question": "a question about the prompt (the document): each is answered from the document's state (repeatable)",
     "save_cache": "save the document's compressed cache to this file, to answer later questions (`edgekv ask`)",
     "load_cache": "answer --question from a saved document cache instead of reading a document",
+    "kv_dtype": "how the eager engine stores K and V: fp32, or int8 (8-bit codes with a float16 scale per 32 "
+                "channels: a byte budget buys more entries, by the ratio of the two formats' row bytes); "
+                "default fp32",
 }
 
 
@@ -141,8 +144,10 @@ def kv_line(report: dict) -> str:
     """What the budget saved: the KV cache held next to the full cache of the same sequence."""
     cmp = report["memory"]["vs_full_cache"]
     held, full = cmp["kv_cache"], cmp["full_cache"]
-    line = (f"KV cache {human_bytes(held)} (N={report['budget_tokens']:,}, B={report['block']}) vs "
-            f"{human_bytes(full)} for the full cache of {cmp['sequence_tokens']:,} tokens")
+    int8 = report.get("kv_dtype") == "int8"
+    line = (f"KV cache {human_bytes(held)} ({'int8, ' if int8 else ''}N={report['budget_tokens']:,}, "
+            f"B={report['block']}) vs {human_bytes(full)} for the full {'fp32 ' if int8 else ''}cache of "
+            f"{cmp['sequence_tokens']:,} tokens")
     if cmp["saved_fraction"] > 0:
         return line + f": {100 * cmp['saved_fraction']:.0f} % saved"
     if report["engine"] == "eager":
@@ -172,7 +177,8 @@ def summary_table(report: dict) -> Table:
     threads = report.get("threads") or {}
     if threads.get("count"):
         table.add_row("threads", f"{threads['count']} ({threads.get('source', '')})")
-    table.add_row("KV cache (plan)", human_bytes(mem["plan"]["kv_cache"]))
+    table.add_row(f"KV cache (plan{', int8' if report.get('kv_dtype') == 'int8' else ''})",
+                  human_bytes(mem["plan"]["kv_cache"]))
     cmp = mem.get("vs_full_cache")
     if cmp:
         table.add_row("KV cache of the full cache (same tokens)", human_bytes(cmp["full_cache"]))
@@ -206,6 +212,8 @@ def run(
     threads: Threads = None,
     runtime: Annotated[str, typer.Option(help="for an ARTIFACT: native (the C runtime, no TVM), tvm (TVM's VM), "
                                               "or auto (native when built)")] = "auto",
+    kv_dtype: Annotated[Optional[str], typer.Option(help=HELP["kv_dtype"] + " (with --load-cache: the saved "
+                                                                           "cache's)")] = None,
 ):
     """Generate from a long prompt under a KV budget, block by block; print text and a memory table.
     With --question: the prompt is a document, read once, and each question is answered from its
@@ -215,7 +223,7 @@ def run(
                     save_cache=save_cache, load_cache=load_cache, budget=budget, block=block, policy=policy,
                     policy_arg=policy_arg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, output=output, mem_limit=mem_limit, allow_beyond_context=allow_beyond_context,
-                    threads=threads, runtime=runtime)
+                    threads=threads, runtime=runtime, kv_dtype=kv_dtype)
     except USER_ERRORS + compiler_errors() as exc:
         _fail(exc)
 
@@ -267,10 +275,27 @@ def is_artifact(path) -> bool:
     return path is not None and (Path(path) / "manifest.json").is_file()
 
 
+def parse_kv_dtype(kv_dtype: str | None, option: str = "--kv-dtype") -> str | None:
+    """``--kv-dtype`` checked against ``memory.KV_DTYPES`` (None: not given)."""
+    if kv_dtype is None:
+        return None
+    from .memory import KVDtypeError, check_kv_dtype
+
+    try:
+        return check_kv_dtype(kv_dtype.strip().lower(), option)
+    except KVDtypeError as exc:  # its message names the choices from memory.KV_DTYPES
+        raise InputError(str(exc)) from None
+
+
+EAGER_ONLY_INT8 = ("the int8 KV cache (--kv-dtype int8) runs in the eager engine for now: compiled artifacts store "
+                   "K and V in fp32")
+
+
 def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load_cache, budget, block, policy,
                 policy_arg, max_new_tokens, temperature, top_p, seed, output, mem_limit, allow_beyond_context,
-                threads, runtime) -> None:
+                threads, runtime, kv_dtype=None) -> None:
     """`edgekv run` and `edgekv ask`: check everything, run the eager engine or the artifact, print."""
+    kv_dtype = parse_kv_dtype(kv_dtype)
     check_writable_early(output)
     check_document_options(prompt, prompt_file, questions, save_cache, load_cache)
     document = bool(questions) or save_cache is not None or load_cache is not None
@@ -296,6 +321,15 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         if saved["engine"] == "eager" and is_artifact(model):
             raise InputError(f"{load_cache} was made by the eager engine (`edgekv run MODEL`), not a compiled artifact: "
                              f"answer from it with the model it was made with ({saved['made_from'] or 'smollm2-135m'})")
+        if saved["engine"] == "eager":  # the cache's K/V format is the file's, as N and B are
+            from .engine.block_engine import snapshot_kv_dtype
+
+            stored = snapshot_kv_dtype(load_cache)
+            if kv_dtype is not None and kv_dtype != stored:
+                raise InputError(f"{load_cache} holds its KV cache in {stored}: drop --kv-dtype {kv_dtype} (the saved "
+                                 f"cache's own format is used), or make the document's cache again with --kv-dtype "
+                                 f"{kv_dtype}")
+            kv_dtype = stored
     chat = bool(chat)
     doc = {"questions": questions, "save_cache": save_cache, "load_cache": load_cache, "saved": saved} \
         if document else None
@@ -303,6 +337,10 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         from .job import check_artifact_settings
         from .policies import REGISTRY
         from .runtime import read_manifest
+
+        if kv_dtype == "int8":
+            raise InputError(f"--kv-dtype int8 with the compiled artifact {model}: {EAGER_ONLY_INT8}; run the model "
+                             "itself (`edgekv run MODEL --kv-dtype int8`), or drop --kv-dtype")
 
         manifest = read_manifest(model)
         check_artifact_settings(model, manifest, policy=policy,
@@ -334,7 +372,8 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         result = run_eager_job(model, text, chat=chat, budget=budget or DEFAULT_BUDGET,
                                block=block or DEFAULT_BLOCK, policy=policy, policy_args=args,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                               mem_limit=limit, allow_beyond_context=allow_beyond_context, document=doc)
+                               mem_limit=limit, allow_beyond_context=allow_beyond_context, document=doc,
+                               kv_dtype=kv_dtype or "fp32")
     from .threads import threads_in_use
 
     result.report["threads"] = {**choice.to_dict(), **threads_in_use()}
@@ -486,8 +525,9 @@ def new_sampler_factory(temperature: float, top_p: float, seed: int):
 
 
 def run_eager_job(model, text, *, chat, budget, block, policy, policy_args, max_new_tokens, temperature, top_p, seed,
-                  mem_limit, allow_beyond_context, document=None):
-    """`edgekv run MODEL`: the eager engine (``document``: --question / --save-cache / --load-cache)."""
+                  mem_limit, allow_beyond_context, document=None, kv_dtype="fp32"):
+    """`edgekv run MODEL`: the eager engine (``document``: --question / --save-cache / --load-cache;
+    ``kv_dtype``: --kv-dtype)."""
     from .engine import Sampler
     from .job import run_eager, run_eager_document
     from .models import load_model
@@ -502,13 +542,13 @@ def run_eager_job(model, text, *, chat, budget, block, policy, policy_args, max_
                 max_new_tokens=max_new_tokens, new_sampler=new_sampler_factory(temperature, top_p, seed), chat=chat,
                 save_cache=document["save_cache"], load_cache=document["load_cache"], made_from=model_reference(model),
                 on_token=on_token, on_question=on_question, progress=progress, mem_limit=mem_limit,
-                on_warning=warn))
+                on_warning=warn, kv_dtype=kv_dtype))
     sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
     return _generate(loaded, text, chat, max_new_tokens, allow_beyond_context, block,
                      lambda ids, on_token, progress, on_phase: run_eager(
                          loaded, ids, policy_name=policy, policy_args=policy_args, budget=budget, block=block,
                          max_new_tokens=max_new_tokens, sampler=sampler, on_token=on_token, progress=progress,
-                         mem_limit=mem_limit, on_phase=on_phase))
+                         mem_limit=mem_limit, on_phase=on_phase, kv_dtype=kv_dtype))
 
 
 def run_compiled_job(artifact, text, *, chat, max_new_tokens, temperature, top_p, seed, mem_limit,
@@ -568,6 +608,8 @@ def compile_cmd(
     mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
     weights: Annotated[Optional[str], typer.Option(help="weight format: q4 (GGML Q4_1 linear layers, Q8_0 embedding), q8 (Q8_0), fp32; default: q4 for a 4-bit source such as SmolLM2's GGUF on the host CPU, else fp32")] = None,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache format of the artifact: fp32 (int8 runs in the eager engine "
+                                               "for now: `edgekv run MODEL --kv-dtype int8`)")] = "fp32",
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -577,6 +619,9 @@ def compile_cmd(
     from .policies import make_policy
 
     try:
+        if parse_kv_dtype(kv_dtype) == "int8":
+            raise InputError(f"--kv-dtype int8: {EAGER_ONLY_INT8}; compile without --kv-dtype, or run the model in the "
+                             "eager engine with `edgekv run MODEL --kv-dtype int8`")
         check_output_dir(output)
         check_block(block)
         pol = make_policy(policy, parse_policy_args(policy_arg, policy))
@@ -811,6 +856,7 @@ def eval_(
     resume: Annotated[bool, typer.Option(help="reuse the prompts an earlier (interrupted) run in --output finished")] = False,
     allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
     question: Annotated[bool, typer.Option("--question/--no-question", help="passkey tasks: read the document knowing its question, which query-aware policies score the blocks with (as `edgekv run --question`)")] = False,
+    kv_dtype: Annotated[str, typer.Option(help=HELP["kv_dtype"] + "; the full-cache reference is always fp32")] = "fp32",
 ):
     """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
     from .evaluation.command import build_spec, check_output_folder, run_eval
@@ -818,7 +864,8 @@ def eval_(
     try:
         model = merge_model(model, model_opt, "eval")
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
-                          max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg, question)
+                          max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg, question,
+                          kv_dtype=parse_kv_dtype(kv_dtype))
         check_output_folder(output)
         setup_threads(threads)
         data = run_eval(spec, output, model_name=model, console=err, argv=["edgekv", *sys.argv[1:]],

@@ -142,7 +142,8 @@ class RunResult:
 
 
 def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
-    """The KV cache a run held next to what the full cache of the same sequence would hold."""
+    """The KV cache a run held next to what the full cache of the same sequence would hold (in
+    fp32, the format the model computes in, whatever ``--kv-dtype`` the run stored)."""
     from .memory import kv_cache_bytes
 
     full = kv_cache_bytes(cfg, sequence_tokens)
@@ -151,34 +152,38 @@ def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
 
 
 def eager_engine(model: LoadedModel, policy_name: str, policy_args: dict, budget: str, block: int,
-                 max_tokens: int | None, mem_limit: int | None, question_rows: int = 0):
+                 max_tokens: int | None, mem_limit: int | None, question_rows: int = 0, kv_dtype: str = "fp32"):
     """The engine of a run and its memory plan, checked against ``mem_limit`` and the machine
     before the caches are allocated. ``max_tokens`` (prompt + output) bounds the caches; None
     gives them their full N + B, as a saved document cache needs for any later question.
-    ``question_rows``: room for a question scoring the blocks (a query-aware policy's)."""
+    ``question_rows``: room for a question scoring the blocks (a query-aware policy's).
+    ``kv_dtype``: the caches' K/V format (``--kv-dtype``); a byte budget and the plan count it."""
     from .memory import cache_capacity, check_plan
 
-    n_budget = parse_budget(budget, model.config, block)
+    n_budget = parse_budget(budget, model.config, block, kv_dtype=kv_dtype)
     policy = make_policy(policy_name, policy_args)
     policy.check_budget(n_budget, block)
     question_rows = question_rows if policy.uses_question else 0
     capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
                               max_tokens)
-    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state))
+    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype)
     check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
-               hint="lower --budget or --block, or shorten the prompt")
-    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens, question_rows=question_rows), plan
+               hint="lower --budget or --block, or shorten the prompt"
+               + ("" if kv_dtype == "int8" else ", or store the cache in int8 (--kv-dtype int8)"))
+    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens, question_rows=question_rows,
+                       kv_dtype=kv_dtype), plan
 
 
 def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
               budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
-              progress=None, mem_limit: int | None = None, on_phase=None) -> RunResult:
+              progress=None, mem_limit: int | None = None, on_phase=None, kv_dtype: str = "fp32") -> RunResult:
     """``edgekv run`` on the eager engine. The caches hold no more than prompt + output needs
     (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
     memory the machine has left before they are allocated. ``on_phase(name)`` is called when
-    prefill and decode start."""
+    prefill and decode start. ``kv_dtype``: ``--kv-dtype``."""
     n_prompt = int(prompt_ids.numel())
-    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, n_prompt + max_new_tokens, mem_limit)
+    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, n_prompt + max_new_tokens, mem_limit,
+                                kv_dtype=kv_dtype)
     policy, n_budget = engine.policy, engine.budget
     eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
     t0 = time.perf_counter()
@@ -207,6 +212,7 @@ def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str,
         "policy_params": policy.params(),
         "budget_tokens": n_budget,
         "block": block,
+        "kv_dtype": engine.kv_dtype,
         "cache_capacity": engine.capacity,
         "prompt_tokens": n_prompt,
         "generated_tokens": len(ids),
@@ -415,7 +421,8 @@ def document_report(doc, tokenizer, cfg, kv_bytes: int) -> dict:
 def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_name: str, policy_args: dict,
                        budget: str, block: int, max_new_tokens: int, new_sampler, chat: bool = False,
                        save_cache=None, load_cache=None, made_from: str = "", on_token=None, on_question=None,
-                       progress=None, mem_limit: int | None = None, on_warning=None) -> RunResult:
+                       progress=None, mem_limit: int | None = None, on_warning=None,
+                       kv_dtype: str = "fp32") -> RunResult:
     """``edgekv run MODEL --question ...`` / ``--save-cache`` / ``--load-cache`` on the eager engine.
     The caches get their full N + B (a saved state must take any later question). A query-aware
     policy reads the document knowing each question (``document.run_document``, question scoring)."""
@@ -424,7 +431,7 @@ def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_na
 
     longest = max((len(ids) for _, ids in questions), default=0)
     engine, plan = eager_engine(model, policy_name, policy_args, budget, block, None, mem_limit,
-                                question_rows=longest if document_ids is not None else 0)
+                                question_rows=longest if document_ids is not None else 0, kv_dtype=kv_dtype)
     eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
     scoring = engine.policy.uses_question and document_ids is not None and bool(questions)
     doc = run_document(engine, document_ids=document_ids, questions=questions, new_sampler=new_sampler,
@@ -435,7 +442,8 @@ def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_na
     report = {
         "engine": "eager", "model": model.model_id, "weight_sha256": model.weight_hash, "policy": policy_name,
         "policy_params": engine.policy.params(), "budget_tokens": engine.budget, "block": block,
-        "cache_capacity": engine.capacity, **{k: v for k, v in fields.items() if k != "vs_full_cache"},
+        "kv_dtype": engine.kv_dtype, "cache_capacity": engine.capacity,
+        **{k: v for k, v in fields.items() if k != "vs_full_cache"},
         "question_scoring": scoring,
         "eviction_events": engine.stats.eviction_events, "cache_lengths": engine.cache_lengths(),
         "memory": {"plan": plan.to_dict(), "kv_cache_allocated": engine.kv_bytes, "peak_rss": peak_rss_bytes(),

@@ -3,6 +3,10 @@
 The plan counts the tensors the engine itself allocates: weights, the fixed cache buffers
 (N + B (+ pseudo rows) entries per layer and KV head: K, V, int32 positions, per-entry
 policy state), and the largest set of per-block activations live at once in a layer step.
+K and V are stored in one of ``KV_DTYPES`` (``--kv-dtype``): fp32, or int8 codes with one
+float16 scale per ``INT8_GROUP`` channels of a row (``edgekv/engine/kv_quant.py`` says why);
+every byte count here (and the byte budgets of ``budget.py``) counts the codes and their
+scales exactly.
 The measured side is the process RSS high-water mark (what the OS charged) next to the
 engine's own cache bytes, so a reader sees both what edgekv planned and what Python,
 torch and the allocator added."""
@@ -14,6 +18,45 @@ import sys
 from dataclasses import asdict, dataclass
 
 from .models.config import ModelConfig
+
+
+# the element formats of the KV cache (`--kv-dtype`); the compiled path stores fp32 only (for now)
+KV_DTYPES = ("fp32", "int8")
+DEFAULT_KV_DTYPE = "fp32"
+# channels of one K or V row that share one scale in the int8 format (GGML Q8_0's block)
+INT8_GROUP = 32
+SCALE_BYTES = 2  # the int8 format's scales are float16
+
+
+class KVDtypeError(ValueError):
+    """A KV cache format that edgekv does not have; the message names the choices."""
+
+
+def check_kv_dtype(kv_dtype: str, option: str = "--kv-dtype") -> str:
+    """``kv_dtype`` when it is one of ``KV_DTYPES``; otherwise a KVDtypeError naming the choices."""
+    if kv_dtype not in KV_DTYPES:
+        raise KVDtypeError(f"{option} {kv_dtype!r} is not a KV cache format edgekv has; choose one of "
+                           f"{', '.join(KV_DTYPES)} (int8: 8-bit codes with a float16 scale per {INT8_GROUP} channels)")
+    return kv_dtype
+
+
+def int8_scale_groups(head_dim: int) -> int:
+    """Scales per int8 row: one per ``INT8_GROUP`` channels (a shorter last group when d is not a multiple)."""
+    return -(-head_dim // INT8_GROUP)
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str = DEFAULT_KV_DTYPE, dtype_bytes: int = 4) -> int:
+    """Bytes one K (or one V) row of one KV head occupies in the cache: d elements of ``dtype_bytes``
+    (fp32), or d int8 codes plus their float16 scales (int8)."""
+    if check_kv_dtype(kv_dtype, "kv_dtype") == "int8":
+        return head_dim + SCALE_BYTES * int8_scale_groups(head_dim)
+    return head_dim * dtype_bytes
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """Bytes one token occupies in the cache over all layers and KV heads: K + V (codes and scales
+    for int8) plus its int32 position — what a byte budget divides by (``budget.parse_budget``)."""
+    return cfg.num_layers * cfg.num_kv_heads * (2 * kv_row_bytes(cfg.head_dim, kv_dtype) + 4)
 
 
 @dataclass
@@ -30,20 +73,26 @@ class MemoryPlan:
         return {**asdict(self), "total": self.total}
 
 
-def kv_cache_bytes(cfg: ModelConfig, capacity: int, state_buffers: int = 0, dtype_bytes: int = 4) -> int:
-    per_entry = cfg.num_kv_heads * (2 * cfg.head_dim * dtype_bytes + 4 + 4 * state_buffers)
+def kv_cache_bytes(cfg: ModelConfig, capacity: int, state_buffers: int = 0, dtype_bytes: int = 4,
+                   kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """The cache buffers of all layers at ``capacity`` entries per layer and KV head: K and V rows
+    (``kv_row_bytes``), the int32 position and ``state_buffers`` float32 policy states per entry."""
+    per_entry = cfg.num_kv_heads * (2 * kv_row_bytes(cfg.head_dim, kv_dtype, dtype_bytes) + 4 + 4 * state_buffers)
     return cfg.num_layers * capacity * per_entry
 
 
-def block_activation_bytes(cfg: ModelConfig, block: int, capacity: int, dtype_bytes: int = 4) -> int:
+def block_activation_bytes(cfg: ModelConfig, block: int, capacity: int, dtype_bytes: int = 4,
+                           kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """Largest live activation set of one layer step with b = block rows attending to
     `capacity` keys: residual + normed input, q/k/v, attention scores (the math path's
     [Hq, b, n] matrix, an upper bound for fused kernels), attention output, the MLP's gate,
-    up and product, plus the last row's logits."""
+    up and product, plus the last row's logits. With an int8 cache the eager engine also holds
+    the layer's K and V dequantised to float32 while the layer attends and scores (``capacity`` rows)."""
     b = block
     per_row = cfg.hidden_size * 3 + cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.intermediate_size * 3
     scores = cfg.num_heads * b * capacity
-    return dtype_bytes * (b * per_row + scores + cfg.vocab_size)
+    dequantised = 2 * cfg.num_kv_heads * capacity * cfg.head_dim if check_kv_dtype(kv_dtype, "kv_dtype") == "int8" else 0
+    return dtype_bytes * (b * per_row + scores + cfg.vocab_size + dequantised)
 
 
 def cache_capacity(budget: int, block: int, extra_rows: int = 0, max_tokens: int | None = None) -> int:
@@ -58,11 +107,12 @@ def cache_capacity(budget: int, block: int, extra_rows: int = 0, max_tokens: int
     return min(full, max_tokens if max_tokens <= budget else max_tokens + extra_rows)
 
 
-def plan_memory(cfg: ModelConfig, weight_bytes: int, capacity: int, block: int, state_buffers: int = 0) -> MemoryPlan:
+def plan_memory(cfg: ModelConfig, weight_bytes: int, capacity: int, block: int, state_buffers: int = 0,
+                kv_dtype: str = DEFAULT_KV_DTYPE) -> MemoryPlan:
     return MemoryPlan(
         weights=weight_bytes,
-        kv_cache=kv_cache_bytes(cfg, capacity, state_buffers),
-        activations=block_activation_bytes(cfg, block, capacity),
+        kv_cache=kv_cache_bytes(cfg, capacity, state_buffers, kv_dtype=kv_dtype),
+        activations=block_activation_bytes(cfg, block, capacity, kv_dtype=kv_dtype),
     )
 
 

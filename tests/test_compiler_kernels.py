@@ -123,24 +123,18 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm(monkeypatch):
 
     code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "snapkv", "snapkv++",
-                                       "streaming", "tova"]
+    assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "rocketkv", "snapkv",
+                                       "snapkv++", "streaming", "tova"]
+    assert sorted(REGISTRY) == compiled_policy_names()
     for name in compiled_policy_names():
         cls = REGISTRY[name]
         assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer
+        for gpu in (cls.gpu_evict_kernel, cls.gpu_observe_kernel):  # and so do its GPU versions
+            assert gpu is None or gpu.__module__ == cls.__module__
     assert POLICIES["keydiff_recent"][1]["recent"] == 5 and POLICIES["lagkv"][1]["lag"] == 5
     for cls in REGISTRY.values():  # observe kernels sit beside the scorer too
         if cls.observe_kernel is not None:
             assert cls.observe_kernel.__module__ == cls.__module__
-    # the shipped eager-only policies (rocketkv: its stage 2 has no kernels yet) are refused, although
-    # rocketkv inherits SnapKV++'s stage-1 kernel builders
-    from edgekv.policies import make_policy
-
-    assert sorted(set(REGISTRY) - set(compiled_policy_names())) == ["rocketkv"]
-    with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        make_policy("rocketkv").kernel_params(N)
-    with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        build_score("rocketkv", H, N, B, D)
     # the refusal of a policy without a compiled kernel, on a stand-in
     from dataclasses import dataclass
 

@@ -19,8 +19,8 @@ tvm = pytest.importorskip("tvm")
 
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
-# eager-only policies (rocketkv) have no artifact: their refusal is tested in test_rocketkv.py
-from edgekv.policies.base import compiled_policy_names  # noqa: E402
+# policies without GPU kernels (rocketkv) are refused for GPU targets (tests/test_compiler_rocketkv.py)
+from edgekv.policies.base import gpu_policy_names  # noqa: E402
 from edgekv.runtime import native  # noqa: E402
 
 B, N = 8, 24
@@ -82,7 +82,7 @@ def run_blocks(art):
     return kept, logits, ids, info, stats
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in compiled_policy_names()])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in gpu_policy_names()])
 def test_opencl_artifact_agrees_with_the_cpu_artifact(need_opencl, pairs, name):
     cpu, ocl = pairs(name)
     kept_cpu, logits_cpu, ids_cpu, _, _ = run_blocks(cpu)

@@ -7,7 +7,7 @@ budget, every decode step); the summaries equal a recomputation from the cache a
 (prefill blocks, evicting and non-evicting decode, partial last pages) and a decode step changes only
 the page its token lands in; the selected rows are valid, distinct, min(k, fill) of them, and are
 what a naive per-head re-implementation of the paper's pseudocode selects; the Quest bound, the
-p = 1 / r = d degenerate case, group sharing; the traffic split; bad arguments; the compile refusal
+p = 1 / r = d degenerate case, group sharing; the traffic split; bad arguments
 and `edgekv run --policy rocketkv`."""
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from edgekv.engine import BlockEngine
 from edgekv.engine.cache import LayerCache
 from edgekv.models import tiny_random_model
 from edgekv.policies import PolicyError, make_policy
-from edgekv.policies.base import UnsupportedPolicyError, compiled_policy_names
 from edgekv.policies.rocketkv import (PageSummaries, RocketKVPolicy, approximate_page_scores, page_minmax,
                                       select_channels, stage2_plan, token_weights)
 
@@ -127,6 +126,36 @@ def test_a_decode_step_changes_only_the_page_of_its_token():
             changed = ((s.kmin != lo) | (s.kmax != hi)).any(dim=(0, 1)).nonzero().flatten().tolist()
             assert set(changed) <= {(engine.caches[layer].length - 1) // 3}
         assert_summaries_current(engine)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_decode_with_room_folds_and_never_rebuilds(kv_dtype, monkeypatch):
+    """With room in the cache a decode step folds its one row in; an int8 cache (which dequantises
+    on every read) must not turn that into a rebuild per step."""
+    from edgekv.policies.rocketkv import PageSummaries
+
+    engine = BlockEngine(MODEL, make_policy("rocketkv", {"window": "4", "page": "3"}), 64, B, kv_dtype=kv_dtype)
+    logits = engine.prefill(PROMPT[:20])
+    rebuilds = []
+    original = PageSummaries.rebuild
+    monkeypatch.setattr(PageSummaries, "rebuild", lambda self, keys, n: (rebuilds.append(n), original(self, keys, n)))
+    for _ in range(6):
+        logits = engine.decode(int(logits.argmax()))
+        assert_summaries_current(engine)
+    assert rebuilds == []
+
+
+def test_fidelity_teacher_forces_a_sparse_decoder_through_decode():
+    """The fidelity trace of rocketkv scores its window as decode would run it (stage 2 included),
+    one token at a time; snapkv++'s keeps the chunked path."""
+    from edgekv.evaluation.fidelity import run_trace
+
+    args = {"window": "4", "page": "3", "topk": "4"}
+    trace = run_trace(BlockEngine(MODEL, make_policy("rocketkv", args), N, B), PROMPT, 30, 0)
+    engine = BlockEngine(MODEL, make_policy("rocketkv", args), N, B)
+    want = [engine.prefill(PROMPT[:30])] + [engine.decode(int(t)) for t in PROMPT[30:-1]]
+    assert torch.equal(trace.logits, torch.stack(want))
+    assert make_policy("rocketkv").decodes_sparsely() and not make_policy("snapkv++").decodes_sparsely()
 
 
 def test_summaries_follow_a_new_cache_buffer():
@@ -344,15 +373,6 @@ def test_bad_arguments_are_refused_with_the_fix(args, message):
     with pytest.raises(PolicyError, match=message) as err:
         BlockEngine(MODEL, make_policy("rocketkv", {"window": "4", **args}), N, B)
     assert "use" in str(err.value) or "valid" in str(err.value)
-
-
-def test_compiling_rocketkv_is_refused_before_any_work():
-    pytest.importorskip("tvm", reason="the compile path needs the `compile` extra (apache-tvm)")
-    from edgekv.compiler import compile_model
-
-    assert "rocketkv" not in compiled_policy_names() and "snapkv++" in compiled_policy_names()
-    with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        compile_model(MODEL, make_policy("rocketkv", {"window": "4"}), N, B)
 
 
 def test_edgekv_run_with_rocketkv(tiny_dir, tmp_path):

@@ -17,7 +17,6 @@ from edgekv.artifact import snapshot_file as sf
 from edgekv.engine import BlockEngine
 from edgekv.models import tiny_random_model
 from edgekv.policies import REGISTRY, make_policy
-# eager-only policies (rocketkv) have no artifact: their refusal is tested in test_rocketkv.py
 from edgekv.policies.base import compiled_policy_names
 
 B, N = 4, 12

@@ -137,7 +137,7 @@ def main() -> None:
     from edgekv.policies.base import compiled_policy_names
 
     model = load_model("smollm2-135m")
-    names = args.policies.split(",") if args.policies else compiled_policy_names()  # eager-only ones cannot compile
+    names = args.policies.split(",") if args.policies else compiled_policy_names()
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
     question = (ROOT / "examples" / "long_document.txt").read_text()
     rows = []

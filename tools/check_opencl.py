@@ -118,7 +118,7 @@ def main() -> None:
 
     from edgekv.corpus import natural_text
     from edgekv.models import load_model
-    from edgekv.policies.base import compiled_policy_names
+    from edgekv.policies.base import gpu_policy_names
     from edgekv.runtime import native
 
     reason = native.opencl_unavailable_reason()
@@ -126,7 +126,7 @@ def main() -> None:
         sys.exit(f"cannot run the OpenCL path here: {reason}")
     model = load_model("smollm2-135m")
     ids = model.tokenizer(natural_text())["input_ids"][: args.prompt_tokens]
-    names = args.policies.split(",") if args.policies else compiled_policy_names()  # eager-only ones cannot compile
+    names = args.policies.split(",") if args.policies else gpu_policy_names()  # the ones with GPU kernels
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         demo_row = None if args.skip_demo else demo(model, work, args.weights)

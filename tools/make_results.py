@@ -22,6 +22,8 @@ section itself):
   snapshot.md             tools/bench_snapshot.py           (saved document caches: size, time to first token, accuracy)
   demo.md       tools/pick_demo.py               (how the README's main job was chosen)
   threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
+  rocketkv.md   tools/bench_rocketkv.py           (RocketKV vs SnapKV++ compiled: decode speed, bytes, passkey)
+  kv_int8.md    tools/check_kv_int8.py            (int8 vs fp32 KV cache: error, fidelity at equal N and bytes)
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ SECTIONS = [
     ("The OpenCL path end to end (PoCL)", "opencl.md"),
     ("The OpenCL path with 4-bit weights (PoCL)", "opencl_q4.md"),
     ("Read once, ask many: saved document caches", "snapshot.md"),
+    ("RocketKV's sparse decode against SnapKV++, compiled", "rocketkv.md"),
+    ("An int8 KV cache against fp32 (eager engine)", "kv_int8.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 

@@ -14,11 +14,13 @@ select, and may add per-site outputs (``extra``, after the caches).
 
 At every attention site (``attention_sites.find_attention_sites``) the pass:
   1. replaces the site's output with the block-attention TIR kernel over cache ⊕ block
-     (causal inside the block, padding rows ≥ n_valid masked);
+     (causal inside the block, padding rows ≥ n_valid masked) — in ``decode``, with the policy's
+     ``emit_decode_attention`` kernel when it has one (RocketKV's sparse stage 2);
   2. places the policy's observe kernel (policies with ``entry_state``: the per-candidate state
      after this step, on every step), its score kernel (if any) and the generic top-N select +
      in-place compaction kernel (``call_tir_inplace`` on the cache tensors, state included), so
-     the cache is updated without reallocation. The policy's ``kernel_inputs`` (e.g. the block's
+     the cache is updated without reallocation, then the policy's ``emit_after_select`` hook (if
+     any) on its own ``compiled_state`` tensors. The policy's ``kernel_inputs`` (e.g. the block's
      post-RoPE queries) are passed to its observe and score kernels after the common eight
      arguments — the contract is written down in ``edgekv.policies.base`` ("Compiled kernels
      beyond K/V").
@@ -76,12 +78,15 @@ def substitute(expr, vmap: dict):
     return expr
 
 
-def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32"):
+def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32",
+                 policy_params: dict | None = None):
     """One layer's cache tensors in argument order: [(field, shape, dtype)] — k, v, pos, fill, then
     the policy's state: for ``Policy.entry_state`` one ``state [S, H, N] float32``, then the
-    policy's own per-layer ``compiled_state`` (``(name, "entry" | length, dtype)`` triples, an
-    "entry" tensor being [H, N]; D2O: layer budget [2], τ [2]). The pass, the manifest, the
-    memory plan and the runtimes all read this one layout."""
+    policy's own per-layer ``compiled_state`` (``(name, "entry" | length | shape_fn, dtype)``
+    triples, an "entry" tensor being [H, N], ``shape_fn(H, N, d, kernel_params)`` a shape that
+    depends on the policy's settings; D2O: layer budget [2], τ [2]; RocketKV: page summaries
+    [H, d, pages]). The pass, the manifest, the memory plan and the runtimes all read this one
+    layout; ``policy_params`` are the policy's ``kernel_params(budget)``."""
     H, N, D = num_kv_heads, budget, head_dim
     fields = [("k", (H, N, D), dtype), ("v", (H, N, D), dtype), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
     cls = REGISTRY.get(policy)
@@ -91,13 +96,20 @@ def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dty
     if S:
         fields.append((STATE_FIELD, (S, H, N), "float32"))
     for name, length, dt in cls.compiled_state:
-        fields.append((name, (H, N) if length == "entry" else (int(length),), dt))
+        if callable(length):
+            if not policy_params:
+                raise ValueError(f"policy '{policy}': the shape of its '{name}' cache tensor depends on its settings; "
+                                 "pass its kernel_params(budget) as policy_params")
+            shape = tuple(int(x) for x in length(H, N, D, policy_params))
+        else:
+            shape = (H, N) if length == "entry" else (int(length),)
+        fields.append((name, shape, dt))
     return fields
 
 
-def cache_types(site: AttentionSite, budget: int, dtype: str, policy: str = "full"):
+def cache_types(site: AttentionSite, budget: int, dtype: str, policy: str = "full", policy_params: dict | None = None):
     return [relax.TensorType(shape, dt) for _, shape, dt in cache_layout(site.num_kv_heads, site.head_dim, budget,
-                                                                          policy, dtype)]
+                                                                          policy, dtype, policy_params)]
 
 
 def _find_param(func: relax.Function, name: str, what: str):
@@ -134,12 +146,15 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     n_valid = None if fixed_n_valid is not None else relax.Var("n_valid", relax.TensorType((1,), "int32"))
     kspec = kernel_spec(spec.policy)
     S = kspec.num_state
-    fields = [f for f, _, _ in cache_layout(1, 1, spec.budget, spec.policy, spec.dtype)]
+    fields = [f for f, _, _ in cache_layout(1, 1, spec.budget, spec.policy, spec.dtype, spec.policy_params)]
     cache_vars = []
     site_eviction = REGISTRY[spec.policy].emit_site_eviction
+    # a policy that replaces decode's attention (RocketKV's sparse stage 2); prefill stays dense
+    decode_attention = REGISTRY[spec.policy].emit_decode_attention if fixed_n_valid is not None else None
+    after_select = REGISTRY[spec.policy].emit_after_select
     extra_outputs = []
     for s in sites:
-        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype)
+        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype, spec.policy_params)
         cache_vars.append([relax.Var(f"{f}_cache_{s.index}", relax.TensorType(shape, dt)) for f, shape, dt in layout])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
@@ -175,10 +190,13 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 kc, vc, pc, fc = cache_vars[site.index][:4]
                 st = cache_vars[site.index][4] if S else None
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
-                attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
-                                 lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W, spec.cores))
-                out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv],
-                                             relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
+                if decode_attention is not None:
+                    out = decode_attention(bb, kernel, site, spec, cache_vars[site.index], q, kb, vb)
+                else:
+                    attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
+                                     lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W, spec.cores))
+                    out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv],
+                                                 relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
@@ -214,10 +232,17 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if S:
                     inplace.append(len(sel_args))
                     sel_args += [st, cand]
-                upd = bb.emit(relax.call_tir_inplace(select_gv, sel_args, inplace,
-                                                     cache_types(site, N, spec.dtype, spec.policy)), f"evict_{site.index}")
-                new_caches.append([bb.emit(relax.TupleGetItem(upd, i), f"{f}_new_{site.index}")
-                                   for i, f in enumerate(fields)])
+                types = cache_types(site, N, spec.dtype, spec.policy, spec.policy_params)
+                upd = bb.emit(relax.call_tir_inplace(select_gv, sel_args, inplace, types[:len(inplace)]),
+                              f"evict_{site.index}")
+                kept = [bb.emit(relax.TupleGetItem(upd, i), f"{f}_new_{site.index}")
+                        for i, f in enumerate(fields[:len(inplace)])]
+                # the policy's own per-layer tensors (``compiled_state``), brought in step with the
+                # compacted cache by its hook (RocketKV's page summaries), else passed through
+                own = cache_vars[site.index][len(inplace):]
+                if after_select is not None:
+                    own = after_select(bb, kernel, site, spec, T, kept, own, nv)
+                new_caches.append(kept + list(own))
             ret = vmap[func.body.body] if isinstance(func.body.body, relax.Var) else substitute(func.body.body, vmap)
             rshape = shape_of(ret)
             if rshape is None or len(rshape) != 3 or rshape[:2] != (1, T):

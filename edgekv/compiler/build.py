@@ -100,7 +100,7 @@ def entry_state_names(lowered) -> list[str]:
     return [str(n) for n in names] if names else []
 
 
-def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
+def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict | None = None) -> dict[str, int]:
     """Static plan in bytes: weights as stored (each array padded to the params file's 64-byte
     alignment: the bytes a runtime maps) and caches exactly (K, V, positions, fill and the policy's
     state, ``block_cache.cache_layout``); activations as the peak of live
@@ -113,7 +113,7 @@ def memory_plan(lowered, budget: int, policy: str = "full") -> dict[str, int]:
 
     weights = sum(stored_bytes(int(a.nbytes)) for _, a in lowered.params)  # what a runtime maps
     cache = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for s in lowered.sites
-                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy))
+                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy, "float32", policy_params))
     func = lowered.mod["prefill_block"]
     params = set(func.params)
     size: dict = {}
@@ -195,6 +195,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
+    policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     profile, tgt = resolve_target(target)
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         (progress or (lambda msg: None))("importing the ONNX graph")
@@ -220,7 +221,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     lowered = Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, spec.cores, "host")
-    plan = memory_plan(lowered, budget, policy.name)
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
                            f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
@@ -288,6 +289,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
 
     cfg = model.config
     state = entry_state_names(lowered)
+    fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params)]
     rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo rows last (DapQ)
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
@@ -310,15 +312,15 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         "num_layers": len(lowered.sites),
         "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
                              "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
-        "cache": [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name)}
+        "cache": [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name,
+                                                                  "float32", spec.policy_params)}
                   for s in lowered.sites],
-        "cache_fields": [[f, dt] for f, _, dt in cache_layout(1, 1, budget, policy.name)],
+        "cache_fields": [[f, dt] for f, dt in fields],
         # names of the policy's per-entry state: rows of the "state" [S, H, N] cache tensor
         "entry_state": state,
         "functions": {
             "prefill_block": {"inputs": [f"tokens[{rows}] int64", f"positions[{rows}] int64", "n_valid[1] int32",
-                                         "caches (" + ", ".join(f for f, _, _ in cache_layout(1, 1, budget, policy.name))
-                                         + ") × layers",
+                                         "caches (" + ", ".join(f for f, _ in fields) + ") × layers",
                                          "weights"],
                               "outputs": ["logits[V] of token n_valid-1", "caches"]},
             "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],

@@ -73,6 +73,17 @@ def _tvm_target(tgt: dict, host: dict | None):
     return tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
 
 
+def check_policy_builds_for(policy: Any, tgt: dict) -> None:
+    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2)."""
+    from ..policies.base import gpu_policy_names
+    from .gpu_schedule import is_gpu_target
+
+    if is_gpu_target(tgt) and policy.name not in gpu_policy_names():
+        raise CompileError(f"policy '{policy.name}' has no GPU kernels yet, so it cannot be compiled for "
+                           f"{tgt.get('kind')}; compile it for a CPU target (host, aarch64-linux, android-cpu), "
+                           f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
+
+
 def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None):
     """Export + edgekv passes (the target-independent part); returns (Lowered, spec)."""
     from .block_cache import BlockCacheSpec
@@ -82,6 +93,7 @@ def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
+    policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
                           extra_rows=extra_rows(policy))
     mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
@@ -191,6 +203,7 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     not part of this build must link it (named in ``toolchain.tool`` / ``toolchain.finish``)."""
     say = progress or (lambda msg: None)
     profile, tgt, host = device_target(target)
+    check_policy_builds_for(policy, tgt)
     say("exporting and lowering")
     lowered, spec = lower_for_target(model, policy, budget, block, imported)
     from .build import lay_out_weights, resolve_weights, weight_layout
@@ -198,7 +211,7 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     layout = weight_layout(profile, tgt)
     weights = resolve_weights(model, weights, layout)
     weight_info = lay_out_weights(lowered, model, weights, int(tgt.get("num-cores", 1)), layout)
-    plan = memory_plan(lowered, budget, policy.name)
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
                            "lower --budget or --block")

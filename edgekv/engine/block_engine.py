@@ -8,6 +8,11 @@ clarity: one block step runs every layer as
     → the policy cuts this layer's cache ⊕ block back to ≤ N (per KV head).
 Decode is the same step with B = 1. The whole prompt's KV never exists: each layer holds
 at most N + B entries (+ a policy's pseudo rows) at any moment.
+
+``kv_dtype`` picks how the caches store K and V (``memory.KV_DTYPES``): fp32, or int8 with float16
+scales per 32 channels (``kv_quant``), where the rule is "quantise on write, everything reads
+dequantised": the block is quantised as it is written, before its own attention, so the block's
+queries, the cached rows' attention and every policy read the same dequantised values.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..memory import cache_capacity
+from ..memory import DEFAULT_KV_DTYPE, cache_capacity, check_kv_dtype
 from ..models.loaded import LoadedModel
 from ..policies.base import EvictionContext, Policy, PolicyError
-from .cache import LayerCache
+from .cache import LayerCache, new_layer_cache
 
 
 @dataclass
@@ -57,10 +62,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class BlockEngine:
     def __init__(self, model: LoadedModel, policy: Policy, budget: int, block: int = 128, *,
-                 record_kept: bool = False, max_tokens: int | None = None, question_rows: int = 0):
+                 record_kept: bool = False, max_tokens: int | None = None, question_rows: int = 0,
+                 kv_dtype: str = DEFAULT_KV_DTYPE):
         """``max_tokens``: prompt + output when known; the caches then hold no more entries than
         the sequence can fill (``memory.cache_capacity``), whatever the budget. ``question_rows``:
-        room for a question of that many tokens scoring the blocks (``prefill(..., question=)``)."""
+        room for a question of that many tokens scoring the blocks (``prefill(..., question=)``).
+        ``kv_dtype``: the caches' K/V format, "fp32" or "int8" (``memory.KV_DTYPES``)."""
+        self.kv_dtype = check_kv_dtype(kv_dtype, "kv_dtype")
         if budget <= 0:
             raise PolicyError("the budget must be a positive number of tokens")
         if block <= 0:
@@ -89,9 +97,9 @@ class BlockEngine:
             for i in range(self.cfg.num_layers)
         ]
 
-    def _new_caches(self) -> list[LayerCache]:
-        return [LayerCache(self.cfg.num_kv_heads, self.capacity, self.cfg.head_dim, self.policy.entry_state)
-                for _ in range(self.cfg.num_layers)]
+    def _new_caches(self, capacity: int | None = None) -> list[LayerCache]:
+        return [new_layer_cache(self.cfg.num_kv_heads, capacity or self.capacity, self.cfg.head_dim,
+                                self.policy.entry_state, self.kv_dtype) for _ in range(self.cfg.num_layers)]
 
     def reset(self) -> None:
         """A new sequence: empty caches (per-entry state too), position 0, fresh counters."""
@@ -106,7 +114,8 @@ class BlockEngine:
     # ---- accounting -------------------------------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        """Bytes the engine allocated for caches (all layers): fixed at construction."""
+        """Bytes the engine allocated for caches (all layers): fixed at construction (int8: codes and
+        scales; the float32 rows a step dequantises live only while that layer runs)."""
         return sum(c.nbytes for c in self.caches)
 
     def cache_lengths(self) -> list[int]:
@@ -158,6 +167,8 @@ class BlockEngine:
             old = cache.length
             cache.write(old, k, v, all_pos)
             n_all = old + b + n_extra
+            # what the cache holds, the block's own rows included (int8: dequantised, never the
+            # rows just projected): attention and the policy below read only this
             keys, values, key_pos = cache.view(n_all)
             attn = None
             if decoding and not n_extra:
@@ -174,7 +185,7 @@ class BlockEngine:
             h = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_eps)
             gate, up = F.linear(h, lw["mlp.gate_proj.weight"]), F.linear(h, lw["mlp.up_proj.weight"])
             x = x + F.linear(F.silu(gate) * up, lw["mlp.down_proj.weight"])
-            compacted = self._evict(layer, cache, old + b, q, all_pos, b, n_extra)
+            compacted = self._evict(layer, cache, old + b, q, all_pos, b, n_extra, (keys, values, key_pos))
             record.evicted = record.evicted or compacted
             self.policy.after_step(layer, cache, compacted, budget=self.budget)
             if record.kept_positions is not None:
@@ -188,14 +199,17 @@ class BlockEngine:
         logits = F.linear(x, self.model.lm_head)
         return logits if all_logits else logits[0]
 
-    def _evict(self, layer, cache, n, q, all_pos, b, n_extra) -> bool:
+    def _evict(self, layer, cache, n, q, all_pos, b, n_extra, read) -> bool:
+        """``read``: the step's (keys, values, positions) of cache ⊕ block ⊕ extra rows as the
+        attention read them (an int8 cache dequantises once per step, not once per reader)."""
         policy = self.policy
         budget = self.layer_budgets[layer]
         must = n > budget
         if not must and not policy.observes_every_step:
             cache.length = n
             return False
-        keys, values, key_pos = cache.view(n)
+        all_keys, all_values, all_key_pos = read
+        keys, values, key_pos = all_keys[:, :n], all_values[:, :n], all_key_pos[:, :n]
         ctx = EvictionContext(
             layer=layer, num_layers=self.cfg.num_layers, budget=budget, keys=keys, values=values,
             positions=key_pos, n_cache=n - b, is_prefill=b > 1, scale=self.scale,
@@ -205,7 +219,7 @@ class BlockEngine:
             ctx.queries, ctx.query_positions = q[:, :b], all_pos[:b]
         if n_extra:
             ctx.extra_queries, ctx.extra_query_positions = q[:, b:], all_pos[b:]
-            ctx.extra_keys = cache.keys[:, n : n + n_extra]
+            ctx.extra_keys = all_keys[:, n : n + n_extra]
             ctx.extra_is_question = self._question is not None
         if policy.observes_every_step:
             policy.observe(ctx)
@@ -297,10 +311,10 @@ class BlockEngine:
 
         tensors = {}
         for layer, c in enumerate(self.caches):
-            for f, t in enumerate([c.keys, c.values, c.positions, *c.state.values()]):
+            for f, t in enumerate(c.stored_tensors()):  # int8: codes and scales as stored, nothing requantised
                 tensors[(layer, f)] = t.numpy()
         extra = json.dumps({"lengths": self.cache_lengths(), "layer_budgets": self.layer_budgets,
-                            "policy_state": self.policy.state_dict()})
+                            "policy_state": self.policy.state_dict(), "kv_dtype": self.kv_dtype})
         sf.write(sf.Snapshot(engine=sf.ENGINE_EAGER, position=self.position, tokens=self.stats.prefill_tokens,
                              question=question or "", chat=chat, extra=extra, tensors=tensors, made_from=made_from,
                              document_seconds=self.stats.prefill_seconds, **self._snapshot_identity()),
@@ -315,20 +329,25 @@ class BlockEngine:
 
         snap = sf.read(path)
         sf.check_matches(snap, path, engine=sf.ENGINE_EAGER, **self._snapshot_identity())
-        self._take_capacity(snap, path)
         state = json.loads(snap.extra or "{}")
-        for layer, c in enumerate(self.caches):
-            names = ["keys", "values", "positions", *c.state]
-            for f, name in enumerate(names):
-                cur = getattr(c, name) if f < 3 else c.state[name]
+        self._check_snapshot_kv_dtype(state, path)
+        capacity = self._snapshot_capacity(snap, path)
+        caches = self.caches if capacity == self.capacity else self._new_caches(capacity)
+        restored = []  # every layer checked before the engine takes the file's buffers
+        for layer, c in enumerate(caches):
+            tensors = []
+            for f, cur in enumerate(c.stored_tensors()):
                 data = snap.tensors.get((layer, f))
                 if data is None or data.nbytes != cur.numel() * cur.element_size():
                     raise sf.SnapshotError(f"{path}: its cache layout differs from this engine's")
-                t = torch.from_numpy(data.view(cur.numpy().dtype).reshape(tuple(cur.shape)))
-                if f < 3:
-                    setattr(c, name, t)
-                else:
-                    c.state[name] = t
+                tensors.append(torch.from_numpy(data.view(cur.numpy().dtype).reshape(tuple(cur.shape))))
+            restored.append(tensors)
+        if capacity != self.capacity:
+            self.capacity, self.caches = capacity, caches
+            if self.policy.uses_question:
+                self.question_rows = max(self.question_rows, capacity - self.budget - self.block)
+        for layer, (c, tensors) in enumerate(zip(self.caches, restored)):
+            c.restore_tensors(tensors)
             c.length = int(state["lengths"][layer])
         self.layer_budgets = list(state.get("layer_budgets", self.layer_budgets))
         self.policy.load_state_dict(state.get("policy_state", {}))
@@ -336,26 +355,33 @@ class BlockEngine:
         self.snapshot_info = snap.info()
         return snap.question
 
-    def _take_capacity(self, snap, path) -> None:
-        """Caches as large as the snapshot's: the engine that saved it may have had room for a
-        question's rows (``question_rows``) or a shorter sequence; any capacity from N + B up
-        continues correctly."""
+    def _check_snapshot_kv_dtype(self, state: dict, path) -> None:
+        """A snapshot holds K/V in the format its engine stored (``kv_dtype`` in its state; files from
+        before int8 caches existed are fp32): this engine must store the same one."""
+        from ..artifact import snapshot_file as sf
+
+        saved = state.get("kv_dtype", "fp32")
+        if saved != self.kv_dtype:
+            raise sf.SnapshotError(
+                f"{path} holds its KV cache in {saved} (made with --kv-dtype {saved}) and this engine stores "
+                f"{self.kv_dtype}: load it with --kv-dtype {saved} (BlockEngine(..., kv_dtype={saved!r})), or make it "
+                f"again with --kv-dtype {self.kv_dtype}")
+
+    def _snapshot_capacity(self, snap, path) -> int:
+        """The capacity of the snapshot's caches (the engine takes it): the engine that saved it may
+        have had room for a question's rows (``question_rows``) or a shorter sequence; any capacity
+        from N + B up continues correctly."""
         keys = snap.tensors.get((0, 0))
-        per_entry = self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].keys.element_size()
+        per_entry = self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].stored_tensors()[0].element_size()
         if keys is None or keys.nbytes % per_entry:
-            return  # the layout check below refuses it
+            return self.capacity  # the layout check refuses it
         capacity = keys.nbytes // per_entry
-        if capacity == self.capacity:
-            return
-        if capacity < min(self.capacity, self.budget + self.block):
+        if capacity != self.capacity and capacity < min(self.capacity, self.budget + self.block):
             from ..artifact import snapshot_file as sf
 
             raise sf.SnapshotError(f"{path}: its caches hold {capacity} entries, fewer than N + B = "
                                    f"{self.budget + self.block}; make it again")
-        self.capacity = capacity
-        if self.policy.uses_question:
-            self.question_rows = max(self.question_rows, capacity - self.budget - self.block)
-        self.caches = self._new_caches()
+        return capacity
 
     def decode(self, token_id: int) -> torch.Tensor:
         import time
@@ -382,3 +408,13 @@ class BlockEngine:
                 break
             logits = self.decode(token)
         return out
+
+
+def snapshot_kv_dtype(path) -> str:
+    """The K/V format an eager snapshot holds, from its header ("fp32" for files made before int8
+    caches existed): what `edgekv ask` / `edgekv run --load-cache` open it with."""
+    import json
+
+    from ..artifact import snapshot_file as sf
+
+    return json.loads(sf.read_header(path).extra or "{}").get("kv_dtype", "fp32")

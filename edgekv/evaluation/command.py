@@ -99,7 +99,7 @@ def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], d
 def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bool, lengths: str, depths: str,
                seeds: str, keys: int, haystack: str, max_new_tokens: int, fidelity_lengths: str,
                fidelity_window: int, greedy_tokens: int, policy_arg: list[str] | None,
-               question: bool = False) -> EvalSpec:
+               question: bool = False, kv_dtype: str | None = None) -> EvalSpec:
     names, args = parse_policy_specs(policies, policy_arg)
     try:
         seed_list = [int(s) for s in split_list(seeds, "--seeds")]
@@ -113,7 +113,8 @@ def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bo
                     blocks=parse_blocks(block, one_block), lengths=parse_lengths(lengths, "--lengths"),
                     depths=parse_depths(depths), seeds=seed_list, keys=keys, haystack=haystack,
                     max_new_tokens=max_new_tokens, fidelity_lengths=parse_lengths(fidelity_lengths, "--fidelity-lengths"),
-                    fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args, question=question)
+                    fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args, question=question,
+                    kv_dtype=kv_dtype or "fp32")
     if any(fl <= fidelity_window for fl in spec.fidelity_lengths) and "fidelity" in spec.tasks:
         raise InputError(f"--fidelity-window {fidelity_window} must be shorter than every --fidelity-lengths")
     if greedy_tokens < 1 or max_new_tokens < 1:
@@ -229,7 +230,8 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
           f"command: `{data['meta']['command']}`  ", f"commit: {data['meta']['commit']}  ",
           f"machine: {data['meta']['machine']['cpu']}, torch {data['meta']['machine']['torch']}, "
           f"{data['meta']['machine']['torch_threads']} thread(s)  ",
-          f"runtime: {data['runtime_seconds']:.0f} s", "", report.markdown(data)]
+          f"runtime: {data['runtime_seconds']:.0f} s  ",
+          f"KV cache of the runs: {spec.kv_dtype} (the full-cache reference: fp32)", "", report.markdown(data)]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     data["_files"] = [str(json_path), str(out_dir / "results.md")] + [str(p) for p in plots]

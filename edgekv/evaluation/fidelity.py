@@ -6,7 +6,9 @@ A fidelity prompt is ``length`` tokens of natural text, split into a context (th
 policy (block-wise with B, or as one block), which evicts it down to N; then the window is
 teacher-forced on top of that cache in chunks of min(B, 128) tokens (``engine.step(all_logits=True)``,
 no pseudo rows, evicting after each chunk) and its next-token distributions are compared
-with the full cache's. (Scoring the window inside a one-block prefill would be meaningless:
+with the full cache's. A policy that replaces decode's attention (RocketKV's sparse stage 2,
+``Policy.decodes_sparsely``) is teacher-forced one token at a time through ``engine.decode``, so the
+scored window sees the attention decode would use. (Scoring the window inside a one-block prefill would be meaningless:
 a single block attends to the whole prompt before anything is evicted.)
 
 - ``top1_agreement``: fraction of positions whose argmax token is the same;
@@ -43,12 +45,17 @@ def run_trace(engine: BlockEngine, ids: torch.Tensor, eval_start: int, greedy_to
     scored = [logits[None]]
     rest = ids[eval_start:]
     chunk = min(chunk, engine.block)  # the cache has room for N + B entries
-    for start in range(0, rest.numel(), chunk):
-        piece = rest[start : start + chunk]
-        out = engine.step(piece, all_logits=True)
-        scored.append(out)
-        if progress is not None:
-            progress(piece.numel())
+    if engine.policy.decodes_sparsely():  # its decode steps attend differently from a block's rows
+        for token in rest.tolist():
+            scored.append(engine.decode(token)[None])
+            if progress is not None:
+                progress(1)
+    else:
+        for start in range(0, rest.numel(), chunk):
+            piece = rest[start : start + chunk]
+            scored.append(engine.step(piece, all_logits=True))
+            if progress is not None:
+                progress(piece.numel())
     everything = torch.cat(scored)
     last = everything[-1].clone()
     scored_logits = everything[:-1].clone()  # position t predicts token t + 1 of the text

@@ -14,7 +14,7 @@ SCHEMA = "edgekv-eval/1"
 PASSKEY_TASKS = ("passkey", "multikey")
 # Every raw result row has these fields (plus the task's metric fields below).
 ROW_FIELDS = ("task", "prompt_id", "seed", "length_target", "prompt_tokens", "depth", "policy", "policy_params",
-              "budget", "block", "mode", "no_eviction", "reused_reference", "error")
+              "budget", "block", "mode", "no_eviction", "reused_reference", "kv_dtype", "error")
 RUN_FIELDS = ("seconds", "prefill_seconds", "eviction_events")
 PASSKEY_FIELDS = ("output_ids", "output_text", "predicted", "correct", "needle_retention", "answered_distractor",
                   "agrees_with_full")

@@ -4,8 +4,10 @@ For every prompt the full-cache reference runs once (policy ``full``, budget = p
 output, B = the first block size) and every other run of that prompt is scored against it.
 Runs whose budget holds the whole prompt and output never evict, so by the engine's
 invariant they equal the full cache exactly; they reuse the reference and are marked
-``no_eviction``. ``full`` itself is run once per prompt through the same path as the
-policies (an independent engine run, not the reference) and reported at every budget.
+``no_eviction``. With an int8 KV cache (``kv_dtype``) every run stores int8 and the reference
+stays the fp32 full cache, so such runs are run (they measure what quantisation alone changes).
+``full`` itself is run once per prompt through the same path as the policies (an independent
+engine run, not the reference) and reported at every budget.
 
 Nothing here is random except the prompt builders, which are seeded (see tasks.py);
 given the same thread count, a rerun gives identical numbers.
@@ -49,6 +51,8 @@ class EvalSpec:
     # question-aware prefill (`--question`): passkey prompts' document part is read knowing the
     # question, which query-aware policies score the blocks with; the others run unchanged
     question: bool = False
+    # how every run but the fp32 full-cache reference stores K and V (`--kv-dtype`, memory.KV_DTYPES)
+    kv_dtype: str = "fp32"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,12 +112,13 @@ def needle_retention(engine: BlockEngine, prompt: Prompt, tokenizer) -> float | 
 
 
 def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: dict, budget: int, block: int,
-            spec: EvalSpec, progress: Callable[[int], None] | None = None) -> Outcome:
+            spec: EvalSpec, progress: Callable[[int], None] | None = None, kv_dtype: str = "fp32") -> Outcome:
     policy = make_policy(policy_name, policy_args)
     context = prompt.eval_start if prompt.task == "fidelity" else prompt.tokens  # what prefill sees
     b = context if block == ONE_BLOCK else block
     split = prompt.question_start if spec.question and policy.uses_question and prompt.task != "fidelity" else None
-    engine = BlockEngine(model, policy, budget, b, question_rows=prompt.tokens - split if split else 0)
+    engine = BlockEngine(model, policy, budget, b, question_rows=prompt.tokens - split if split else 0,
+                         kv_dtype=kv_dtype)
     t0 = time.perf_counter()
     if prompt.task == "fidelity":
         trace = run_trace(engine, prompt.ids, prompt.eval_start, spec.greedy_tokens, progress=progress)
@@ -178,12 +183,16 @@ class Runner:
                     runs.append(("full", prompt.tokens + output_tokens(spec, prompt), spec.blocks[0]))
                     continue
                 for budget in spec.budgets:
-                    if budget >= prompt.tokens + output_tokens(spec, prompt):
+                    if self.reuses_reference(prompt, budget):
                         continue  # no eviction: equals the reference
                     for block in spec.blocks:
                         runs.append((policy, budget, block))
             plan.append((prompt, runs))
         return plan
+
+    def reuses_reference(self, prompt: Prompt, budget: int) -> bool:
+        """A run that cannot differ from the reference: nothing evicted and K/V stored in fp32."""
+        return budget >= prompt.tokens + output_tokens(self.spec, prompt) and self.spec.kv_dtype == "fp32"
 
     def reusable(self, prompt: Prompt, prior: dict | None) -> tuple[dict, list[dict]] | None:
         """The reference row and result rows of ``prompt`` from an earlier run of the same sweep
@@ -206,7 +215,8 @@ class Runner:
                 for block in self.spec.blocks:
                     row = by_key.get((policy, budget, "one_block" if block == ONE_BLOCK else "block"))
                     if row is None or row["policy_params"] != json.loads(json.dumps(params)) or (
-                            block != ONE_BLOCK and row["block"] != block):
+                            block != ONE_BLOCK and row["block"] != block) or (
+                            row.get("kv_dtype", "fp32") != self.spec.kv_dtype):
                         return None
                     wanted.append(row)
         return prior["references"][prompt.id], wanted
@@ -237,7 +247,7 @@ class Runner:
                     describe(f"{policy} N={budget} B={block_label(block)}")
                     try:
                         done[(policy, budget, block)] = (run_one(model, prompt, policy, spec.policy_args.get(policy, {}),
-                                                                 budget, block, spec, advance), None)
+                                                                 budget, block, spec, advance, spec.kv_dtype), None)
                     except PolicyError as exc:
                         done[(policy, budget, block)] = (None, str(exc))
                         if advance:
@@ -273,12 +283,13 @@ class Runner:
             for budget in spec.budgets:
                 for block in spec.blocks:
                     no_evict = budget >= prompt.tokens + n_out
+                    reuse = self.reuses_reference(prompt, budget)
                     if partial and (full_run is None if policy == "full" else
-                                    not no_evict and (policy, budget, block) not in done):
+                                    not reuse and (policy, budget, block) not in done):
                         continue
                     if policy == "full":
                         out, error = full_run
-                    elif no_evict:
+                    elif reuse:
                         out, error = ref, None
                     else:
                         out, error = done[(policy, budget, block)]
@@ -290,7 +301,8 @@ class Runner:
                         if block == ONE_BLOCK else block,
                         "mode": "one_block" if block == ONE_BLOCK else "block",
                         "no_eviction": bool(no_evict or policy == "full"),
-                        "reused_reference": bool(no_evict and policy != "full"),
+                        "reused_reference": bool(reuse and policy != "full"),
+                        "kv_dtype": spec.kv_dtype,
                         "error": error,
                     }
                     if out is not None:

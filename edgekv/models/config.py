@@ -33,10 +33,6 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Bytes one token occupies in the cache over all layers: K + V, plus its int32 position."""
-        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * dtype_bytes + 4)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -136,13 +136,15 @@ KERNEL_INPUTS: dict[str, str] = {
 # ``d2o_budget``), run by the runtimes before a prompt longer than ``prepare_min_prompt(budget)``.
 
 
-# Decode-step attention (eager engine only). A policy may replace the attention of a decode step
-# (B = 1, after the new token's K/V are written at row n − 1, before the step's eviction) with its
-# own — RocketKV's sparse attention over a selected subset of the cache — through
-# ``decode_attention``; returning None keeps the engine's dense attention, so every other policy
-# runs bit-identically. State a policy derives from the cached keys (RocketKV's page min/max) is kept
-# in step with the cache through ``after_step``, which the engine calls after every layer's step,
-# saying whether the eviction reordered the rows.
+# Decode-step attention. A policy may replace the attention of a decode step (B = 1, after the new
+# token's K/V are written at row n − 1, before the step's eviction) with its own — RocketKV's sparse
+# attention over a selected subset of the cache — through ``decode_attention`` (eager engine);
+# returning None keeps the engine's dense attention, so every other policy runs bit-identically.
+# State a policy derives from the cached keys (RocketKV's page min/max) is kept in step with the
+# cache through ``after_step``, which the engine calls after every layer's step, saying whether the
+# eviction reordered the rows. Compiled, the same policy sets ``emit_decode_attention`` (its kernel
+# in the ``decode`` function) and keeps the derived state as ``compiled_state``, updated by its
+# ``emit_site_eviction`` after the step's select.
 
 
 class PolicyError(ValueError):
@@ -190,6 +192,14 @@ class Policy:
     emit_site_eviction: ClassVar[Callable[..., Any] | None] = None
     compiled_state: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
     gpu_kernel: ClassVar[Callable[..., Any] | None] = None
+    # Compiled decode attention (see "Decode-step attention" above): ``emit(bb, kernel, site, spec,
+    # caches, q, k_blk, v_blk) -> out [1, Hq, 1, d]`` replaces the block attention of the compiled
+    # ``decode`` function at every site (prefill stays dense); ``caches`` as for ``emit_site_eviction``.
+    emit_decode_attention: ClassVar[Callable[..., Any] | None] = None
+    # ``emit(bb, kernel, site, spec, block, kept, own, n_valid) -> own'``: after the generic select at
+    # every site, bring the policy's ``compiled_state`` tensors ``own`` in step with the compacted
+    # cache ``kept`` (k, v, pos, fill[, state]); RocketKV's page summaries.
+    emit_after_select: ClassVar[Callable[..., Any] | None] = None
 
     def compiled_state_init(self, budget: int) -> dict[str, Any]:
         """Initial contents of ``compiled_state`` fields that do not start as zeros (one layer's)."""
@@ -245,6 +255,10 @@ class Policy:
         ``budget`` the engine's N; ``scale`` the softmax scale."""
         return None
 
+    def decodes_sparsely(self) -> bool:
+        """Whether this policy replaces a decode step's attention (overrides ``decode_attention``)."""
+        return type(self).decode_attention is not Policy.decode_attention
+
     def after_step(self, layer: int, cache: Any, compacted: bool, *, budget: int) -> None:
         """Called after every step of every layer (blocks and decode) once ``cache.length`` rows are
         live; ``compacted``: the step's eviction moved rows (derived per-layer state must be rebuilt);
@@ -270,6 +284,23 @@ def compiled_policy_names() -> list[str]:
     from . import REGISTRY
 
     return sorted(n for n, cls in REGISTRY.items() if cls.evict_kernel is not None)
+
+
+def gpu_policy_names() -> list[str]:
+    """The compiled policies that also build for GPU targets: a GPU score kernel
+    (``gpu_evict_kernel``), GPU versions of their own site kernels (``gpu_kernel``), or no score
+    kernel at all (``full``: attention and append only)."""
+    from . import REGISTRY
+
+    def builds(n: str) -> bool:
+        cls = REGISTRY[n]
+        if cls.emit_decode_attention is not None or cls.emit_after_select is not None:
+            return False  # no GPU versions of those hooks' kernels yet
+        if cls.emit_site_eviction is not None:
+            return cls.gpu_kernel is not None
+        return cls.gpu_evict_kernel is not None or n == "full"
+
+    return [n for n in compiled_policy_names() if builds(n)]
 
 
 def topk_keep(score: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET, human_bytes, parse_budget, parse_size
 from ..errors import InputError
+from ..memory import kv_bytes_per_token
 from ..policies import make_policy
 from . import limits
 from .profiles import load_profiles
@@ -148,7 +149,7 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
         "prompt_tokens": len(ids), "max_new_tokens": req.max_new_tokens, "block": block,
         "cap_bytes": cap, "cap_source": cap_note,
         "mechanism": {"name": mech.name, "reason": mech.reason, "measures": mech.measures},
-        "kv_bytes_per_token": target.config.kv_bytes_per_token(),
+        "kv_bytes_per_token": kv_bytes_per_token(target.config),
         "work_source": work.source, "runs": runs,
         "devices": {p.name: {"file": str(p.path), "app_usable_bytes": p.app_usable_bytes,
                              "bandwidth_GBps": p.bandwidth.value, "sources": p.sources()} for p in profiles},
