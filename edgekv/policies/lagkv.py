@@ -85,6 +85,26 @@ def within_partition_rank(raw: torch.Tensor) -> torch.Tensor:
     return (L - 1 - pos).float() / L
 
 
+def _base_score_macro():
+    """``base_score(score, h, i, start, scored_end, n)``, shared by the CPU and GPU kernels: the score
+    of candidate i before the partitions are ranked — sinks +inf, scored partitions 0 (their ranks
+    are added), the unscored tail 2 + i/n (kept, newest highest), padding past n −inf."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def base_score(score, h, i, start, scored_end, n):
+        if i < start:
+            score[h, i] = T.float32("inf")
+        elif i < scored_end:
+            score[h, i] = T.float32(0)
+        elif i < n:
+            score[h, i] = T.float32(2) + T.Cast("float32", i) / T.Cast("float32", n)
+        else:
+            score[h, i] = T.float32("-inf")
+
+    return base_score
+
+
 def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
                              dtype: str = "float32", sinks: int = 16, lag: int = 128,
                              value_weight: float = 1.0, unbiased_std: bool = True, eps: float = 1e-6):
@@ -102,6 +122,7 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
     WV = float(value_weight)
     EPS = float(eps)
     DDOF = float(D - 1) if (unbiased_std and D > 1) else float(D)
+    base_score = _base_score_macro()
 
     @T.macro
     def lagkv_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
@@ -126,14 +147,7 @@ def build_lagkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_di
                 scored_end: T.let[T.int32] = T.if_then_else(P >= 2, start + (P - 1) * L, start)
                 if n > N:
                     for i in T.serial(NB):
-                        if i < start:
-                            score[h, i] = T.float32("inf")
-                        elif i < scored_end:
-                            score[h, i] = T.float32(0)
-                        elif i < n:
-                            score[h, i] = T.float32(2) + T.Cast("float32", i) / T.Cast("float32", n)
-                        else:
-                            score[h, i] = T.float32("-inf")
+                        base_score(score, h, i, start, scored_end, n)
                     for i in T.serial(NB):
                         raw[i] = T.float32(0)
                     for p in T.serial(T.max(P - 1, 0)):
@@ -216,6 +230,7 @@ def build_lagkv_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, hea
     WV = float(value_weight)
     EPS = float(eps)
     DDOF = float(D - 1) if (unbiased_std and D > 1) else float(D)
+    base_score = _base_score_macro()
     TPB = 128
     NBLK = (H * NB + TPB - 1) // TPB
     PMAX = max(1, (NB - min(S, NB)) // L - 1)  # most scored partitions any step can have
@@ -239,14 +254,7 @@ def build_lagkv_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, hea
                     scored_end: T.let[T.int32] = T.if_then_else(P >= 2, start + (P - 1) * L, start)
                     if e < H * NB:
                         if n > N:
-                            if i < start:
-                                score[h, i] = T.float32("inf")
-                            elif i < scored_end:
-                                score[h, i] = T.float32(0)
-                            elif i < n:
-                                score[h, i] = T.float32(2) + T.Cast("float32", i) / T.Cast("float32", n)
-                            else:
-                                score[h, i] = T.float32("-inf")
+                            base_score(score, h, i, start, scored_end, n)
         for bx in T.thread_binding(H * PMAX, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("lagkv_part"):
