@@ -155,7 +155,8 @@ def test_fidelity_teacher_forces_a_sparse_decoder_through_decode():
     engine = BlockEngine(MODEL, make_policy("rocketkv", args), N, B)
     want = [engine.prefill(PROMPT[:30])] + [engine.decode(int(t)) for t in PROMPT[30:-1]]
     assert torch.equal(trace.logits, torch.stack(want))
-    assert make_policy("rocketkv").decodes_sparsely() and not make_policy("snapkv++").decodes_sparsely()
+    assert make_policy("rocketkv").replaces_decode_attention()
+    assert not make_policy("snapkv++").replaces_decode_attention()
 
 
 def test_summaries_follow_a_new_cache_buffer():

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..artifact import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, PARAMS_FILE, PROGRAM_FILE, TOKENIZER_DIR,
-                        TOKENIZER_FILE, crc32_file, edgekv_version, sha256_file)
+                        TOKENIZER_FILE, edgekv_version, sha256_file)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE_DIR = REPO_ROOT / "compile"
@@ -188,10 +188,6 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     (``resolve_weights``; None: the model's default)."""
     import tvm
 
-    from .block_cache import BlockCacheSpec
-    from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
-    from .pseudo_rows import extra_rows
-
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
@@ -208,17 +204,11 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
 
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
                                 out_dir, imported=imported, progress=progress, mem_limit=mem_limit, weights=weights)
-    spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
-                          extra_rows=extra_rows(policy), cores=int(tgt.get("num-cores", 1)))
+    from .targets import lower_for_target
+
     say = progress or (lambda msg: None)
     say("exporting and lowering")
-    mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
-    check_imported_rows(mod, block, spec.extra_rows)
-    timings = dict(timings)
-    t0 = time.perf_counter()
-    mod, sites, transposed = lower_module(mod, spec)
-    timings["passes_s"] = time.perf_counter() - t0
-    lowered = Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
+    lowered, spec = lower_for_target(model, policy, budget, block, imported, cores=int(tgt.get("num-cores", 1)))
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, spec.cores, "host")
     plan = memory_plan(lowered, budget, policy.name, spec.policy_params)

@@ -84,8 +84,9 @@ def check_policy_builds_for(policy: Any, tgt: dict) -> None:
                            f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
 
 
-def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None):
-    """Export + edgekv passes (the target-independent part); returns (Lowered, spec)."""
+def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None, cores: int = 1):
+    """Export + edgekv passes (the target-independent part); returns (Lowered, spec). ``cores``: the
+    CPU target's threads (the attention kernel's row tiles); GPU targets replace that kernel."""
     from .block_cache import BlockCacheSpec
     from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
     from .pseudo_rows import extra_rows
@@ -95,7 +96,7 @@ def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
-                          extra_rows=extra_rows(policy))
+                          extra_rows=extra_rows(policy), cores=int(cores))
     mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
     check_imported_rows(mod, block, spec.extra_rows)
     timings = dict(timings)

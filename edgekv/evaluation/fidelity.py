@@ -7,8 +7,8 @@ policy (block-wise with B, or as one block), which evicts it down to N; then the
 teacher-forced on top of that cache in chunks of min(B, 128) tokens (``engine.step(all_logits=True)``,
 no pseudo rows, evicting after each chunk) and its next-token distributions are compared
 with the full cache's. A policy that replaces decode's attention (RocketKV's sparse stage 2,
-``Policy.decodes_sparsely``) is teacher-forced one token at a time through ``engine.decode``, so the
-scored window sees the attention decode would use. (Scoring the window inside a one-block prefill would be meaningless:
+``Policy.replaces_decode_attention``) is teacher-forced one token at a time through
+``engine.decode``, so the scored window sees the attention decode would use. (Scoring the window inside a one-block prefill would be meaningless:
 a single block attends to the whole prompt before anything is evicted.)
 
 - ``top1_agreement``: fraction of positions whose argmax token is the same;
@@ -45,7 +45,7 @@ def run_trace(engine: BlockEngine, ids: torch.Tensor, eval_start: int, greedy_to
     scored = [logits[None]]
     rest = ids[eval_start:]
     chunk = min(chunk, engine.block)  # the cache has room for N + B entries
-    if engine.policy.decodes_sparsely():  # its decode steps attend differently from a block's rows
+    if engine.policy.replaces_decode_attention():  # its decode steps attend differently from a block's rows
         for token in rest.tolist():
             scored.append(engine.decode(token)[None])
             if progress is not None:

@@ -255,7 +255,7 @@ class Policy:
         ``budget`` the engine's N; ``scale`` the softmax scale."""
         return None
 
-    def decodes_sparsely(self) -> bool:
+    def replaces_decode_attention(self) -> bool:
         """Whether this policy replaces a decode step's attention (overrides ``decode_attention``)."""
         return type(self).decode_attention is not Policy.decode_attention
 

@@ -275,15 +275,14 @@ def build_rocketkv_summaries_kernel(num_kv_heads: int, budget: int, head_dim: in
                 else:
                     for i in T.serial(B):
                         if i < n_valid[0]:
+                            row: T.let[T.int32] = fill[0] - n_valid[0] + i  # the i-th appended row
                             for c in T.serial(D):
-                                if (fill[0] - n_valid[0] + i) % p == 0:  # the page's first row sets it
-                                    kmin[h, c, (fill[0] - n_valid[0] + i) // p] = k_cache[h, fill[0] - n_valid[0] + i, c]
-                                    kmax[h, c, (fill[0] - n_valid[0] + i) // p] = k_cache[h, fill[0] - n_valid[0] + i, c]
+                                if row % p == 0:  # the page's first row sets it
+                                    kmin[h, c, row // p] = k_cache[h, row, c]
+                                    kmax[h, c, row // p] = k_cache[h, row, c]
                                 else:
-                                    kmin[h, c, (fill[0] - n_valid[0] + i) // p] = T.min(
-                                        kmin[h, c, (fill[0] - n_valid[0] + i) // p], k_cache[h, fill[0] - n_valid[0] + i, c])
-                                    kmax[h, c, (fill[0] - n_valid[0] + i) // p] = T.max(
-                                        kmax[h, c, (fill[0] - n_valid[0] + i) // p], k_cache[h, fill[0] - n_valid[0] + i, c])
+                                    kmin[h, c, row // p] = T.min(kmin[h, c, row // p], k_cache[h, row, c])
+                                    kmax[h, c, row // p] = T.max(kmax[h, c, row // p], k_cache[h, row, c])
 
     return rocketkv_summaries
 
