@@ -44,9 +44,9 @@ HELP = {
     "question": "a question about the prompt (the document): each is answered from the document's state (repeatable)",
     "save_cache": "save the document's compressed cache to this file, to answer later questions (`edgekv ask`)",
     "load_cache": "answer --question from a saved document cache instead of reading a document",
-    "kv_dtype": "how the eager engine stores K and V: fp32, or int8 (8-bit codes with a float16 scale per 32 "
+    "kv_dtype": "how the cache stores K and V: fp32, or int8 (8-bit codes with a float16 scale per 32 "
                 "channels: a byte budget buys more entries, by the ratio of the two formats' row bytes); "
-                "default fp32",
+                "default fp32; an ARTIFACT stores what it was compiled with (`edgekv compile --kv-dtype`)",
 }
 
 
@@ -287,10 +287,6 @@ def parse_kv_dtype(kv_dtype: str | None, option: str = "--kv-dtype") -> str | No
         raise InputError(str(exc)) from None
 
 
-EAGER_ONLY_INT8 = ("the int8 KV cache (--kv-dtype int8) runs in the eager engine for now: compiled artifacts store "
-                   "K and V in fp32")
-
-
 def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load_cache, budget, block, policy,
                 policy_arg, max_new_tokens, temperature, top_p, seed, output, mem_limit, allow_beyond_context,
                 threads, runtime, kv_dtype=None) -> None:
@@ -338,11 +334,11 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
         from .policies import REGISTRY
         from .runtime import read_manifest
 
-        if kv_dtype == "int8":
-            raise InputError(f"--kv-dtype int8 with the compiled artifact {model}: {EAGER_ONLY_INT8}; run the model "
-                             "itself (`edgekv run MODEL --kv-dtype int8`), or drop --kv-dtype")
-
         manifest = read_manifest(model)
+        stored = manifest.get("kv_dtype", "fp32")  # an artifact's K/V format is compiled in, as N and B are
+        if kv_dtype is not None and kv_dtype != stored:
+            raise InputError(f"--kv-dtype {kv_dtype}: the artifact {model} stores its KV cache in {stored}; drop "
+                             f"--kv-dtype, or compile the model again with --kv-dtype {kv_dtype}")
         check_artifact_settings(model, manifest, policy=policy,
                                 policy_args=_artifact_policy_args(policy_arg, policy, model), budget=budget,
                                 block=block)
@@ -608,8 +604,9 @@ def compile_cmd(
     mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
     weights: Annotated[Optional[str], typer.Option(help="weight format: q4 (GGML Q4_1 linear layers, Q8_0 embedding), q8 (Q8_0), fp32; default: q4 for a 4-bit source such as SmolLM2's GGUF on the host CPU, else fp32")] = None,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache format of the artifact: fp32 (int8 runs in the eager engine "
-                                               "for now: `edgekv run MODEL --kv-dtype int8`)")] = "fp32",
+    kv_dtype: Annotated[str, typer.Option(help="KV cache format compiled into the artifact: fp32, or int8 (8-bit "
+                                               "codes with a float16 scale per 32 channels, so a byte --budget buys "
+                                               "more entries; CPU targets)")] = "fp32",
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -619,16 +616,14 @@ def compile_cmd(
     from .policies import make_policy
 
     try:
-        if parse_kv_dtype(kv_dtype) == "int8":
-            raise InputError(f"--kv-dtype int8: {EAGER_ONLY_INT8}; compile without --kv-dtype, or run the model in the "
-                             "eager engine with `edgekv run MODEL --kv-dtype int8`")
+        kv_dtype = parse_kv_dtype(kv_dtype)
         check_output_dir(output)
         check_block(block)
         pol = make_policy(policy, parse_policy_args(policy_arg, policy))
         limit = parse_mem_limit(mem_limit)
         say(f"loading {model or 'smollm2-135m'}")
         loaded = load_compile_input(model, tokenizer)
-        n = parse_budget(budget, loaded.config, block)
+        n = parse_budget(budget, loaded.config, block, kv_dtype=kv_dtype)
         check_static_cache(loaded.config, n, block)
         from .compiler import compile_model
 
@@ -644,7 +639,7 @@ def compile_cmd(
                         say(msg.replace(str(tmp), str(output)))
 
                 result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress,
-                                       weights=weights)
+                                       weights=weights, kv_dtype=kv_dtype)
             replace_dir(tmp, output)
         finally:
             if tmp.exists():
@@ -662,6 +657,7 @@ def compile_cmd(
         table.add_row("attention sites rewritten", str(manifest["num_layers"]))
         table.add_row("weights", weights_summary(manifest))
         plan = manifest["memory_plan"]
+        table.add_row("KV cache format", "int8 codes + float16 scales" if kv_dtype == "int8" else "fp32")
         table.add_row("plan: weights / KV cache / activations",
                       f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
                       f"{human_bytes(plan['activation_bytes'])}")

@@ -344,9 +344,3 @@ def test_bad_kv_dtype_is_refused_naming_the_choices(tiny_dir, tmp_path):
         assert result.exit_code == 2 and "--kv-dtype 'int4'" in text and "choose one of fp32, int8" in text, text
         assert "Traceback" not in text
 
-
-def test_compile_refuses_int8_kv(tiny_dir, tmp_path):
-    result = runner.invoke(app, ["compile", str(tiny_dir), "--kv-dtype", "int8", "-o", str(tmp_path / "a")])
-    text = " ".join((result.stdout + result.stderr).split())
-    assert result.exit_code == 2 and "runs in the eager engine for now" in text, text
-    assert not (tmp_path / "a").exists()

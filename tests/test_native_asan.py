@@ -48,8 +48,7 @@ def asan_run(tmp_path_factory):
     return build / "edgekv-run"
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
+def _toy_artifact(out: Path, kv_dtype: str = "fp32") -> Path:
     """A tiny model with a small trained byte-level BPE tokenizer and a chat template, so the
     tokenizer file is part of the artifact and of the fuzzing."""
     from test_native_tokenizer import _toy_tokenizer
@@ -58,11 +57,15 @@ def artifact(tmp_path_factory):
     model = tiny_random_model(seed=2, layers=2, vocab=len(tok))
     model.tokenizer = tok
     model.chat = True
-    out = tmp_path_factory.mktemp("asan-art") / "art"
     compile_model(model, make_policy("keydiff", {}), 24, 8, target={"kind": "llvm", "opt-level": 0, "num-cores": 2},
-                  out_dir=out)
+                  out_dir=out, kv_dtype=kv_dtype)
     assert (out / TOKENIZER_FILE).is_file()
     return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return _toy_artifact(tmp_path_factory.mktemp("asan-art") / "art")
 
 
 def run(exe, *args, timeout=60):
@@ -158,3 +161,24 @@ def test_document_snapshots_under_asan(asan_run, artifact, tmp_path):
             assert "error: " in res.stderr and len(res.stderr) < 2000, res.stderr
             refused += 1
     assert refused >= 0.9 * len(cases), refused  # the header and every tensor carry a CRC-32
+
+
+def test_int8_cache_run_and_snapshot_under_asan(asan_run, tmp_path):
+    """An artifact with an int8 KV cache (int8 codes, float16 scales as cache fields): a whole run,
+    a saved document and an answer from it, clean under the sanitizers and equal to the release build."""
+    art = _toy_artifact(tmp_path / "art", kv_dtype="int8")
+    snap, report = tmp_path / "doc.ekv", tmp_path / "r.json"
+    res = run(asan_run, art, "--prompt", PROMPT * 3, "--chat", "--question", "What sat?", "--max-new-tokens", 6,
+              "--save-cache", snap, "--report", report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    first = json.loads(report.read_text())["answers"][0]["generated_ids"]
+    res = run(asan_run, art, "--load-cache", snap, "--question", "What sat?", "--max-new-tokens", 6, "--report",
+              report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first
+    if native.cli_path() is not None:
+        plain = tmp_path / "plain.json"
+        ref = subprocess.run([str(native.cli_path()), str(art), "--load-cache", str(snap), "--question", "What sat?",
+                              "--max-new-tokens", "6", "--report", str(plain), "--quiet"], capture_output=True, text=True)
+        assert ref.returncode == 0, ref.stderr
+        assert json.loads(plain.read_text())["answers"][0]["generated_ids"] == first

@@ -21,7 +21,8 @@ layout (``engine`` = 1) and loads only its own. Layout, little-endian, version 1
       88  u32  CRC-32 of the artifact's program.ekv (0 for the eager engine)
       92  u32  CRC-32 of the policy's parameters (the string below)
       96  u32  CRC-32 of the question
-      100 u32  KV dtype: 0 float32
+      100 u32  KV dtype of a compiled artifact's cache: 0 float32, 1 int8 codes with float16 scales
+               (the eager engine writes 0 and records its format in its state)
       104 f64  (1.1) the document's prefill seconds when the snapshot was made (0 unknown)
       248 u32  CRC-32 of header_bytes bytes with this field zero
     tensor table at 256: n × 32 bytes: u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, u32 0
@@ -47,6 +48,7 @@ MAGIC = b"EKVSNAP\0"
 MAJOR, MINOR = 1, 1
 HEADER, ENTRY, ALIGN = 256, 32, 64
 ENGINE_EAGER, ENGINE_COMPILED = 1, 2
+KV_DTYPE_CODES = {"float32": 0, "int8": 1}  # header field 100 (the C runtime's names)
 
 
 class SnapshotError(ValueError):
@@ -74,6 +76,7 @@ class Snapshot:
     extra: str = ""             # eager: the engine's per-prompt state as JSON
     made_from: str = ""         # what to open to continue from it (`edgekv ask` opens it)
     document_seconds: float = 0.0  # the document's prefill time when it was made
+    kv_dtype: int = 0           # compiled: KV_DTYPE_CODES of the artifact's cache
     tensors: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (layer, field) → array (bytes)
 
     def info(self) -> dict:
@@ -103,7 +106,7 @@ def write(snap: Snapshot, path: str | os.PathLike) -> int:
                      int(bool(snap.question)) | (2 if snap.chat else 0))
     h[56:88] = bytes.fromhex(snap.weight_hash) if len(snap.weight_hash) == 64 else bytes(32)
     struct.pack_into("<IIIId", h, 88, snap.program_crc, zlib.crc32(snap.policy_params.encode()),
-                     zlib.crc32(snap.question.encode()), 0, float(snap.document_seconds))
+                     zlib.crc32(snap.question.encode()), snap.kv_dtype, float(snap.document_seconds))
     h[HEADER: HEADER + ENTRY * len(keys)] = b"".join(table)
     h[HEADER + ENTRY * len(keys): HEADER + ENTRY * len(keys) + len(strings)] = strings
     struct.pack_into("<I", h, 248, zlib.crc32(bytes(h)))
@@ -159,7 +162,8 @@ def _parse_header(mm, path: Path) -> tuple[Snapshot, bytearray, int]:
     snap = Snapshot(engine=engine, position=position, tokens=tokens, budget=budget, block=block,
                     weight_hash=bytes(h[56:88]).hex(), policy=policy, policy_params=params, question=question,
                     chat=bool(flags & 2), program_crc=struct.unpack_from("<I", h, 88)[0], extra=extra,
-                    made_from=made_from, document_seconds=seconds if 0 <= seconds < 1e9 else 0.0)
+                    made_from=made_from, document_seconds=seconds if 0 <= seconds < 1e9 else 0.0,
+                    kv_dtype=struct.unpack_from("<I", h, 100)[0])
     return snap, h, n
 
 
@@ -186,7 +190,7 @@ def read(path: str | os.PathLike) -> Snapshot:
 
 
 def check_matches(snap: Snapshot, path, *, engine: int, weight_hash: str, policy: str, policy_params: str,
-                  budget: int, block: int, program_crc: int = 0) -> None:
+                  budget: int, block: int, program_crc: int = 0, kv_dtype: int = 0) -> None:
     """Refuse a snapshot made for other weights, another engine/artifact, policy, N or B."""
     if snap.engine != engine:
         made = "the eager engine" if snap.engine == ENGINE_EAGER else "a compiled artifact"
@@ -200,5 +204,12 @@ def check_matches(snap: Snapshot, path, *, engine: int, weight_hash: str, policy
     if (snap.budget, snap.block) != (budget, block):
         raise SnapshotError(f"{path} was made at N = {snap.budget}, B = {snap.block}; this run has N = {budget}, "
                             f"B = {block}")
+    if engine == ENGINE_COMPILED and snap.kv_dtype != kv_dtype:
+        raise SnapshotError(f"{path}: its KV cache is stored as {_kv_name(snap.kv_dtype)}, this artifact stores "
+                            f"{_kv_name(kv_dtype)}; make it again with this artifact")
     if engine == ENGINE_COMPILED and snap.program_crc != program_crc:
         raise SnapshotError(f"{path} was made with another artifact (its program differs); make it again")
+
+
+def _kv_name(code: int) -> str:
+    return {v: k for k, v in KV_DTYPE_CODES.items()}.get(code, "an unknown format")

@@ -41,6 +41,8 @@ from .attention_sites import AttentionMatchError, AttentionSite, find_attention_
 from ..policies import REGISTRY
 from .kernels import build_attention, build_observe, build_score, build_select, kernel_spec, policy_tag, site_params
 from .pseudo_rows import attention_kernel_key, step_extra_rows
+from . import int8_cache
+from ..memory import check_kv_dtype, int8_scale_groups
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
 STATE_FIELD = "state"
@@ -62,6 +64,9 @@ class BlockCacheSpec:
     # Threads of the CPU target (its ``num-cores``): the attention kernel's row tiles are sized
     # so that its parallel tasks split evenly over them. GPU targets replace that kernel.
     cores: int = 1
+    # How the caches store K and V (``memory.KV_DTYPES``): fp32, or int8 codes with float16
+    # scales (``int8_cache.py``: the site's kernels then read a dequantised view)
+    kv_dtype: str = "fp32"
 
 
 def substitute(expr, vmap: dict):
@@ -79,19 +84,29 @@ def substitute(expr, vmap: dict):
 
 
 def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32",
-                 policy_params: dict | None = None):
+                 policy_params: dict | None = None, kv_dtype: str = "fp32"):
     """One layer's cache tensors in argument order: [(field, shape, dtype)] — k, v, pos, fill, then
     the policy's state: for ``Policy.entry_state`` one ``state [S, H, N] float32``, then the
     policy's own per-layer ``compiled_state`` (``(name, "entry" | length | shape_fn, dtype)``
     triples, an "entry" tensor being [H, N], ``shape_fn(H, N, d, kernel_params)`` a shape that
     depends on the policy's settings; D2O: layer budget [2], τ [2]; RocketKV: page summaries
     [H, d, pages]). The pass, the manifest, the memory plan and the runtimes all read this one
-    layout; ``policy_params`` are the policy's ``kernel_params(budget)``."""
+    layout; ``policy_params`` are the policy's ``kernel_params(budget)``. ``kv_dtype`` "int8": k and
+    v hold int8 codes, and their float16 scales [H, N, ⌈d/32⌉] come last (``int8_cache.py``)."""
     H, N, D = num_kv_heads, budget, head_dim
-    fields = [("k", (H, N, D), dtype), ("v", (H, N, D), dtype), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
+    kv = "int8" if check_kv_dtype(kv_dtype, "kv_dtype") == "int8" else dtype
+    fields = [("k", (H, N, D), kv), ("v", (H, N, D), kv), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
     cls = REGISTRY.get(policy)
-    if cls is None:
-        return fields
+    if cls is not None:
+        fields += _policy_fields(cls, policy, H, N, D, policy_params)
+    if kv_dtype == "int8":
+        fields += [(name, (H, N, int8_scale_groups(D)), "float16") for name in int8_cache.SCALE_FIELDS]
+    return fields
+
+
+def _policy_fields(cls, policy: str, H: int, N: int, D: int, policy_params: dict | None):
+    """The policy's own cache tensors of ``cache_layout``: the entry state, then ``compiled_state``."""
+    fields = []
     S = kernel_spec(policy).num_state
     if S:
         fields.append((STATE_FIELD, (S, H, N), "float32"))
@@ -153,8 +168,10 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     decode_attention = REGISTRY[spec.policy].emit_decode_attention if fixed_n_valid is not None else None
     after_select = REGISTRY[spec.policy].emit_after_select
     extra_outputs = []
+    int8 = spec.kv_dtype == "int8"
     for s in sites:
-        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype, spec.policy_params)
+        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype, spec.policy_params,
+                              spec.kv_dtype)
         cache_vars.append([relax.Var(f"{f}_cache_{s.index}", relax.TensorType(shape, dt)) for f, shape, dt in layout])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
@@ -187,11 +204,16 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                     vmap[var] = bb.emit(substitute(value, vmap), var.name)
                     continue
                 H, Hq, D, N = site.num_kv_heads, site.num_q_heads, site.head_dim, spec.budget
-                kc, vc, pc, fc = cache_vars[site.index][:4]
-                st = cache_vars[site.index][4] if S else None
                 q, kb, vb = vmap.get(site.q, site.q), vmap.get(site.k, site.k), vmap.get(site.v, site.v)
+                # the layer's tensors as the step's kernels read them: as stored, or (int8) an fp32
+                # view with K/V dequantised and the block's K/V as the cache will hold them
+                stored = cache_vars[site.index]
+                caches, kb, vb, pos_before = (int8_cache.read(bb, kernel, site, stored, kb, vb) if int8
+                                              else (stored, kb, vb, None))
+                kc, vc, pc, fc = caches[:4]
+                st = caches[4] if S else None
                 if decode_attention is not None:
-                    out = decode_attention(bb, kernel, site, spec, cache_vars[site.index], q, kb, vb)
+                    out = decode_attention(bb, kernel, site, spec, caches, q, kb, vb)
                 else:
                     attn_gv = kernel(attention_kernel_key(Hq, H, D, W),
                                      lambda: build_attention(Hq, H, N, T, D, site.sm_scale, spec.dtype, W, spec.cores))
@@ -203,9 +225,8 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 # the policy's extra inputs (Policy.kernel_inputs), in its declared order
                 inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
                 if site_eviction is not None:  # a policy that wires its own kernels (D2O)
-                    new, extra = site_eviction(bb, kernel, site, spec, T, cache_vars[site.index], inputs,
-                                               kb, vb, pos32, nv)
-                    new_caches.append(new)
+                    new, extra = site_eviction(bb, kernel, site, spec, T, caches, inputs, kb, vb, pos32, nv)
+                    new_caches.append(int8_cache.write(bb, kernel, site, new, stored, pos_before) if int8 else new)
                     extra_outputs.extend(extra)
                     continue
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
@@ -239,10 +260,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                         for i, f in enumerate(fields[:len(inplace)])]
                 # the policy's own per-layer tensors (``compiled_state``), brought in step with the
                 # compacted cache by its hook (RocketKV's page summaries), else passed through
-                own = cache_vars[site.index][len(inplace):]
+                own = caches[len(inplace):]
                 if after_select is not None:
                     own = after_select(bb, kernel, site, spec, T, kept, own, nv)
-                new_caches.append(kept + list(own))
+                new = kept + list(own)
+                new_caches.append(int8_cache.write(bb, kernel, site, new, stored, pos_before) if int8 else new)
             ret = vmap[func.body.body] if isinstance(func.body.body, relax.Var) else substitute(func.body.body, vmap)
             rshape = shape_of(ret)
             if rshape is None or len(rshape) != 3 or rshape[:2] != (1, T):

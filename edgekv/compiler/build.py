@@ -100,10 +100,11 @@ def entry_state_names(lowered) -> list[str]:
     return [str(n) for n in names] if names else []
 
 
-def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict | None = None) -> dict[str, int]:
+def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict | None = None,
+                kv_dtype: str = "fp32") -> dict[str, int]:
     """Static plan in bytes: weights as stored (each array padded to the params file's 64-byte
-    alignment: the bytes a runtime maps) and caches exactly (K, V, positions, fill and the policy's
-    state, ``block_cache.cache_layout``); activations as the peak of live
+    alignment: the bytes a runtime maps) and caches exactly (K, V — int8: codes and scales —, positions,
+    fill and the policy's state, ``block_cache.cache_layout``); activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
     of what TVM's static block-memory planner allocates, which reuses storage)."""
     from .attention_sites import _arg_vars, op_name, shape_of
@@ -113,7 +114,8 @@ def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict 
 
     weights = sum(stored_bytes(int(a.nbytes)) for _, a in lowered.params)  # what a runtime maps
     cache = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for s in lowered.sites
-                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy, "float32", policy_params))
+                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy, "float32", policy_params,
+                                                 kv_dtype))
     func = lowered.mod["prefill_block"]
     params = set(func.params)
     size: dict = {}
@@ -178,14 +180,15 @@ def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
 
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
-                  progress=None, imported=None, weights: str | None = None) -> BuildResult:
+                  progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32") -> BuildResult:
     """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
     from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N
     and block B for ``target``; write the artifact to ``out_dir`` when given.
 
     ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
     several policies can be compiled from one export. ``weights``: q4 | q8 | fp32
-    (``resolve_weights``; None: the model's default)."""
+    (``resolve_weights``; None: the model's default). ``kv_dtype``: how the caches store K and V,
+    fp32 or int8 (``memory.KV_DTYPES``; int8: CPU targets)."""
     import tvm
 
     if budget <= 0 or block <= 0:
@@ -203,15 +206,17 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         from .targets import build_for_target
 
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
-                                out_dir, imported=imported, progress=progress, mem_limit=mem_limit, weights=weights)
+                                out_dir, imported=imported, progress=progress, mem_limit=mem_limit, weights=weights,
+                                kv_dtype=kv_dtype)
     from .targets import lower_for_target
 
     say = progress or (lambda msg: None)
     say("exporting and lowering")
-    lowered, spec = lower_for_target(model, policy, budget, block, imported, cores=int(tgt.get("num-cores", 1)))
+    lowered, spec = lower_for_target(model, policy, budget, block, imported, cores=int(tgt.get("num-cores", 1)),
+                                     kv_dtype=kv_dtype)
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, spec.cores, "host")
-    plan = memory_plan(lowered, budget, policy.name, spec.policy_params)
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
                            f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
@@ -279,7 +284,8 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
 
     cfg = model.config
     state = entry_state_names(lowered)
-    fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params)]
+    kv_dtype = getattr(spec, "kv_dtype", "fp32")
+    fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params, kv_dtype)]
     rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo rows last (DapQ)
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
@@ -298,12 +304,14 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
                          "positions": str(getattr(policy, "positions", "final"))}
                         if getattr(spec, "extra_rows", 0) else None),
         "dtype": "float32",
+        # how the caches store K and V: fp32, or int8 codes with float16 scales (k_scale, v_scale)
+        "kv_dtype": kv_dtype,
         "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
         "num_layers": len(lowered.sites),
         "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
                              "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
         "cache": [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name,
-                                                                  "float32", spec.policy_params)}
+                                                                  "float32", spec.policy_params, kv_dtype)}
                   for s in lowered.sites],
         "cache_fields": [[f, dt] for f, dt in fields],
         # names of the policy's per-entry state: rows of the "state" [S, H, N] cache tensor

@@ -36,8 +36,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..memory import check_kv_dtype
 from .build import (MANIFEST, BuildResult, CompileError, build_manifest, memory_plan, policy_kernel_params,
                     resolve_target, sha256_file, write_artifact)
+
 
 class ToolchainNeededWarning(UserWarning):
     """The artifact is written, but a toolchain that is not here must link it for the device."""
@@ -73,20 +75,27 @@ def _tvm_target(tgt: dict, host: dict | None):
     return tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
 
 
-def check_policy_builds_for(policy: Any, tgt: dict) -> None:
-    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2)."""
+def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32") -> None:
+    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2)
+    or of an int8 KV cache (its kernels are CPU loops)."""
     from ..policies.base import gpu_policy_names
     from .gpu_schedule import is_gpu_target
 
+    if is_gpu_target(tgt) and kv_dtype != "fp32":
+        raise CompileError(f"--kv-dtype {kv_dtype} has no GPU kernels yet, so it cannot be compiled for "
+                           f"{tgt.get('kind')}; compile the int8 cache for a CPU target (host, aarch64-linux, "
+                           "android-cpu), or compile for the GPU with --kv-dtype fp32")
     if is_gpu_target(tgt) and policy.name not in gpu_policy_names():
         raise CompileError(f"policy '{policy.name}' has no GPU kernels yet, so it cannot be compiled for "
                            f"{tgt.get('kind')}; compile it for a CPU target (host, aarch64-linux, android-cpu), "
                            f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
 
 
-def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None, cores: int = 1):
+def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None, cores: int = 1,
+                     kv_dtype: str = "fp32"):
     """Export + edgekv passes (the target-independent part); returns (Lowered, spec). ``cores``: the
-    CPU target's threads (the attention kernel's row tiles); GPU targets replace that kernel."""
+    CPU target's threads (the attention kernel's row tiles); GPU targets replace that kernel.
+    ``kv_dtype``: how the caches store K and V (``memory.KV_DTYPES``)."""
     from .block_cache import BlockCacheSpec
     from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
     from .pseudo_rows import extra_rows
@@ -96,7 +105,7 @@ def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
-                          extra_rows=extra_rows(policy), cores=int(cores))
+                          extra_rows=extra_rows(policy), cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
     mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
     check_imported_rows(mod, block, spec.extra_rows)
     timings = dict(timings)
@@ -195,7 +204,7 @@ def elf_machine(obj: bytes) -> int | None:
 
 def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "cuda",
                      out_dir: str | Path | None = None, *, imported=None, progress=None,
-                     mem_limit: int | None = None, weights: str | None = None) -> BuildResult:
+                     mem_limit: int | None = None, weights: str | None = None, kv_dtype: str = "fp32") -> BuildResult:
     """Compile for a device target and (with ``out_dir``) write the complete artifact.
 
     The manifest's ``device`` section says where each function runs, the generated code sizes
@@ -204,15 +213,15 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     not part of this build must link it (named in ``toolchain.tool`` / ``toolchain.finish``)."""
     say = progress or (lambda msg: None)
     profile, tgt, host = device_target(target)
-    check_policy_builds_for(policy, tgt)
+    check_policy_builds_for(policy, tgt, kv_dtype)
     say("exporting and lowering")
-    lowered, spec = lower_for_target(model, policy, budget, block, imported)
+    lowered, spec = lower_for_target(model, policy, budget, block, imported, kv_dtype=kv_dtype)
     from .build import lay_out_weights, resolve_weights, weight_layout
 
     layout = weight_layout(profile, tgt)
     weights = resolve_weights(model, weights, layout)
     weight_info = lay_out_weights(lowered, model, weights, int(tgt.get("num-cores", 1)), layout)
-    plan = memory_plan(lowered, budget, policy.name, spec.policy_params)
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
     if mem_limit is not None and plan["total_bytes"] > mem_limit:
         raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes, above the limit {mem_limit}; "
                            "lower --budget or --block")

@@ -1169,11 +1169,12 @@ def emit_d2o_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, bud
                       "d2o_budgets")
     set_gv = kernel(f"d2o_set_layer_l{L}", lambda: build_d2o_set_layer_kernel(L))
     out = []
-    for layer, (kc, vc, pc, fc, acc, layer_budget, tau) in enumerate(caches):
+    # ``stored``: what the layout has after D2O's own tensors (an int8 cache's scales), passed through
+    for layer, (kc, vc, pc, fc, acc, layer_budget, tau, *stored) in enumerate(caches):
         args = [budgets, relax.const(np.array([layer], dtype="int32")), layer_budget, tau, fc]
         upd = bb.emit(relax.call_tir_inplace(set_gv, args, [2, 3, 4], [a.ty for a in args[2:]]), f"d2o_set_{layer}")
         lb, ta, fi = (bb.emit(relax.TupleGetItem(upd, i)) for i in range(3))
-        out.append([kc, vc, pc, fi, acc, lb, ta])
+        out.append([kc, vc, pc, fi, acc, lb, ta, *stored])
     return out
 
 

@@ -90,6 +90,10 @@ static ekv_status read_program(ekv_model *m, const char *dir) {
   m->f_prepare = ekv_program_function(&m->prog, "prepare");
   m->fill_field = ekv_program_field_role(&m->prog, EKV_ROLE_FILL);
   m->pos_field = ekv_program_field_role(&m->prog, EKV_ROLE_POSITIONS);
+  int k_field = ekv_program_field_role(&m->prog, EKV_ROLE_K);
+  const ekv_buffer_desc *k0 = k_field >= 0 && m->prog.num_layers > 0
+                                  ? &m->prog.buffers[m->prog.cache_buffer[(uint32_t)k_field]] : NULL;
+  m->kv_dtype = k0 != NULL && k0->code == EKV_DT_INT && k0->bits == 8 ? 1u : 0u;
   return EKV_OK;
 }
 

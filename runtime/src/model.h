@@ -25,6 +25,7 @@ struct ekv_model {
   void **uploaded; /* per buffer: the device's copy of a weight or constant (the host memory on the CPU) */
   int f_prefill, f_decode, f_prepare;
   int fill_field, pos_field;
+  uint32_t kv_dtype; /* how the caches store K and V, as snapshots record it: 0 float32, 1 int8 codes + float16 scales */
   uint64_t cache_bytes, input_bytes, plan_bytes;
   uint32_t program_crc; /* CRC-32 of program.ekv: the artifact a snapshot was made with */
   char *dir;            /* the artifact directory, absolute: recorded in snapshots */

@@ -5,7 +5,8 @@
  *     u32 strings_bytes, u64 position, u64 tokens, u32 budget, u32 block, u32 engine (2 =
  *     compiled artifact), u32 flags (bit 0: made with a question; bit 1: the document was read
  *     with the chat template), 32 bytes weight sha256,
- *     u32 program crc32, u32 params crc32, u32 question crc32, u32 kv dtype (0 = float32),
+ *     u32 program crc32, u32 params crc32, u32 question crc32, u32 kv dtype (0 float32, 1 int8 codes with
+ *     float16 scales),
  *     (1.1) f64 the document's prefill seconds at 104, reserved,
  *     u32 header crc32 at 248 (of the header, table and strings with itself zero)
  *   tensor table at 256: n × 32 bytes {u32 layer, u32 field, u64 offset, u64 bytes, u32 crc32, 0}
@@ -51,6 +52,8 @@ static int hex_to_bytes(const char *hex, unsigned char out[32]) {
 }
 
 static uint32_t str_crc(const char *s) { return ekv_crc32(0, s, strlen(s)); }
+
+static const char *kv_dtype_name(uint32_t code) { return code == 0 ? "float32" : code == 1 ? "int8" : "an unknown format"; }
 
 /* The k-th NUL-terminated string of a strings section whose last byte is NUL (NULL when absent). */
 static const char *nth_string(const char *str, size_t bytes, int k) {
@@ -147,7 +150,7 @@ static ekv_status write_snapshot(ekv_session *s, const char *path, const char *q
   put32(h + 88, m->program_crc);
   put32(h + 92, str_crc(params));
   put32(h + 96, str_crc(question));
-  put32(h + 100, 0); /* float32 KV */
+  put32(h + 100, m->kv_dtype);
   uint64_t seconds_bits;
   memcpy(&seconds_bits, &s->stats.prefill_seconds, sizeof seconds_bits);
   put64(h + 104, seconds_bits);
@@ -260,7 +263,11 @@ ekv_status ekv_session_load(ekv_session *s, const char *path) {
              ekv_le32(d + 44), p->budget, p->block);
     return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
   }
-  if (ekv_le32(d + 100) != 0) return refuse(s, &f, EKV_ERR_MISMATCH, path, "its KV cache is not float32");
+  if (ekv_le32(d + 100) != m->kv_dtype) {
+    snprintf(why, sizeof why, "its KV cache is stored as %s, this artifact stores %s; make it again with this artifact",
+             kv_dtype_name(ekv_le32(d + 100)), kv_dtype_name(m->kv_dtype));
+    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
+  }
   if (ekv_le32(d + 88) != m->program_crc)
     return refuse(s, &f, EKV_ERR_MISMATCH, path, "made with another artifact (its program differs); make it again");
   size_t slots = (size_t)p->num_layers * p->n_fields;

@@ -1,0 +1,203 @@
+"""The int8 KV cache compiled (issue 17): fp32 against int8 artifacts of one model, in the native runtime.
+
+Artifacts of SmolLM2-135M-Instruct (keydiff, B = 128, the default q4 weights; only the KV format and
+N differ):
+
+- same N (``--budget``, default 2,048), fp32 and int8: what the format costs and saves at one N —
+  the static plan (KV bytes, arena), prefill and decode tok/s and the process's peak RSS from
+  ``edgekv-run --report`` (one process per run, ``--repeats`` runs, the median), on the same
+  ``--length``-token natural-text prompt; how many greedy tokens the two share; and how far the
+  compiled int8 artifact's last prompt logits are from the eager int8 engine's (``BlockEngine(...,
+  kv_dtype="int8")``, the oracle) and from the fp32 artifact's (KL, nats).
+- equal bytes (``--bytes-budget``, default fp32 N = 512's KV bytes): fp32 at N = 512 against int8 at
+  the N those bytes buy (``budget.parse_budget``), each compiled; ``edgekv eval``'s passkey prompts
+  (``--passkey-lengths`` × depths × seeds) answered greedily through the native runtime, exact match.
+
+Writes ``docs/results/kv_int8_compiled.{json,md}``.
+
+    python tools/bench_kv_int8_compiled.py [--build build/kv_int8] [--rebuild]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+POLICY = "keydiff"
+
+
+def build(model, kv_dtype: str, budget: int, block: int, out: Path, rebuild: bool) -> Path:
+    """The artifact at ``out``: compiled anew with ``rebuild``, else reused while its manifest matches."""
+    from edgekv.compiler import compile_model
+    from edgekv.policies import make_policy
+
+    manifest = out / "manifest.json"
+    if manifest.exists() and not rebuild:
+        m = json.loads(manifest.read_text())
+        if (m["policy"]["name"], m["budget"], m["block"], m.get("kv_dtype", "fp32"), m["model"]["weight_hash"]) == (
+                POLICY, budget, block, kv_dtype, model.weight_hash):
+            return out
+    compile_model(model, make_policy(POLICY), budget, block, out_dir=out, kv_dtype=kv_dtype)
+    return out
+
+
+def timed_run(art: Path, ids: list[int], decode: int) -> dict:
+    """One ``edgekv-run`` process over the prompt ids: its report (tok/s, peak RSS, plan)."""
+    from edgekv.runtime import native
+
+    with tempfile.TemporaryDirectory() as d:
+        ids_file, report = Path(d) / "ids.txt", Path(d) / "r.json"
+        ids_file.write_text(",".join(map(str, ids)))
+        res = subprocess.run([str(native.cli_path()), str(art), "--prompt-ids", f"@{ids_file}", "--max-new-tokens",
+                              str(decode), "--ignore-eos", "--warmup", "--report", str(report), "--quiet"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"edgekv-run {art}: {res.stderr[-2000:]}")
+        return json.loads(report.read_text())
+
+
+def kl(p_logits, q_logits) -> float:
+    """KL(p ‖ q) of two logit vectors, in nats."""
+    import torch
+
+    p = torch.log_softmax(torch.as_tensor(p_logits, dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.as_tensor(q_logits, dtype=torch.float64), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--bytes-of-fp32-budget", type=int, default=512,
+                    help="the equal-bytes pair: fp32 at this N, int8 at the N its KV bytes buy")
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--passkey-lengths", default="4096,7168")
+    ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--build", type=Path, default=REPO / "build" / "kv_int8")
+    ap.add_argument("--rebuild", action="store_true", help="compile the artifacts again even if they exist")
+    ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
+    args = ap.parse_args(argv)
+    import torch
+    from rich.progress import track
+
+    from edgekv.budget import parse_budget
+    from edgekv.engine import BlockEngine
+    from edgekv.evaluation.report import meta
+    from edgekv.evaluation.tasks import build_passkey, extract_key, natural_text
+    from edgekv.memory import kv_cache_bytes
+    from edgekv.models import load_model
+    from edgekv.policies import make_policy
+    from edgekv.runtime import native
+
+    model = load_model("smollm2-135m")
+    cfg = model.config
+    fp32_bytes = kv_cache_bytes(cfg, args.bytes_of_fp32_budget)
+    equal_n = parse_budget(str(fp32_bytes), cfg, args.block, kv_dtype="int8")
+    plan = {("fp32", args.budget), ("int8", args.budget), ("fp32", args.bytes_of_fp32_budget), ("int8", equal_n)}
+    arts = {key: build(model, key[0], key[1], args.block, args.build / f"{key[0]}-n{key[1]}", args.rebuild)
+            for key in track(sorted(plan), description="compiling")}
+
+    tok = model.tokenizer
+    ids = tok(" ".join(natural_text(seed=0, min_words=12000)))["input_ids"][: args.length]
+    speed = []
+    for (kv, n), art in sorted(arts.items(), key=lambda kv_n: (kv_n[0][1], kv_n[0][0])):
+        runs = [timed_run(art, ids, args.decode) for _ in range(args.repeats)]
+        manifest = json.loads((art / "manifest.json").read_text())
+        speed.append({"kv_dtype": kv, "budget": n, "prompt_tokens": len(ids), "decode_tokens": args.decode,
+                      "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+                      "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                      "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
+                      "plan": manifest["memory_plan"], "generated_ids": runs[0]["generated_ids"],
+                      "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes")} for r in runs]})
+
+    # same N: the compiled int8 cache against the eager int8 engine and the fp32 artifact
+    prompt = torch.tensor(ids)
+    last = {kv: native.NativeRuntime(arts[(kv, args.budget)]).prefill(ids) for kv in ("fp32", "int8")}
+    eager = BlockEngine(model, make_policy(POLICY), args.budget, args.block, kv_dtype="int8").prefill(prompt).numpy()
+    same = {r["kv_dtype"]: r["generated_ids"] for r in speed if r["budget"] == args.budget}
+    agreement = {"kl_compiled_int8_vs_eager_int8": kl(eager, last["int8"]),
+                 "argmax_equal_eager": int(eager.argmax()) == int(last["int8"].argmax()),
+                 "kl_int8_vs_fp32_compiled": kl(last["fp32"], last["int8"]),
+                 "same_greedy_tokens": sum(a == b for a, b in zip(same["fp32"], same["int8"])),
+                 "decode_tokens": args.decode}
+
+    eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
+    prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.passkey_lengths.split(",")
+               for d in args.depths.split(",") for s in args.seeds.split(",")]
+    pair = {"fp32": arts[("fp32", args.bytes_of_fp32_budget)], "int8": arts[("int8", equal_n)]}
+    runtimes = {kv: native.NativeRuntime(art) for kv, art in pair.items()}
+    passkey = []
+    for p in track(prompts, description="passkey prompts"):
+        row = {"id": p.id, "length": p.length_target, "tokens": int(p.ids.numel()), "depth": p.depth, "answer": p.answer}
+        for kv, rt in runtimes.items():
+            rt.reset()
+            out = []
+            for t in rt.generate(p.ids.tolist(), 10, eos_ids=tuple(eos)):
+                if int(t) in eos:
+                    break
+                out.append(int(t))
+            said = tok.decode(out)
+            row[kv] = {"text": said, "correct": extract_key(said) == p.answer}
+        passkey.append(row)
+
+    data = {**meta(model, [sys.executable, *sys.argv]), "policy": POLICY, "block": args.block,
+            "weights": json.loads(arts[("int8", args.budget)].joinpath("manifest.json").read_text())["weights"]["format"],
+            "same_n": args.budget, "equal_bytes": {"bytes": fp32_bytes, "fp32_budget": args.bytes_of_fp32_budget,
+                                                   "int8_budget": equal_n},
+            "speed": speed, "agreement": agreement, "passkey": passkey}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kv_int8_compiled.json").write_text(json.dumps(data, indent=1))
+    (args.out / "kv_int8_compiled.md").write_text(markdown(data))
+    print(markdown(data))
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def markdown(data: dict) -> str:
+    eq = data["equal_bytes"]
+    ag = data["agreement"]
+    lines = ["# The int8 KV cache, compiled (native runtime)\n",
+             f"SmolLM2-135M-Instruct, {data['policy']}, B = {data['block']}, {data['weights']} weights. "
+             f"Commit `{data['commit']}`, command `{data['command']}`.\n",
+             "| KV format | N | KV cache (plan) MiB | arena MiB | peak RSS MiB | prefill tok/s | decode tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in data["speed"]:
+        lines.append(f"| {r['kv_dtype']} | {r['budget']:,} | {_mib(r['plan']['cache_bytes'])} | "
+                     f"{_mib(r['plan']['arena_bytes'])} | {_mib(r['peak_rss_bytes'])} | {r['prefill_tok_s']:.0f} | "
+                     f"{r['decode_tok_s']:.1f} |")
+    first = data["speed"][0]
+    lines.append(f"\nOne {first['prompt_tokens']:,}-token natural-text prompt, then {first['decode_tokens']} greedy "
+                 "tokens; each row the median of its `edgekv-run --report` processes (one process per run, so the "
+                 "peak RSS is one artifact's). The arena holds one layer's dequantised K/V while its step runs "
+                 "(`compiler/int8_cache.py`).\n")
+    lines.append(f"At N = {data['same_n']:,}: the compiled int8 artifact's last prompt logits are KL "
+                 f"{ag['kl_compiled_int8_vs_eager_int8']:.2e} nats from the eager int8 engine's (argmax "
+                 f"{'equal' if ag['argmax_equal_eager'] else 'different'}) and KL {ag['kl_int8_vs_fp32_compiled']:.2e} "
+                 f"from the fp32 artifact's; {ag['same_greedy_tokens']}/{ag['decode_tokens']} greedy tokens are "
+                 "the same in both formats.\n")
+    lines.append(f"Passkey at equal KV bytes ({_mib(eq['bytes'])} MiB: fp32 N = {eq['fp32_budget']:,}, int8 N = "
+                 f"{eq['int8_budget']:,}), greedy, exact key:\n")
+    lines.append("| prompt tokens | fp32 | int8 |")
+    lines.append("|---:|---:|---:|")
+    for length in sorted({p["length"] for p in data["passkey"]}):
+        rows = [p for p in data["passkey"] if p["length"] == length]
+        lines.append(f"| {length} | " + " | ".join(f"{sum(p[kv]['correct'] for p in rows)}/{len(rows)}"
+                                                   for kv in ("fp32", "int8")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
