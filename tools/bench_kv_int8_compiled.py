@@ -9,8 +9,8 @@ N differ):
   ``--length``-token natural-text prompt; how many greedy tokens the two share; and how far the
   compiled int8 artifact's last prompt logits are from the eager int8 engine's (``BlockEngine(...,
   kv_dtype="int8")``, the oracle) and from the fp32 artifact's (KL, nats).
-- equal bytes (``--bytes-budget``, default fp32 N = 512's KV bytes): fp32 at N = 512 against int8 at
-  the N those bytes buy (``budget.parse_budget``), each compiled; ``edgekv eval``'s passkey prompts
+- equal bytes (``--bytes-of-fp32-budget``, default 512): fp32 at N = 512 against int8 at the N whose
+  K/V/positions take the same bytes (``memory.kv_bytes_per_token``), each compiled; ``edgekv eval``'s passkey prompts
   (``--passkey-lengths`` × depths × seeds) answered greedily through the native runtime, exact match.
 
 Writes ``docs/results/kv_int8_compiled.{json,md}``.
@@ -30,22 +30,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = "keydiff"
-
-
-def build(model, kv_dtype: str, budget: int, block: int, out: Path, rebuild: bool) -> Path:
-    """The artifact at ``out``: compiled anew with ``rebuild``, else reused while its manifest matches."""
-    from edgekv.compiler import compile_model
-    from edgekv.policies import make_policy
-
-    manifest = out / "manifest.json"
-    if manifest.exists() and not rebuild:
-        m = json.loads(manifest.read_text())
-        if (m["policy"]["name"], m["budget"], m["block"], m.get("kv_dtype", "fp32"), m["model"]["weight_hash"]) == (
-                POLICY, budget, block, kv_dtype, model.weight_hash):
-            return out
-    compile_model(model, make_policy(POLICY), budget, block, out_dir=out, kv_dtype=kv_dtype)
-    return out
-
 
 def timed_run(art: Path, ids: list[int], decode: int) -> dict:
     """One ``edgekv-run`` process over the prompt ids: its report (tok/s, peak RSS, plan)."""
@@ -90,21 +74,23 @@ def main(argv=None) -> int:
     import torch
     from rich.progress import track
 
-    from edgekv.budget import parse_budget
     from edgekv.engine import BlockEngine
     from edgekv.evaluation.report import meta
-    from edgekv.evaluation.tasks import build_passkey, extract_key, natural_text
-    from edgekv.memory import kv_cache_bytes
+    from edgekv.compiler.build import compile_or_reuse
+    from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
+    from edgekv.memory import kv_bytes_per_token
     from edgekv.models import load_model
     from edgekv.policies import make_policy
     from edgekv.runtime import native
 
     model = load_model("smollm2-135m")
     cfg = model.config
-    fp32_bytes = kv_cache_bytes(cfg, args.bytes_of_fp32_budget)
-    equal_n = parse_budget(str(fp32_bytes), cfg, args.block, kv_dtype="int8")
+    # a compiled cache holds N rows per layer and KV head: equal bytes is N · bytes per token equal
+    fp32_bytes = args.bytes_of_fp32_budget * kv_bytes_per_token(cfg, "fp32")
+    equal_n = fp32_bytes // kv_bytes_per_token(cfg, "int8")
     plan = {("fp32", args.budget), ("int8", args.budget), ("fp32", args.bytes_of_fp32_budget), ("int8", equal_n)}
-    arts = {key: build(model, key[0], key[1], args.block, args.build / f"{key[0]}-n{key[1]}", args.rebuild)
+    arts = {key: compile_or_reuse(model, make_policy(POLICY), key[1], args.block, args.build / f"{key[0]}-n{key[1]}",
+                                  rebuild=args.rebuild, kv_dtype=key[0])
             for key in track(sorted(plan), description="compiling")}
 
     tok = model.tokenizer
@@ -116,39 +102,33 @@ def main(argv=None) -> int:
         speed.append({"kv_dtype": kv, "budget": n, "prompt_tokens": len(ids), "decode_tokens": args.decode,
                       "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
                       "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-                      "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in runs),
+                      "peak_rss_bytes": statistics.median(r["memory"]["peak_rss_bytes"] for r in runs),
+                      "runtime_alloc_peak_bytes": runs[0]["memory"]["runtime_alloc_peak_bytes"],
                       "plan": manifest["memory_plan"], "generated_ids": runs[0]["generated_ids"],
-                      "runs": [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes")} for r in runs]})
+                      "runs": [{"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"],
+                                "peak_rss_bytes": r["memory"]["peak_rss_bytes"]} for r in runs]})
 
     # same N: the compiled int8 cache against the eager int8 engine and the fp32 artifact
     prompt = torch.tensor(ids)
     last = {kv: native.NativeRuntime(arts[(kv, args.budget)]).prefill(ids) for kv in ("fp32", "int8")}
-    eager = BlockEngine(model, make_policy(POLICY), args.budget, args.block, kv_dtype="int8").prefill(prompt).numpy()
+    eager = {kv: BlockEngine(model, make_policy(POLICY), args.budget, args.block, kv_dtype=kv).prefill(prompt).numpy()
+             for kv in ("fp32", "int8")}
     same = {r["kv_dtype"]: r["generated_ids"] for r in speed if r["budget"] == args.budget}
-    agreement = {"kl_compiled_int8_vs_eager_int8": kl(eager, last["int8"]),
-                 "argmax_equal_eager": int(eager.argmax()) == int(last["int8"].argmax()),
+    # compiled vs eager differ by the weights too (the artifact's q4 blocks against the engine's
+    # fp32 weights): the fp32 pair shows that part alone
+    agreement = {"kl_compiled_int8_vs_eager_int8": kl(eager["int8"], last["int8"]),
+                 "kl_compiled_fp32_vs_eager_fp32": kl(eager["fp32"], last["fp32"]),
+                 "argmax_equal_eager": int(eager["int8"].argmax()) == int(last["int8"].argmax()),
                  "kl_int8_vs_fp32_compiled": kl(last["fp32"], last["int8"]),
+                 "kl_int8_vs_fp32_eager": kl(eager["fp32"], eager["int8"]),
                  "same_greedy_tokens": sum(a == b for a, b in zip(same["fp32"], same["int8"])),
                  "decode_tokens": args.decode}
 
-    eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
     prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.passkey_lengths.split(",")
                for d in args.depths.split(",") for s in args.seeds.split(",")]
     pair = {"fp32": arts[("fp32", args.bytes_of_fp32_budget)], "int8": arts[("int8", equal_n)]}
-    runtimes = {kv: native.NativeRuntime(art) for kv, art in pair.items()}
-    passkey = []
-    for p in track(prompts, description="passkey prompts"):
-        row = {"id": p.id, "length": p.length_target, "tokens": int(p.ids.numel()), "depth": p.depth, "answer": p.answer}
-        for kv, rt in runtimes.items():
-            rt.reset()
-            out = []
-            for t in rt.generate(p.ids.tolist(), 10, eos_ids=tuple(eos)):
-                if int(t) in eos:
-                    break
-                out.append(int(t))
-            said = tok.decode(out)
-            row[kv] = {"text": said, "correct": extract_key(said) == p.answer}
-        passkey.append(row)
+    passkey = answer_passkeys({kv: native.NativeRuntime(art) for kv, art in pair.items()}, prompts, tok,
+                              progress=lambda p: track(p, description="passkey prompts"))
 
     data = {**meta(model, [sys.executable, *sys.argv]), "policy": POLICY, "block": args.block,
             "weights": json.loads(arts[("int8", args.budget)].joinpath("manifest.json").read_text())["weights"]["format"],
@@ -167,35 +147,37 @@ def _mib(n: float) -> str:
 
 
 def markdown(data: dict) -> str:
+    from edgekv.evaluation.tasks import passkey_table
+
     eq = data["equal_bytes"]
     ag = data["agreement"]
     lines = ["# The int8 KV cache, compiled (native runtime)\n",
              f"SmolLM2-135M-Instruct, {data['policy']}, B = {data['block']}, {data['weights']} weights. "
              f"Commit `{data['commit']}`, command `{data['command']}`.\n",
-             "| KV format | N | KV cache (plan) MiB | arena MiB | peak RSS MiB | prefill tok/s | decode tok/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| KV format | N | KV cache (plan) MiB | arena MiB | runtime allocations MiB | peak RSS MiB | "
+             "prefill tok/s | decode tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["speed"]:
         lines.append(f"| {r['kv_dtype']} | {r['budget']:,} | {_mib(r['plan']['cache_bytes'])} | "
-                     f"{_mib(r['plan']['arena_bytes'])} | {_mib(r['peak_rss_bytes'])} | {r['prefill_tok_s']:.0f} | "
-                     f"{r['decode_tok_s']:.1f} |")
+                     f"{_mib(r['plan']['arena_bytes'])} | {_mib(r['runtime_alloc_peak_bytes'])} | "
+                     f"{_mib(r['peak_rss_bytes'])} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
     first = data["speed"][0]
     lines.append(f"\nOne {first['prompt_tokens']:,}-token natural-text prompt, then {first['decode_tokens']} greedy "
                  "tokens; each row the median of its `edgekv-run --report` processes (one process per run, so the "
-                 "peak RSS is one artifact's). The arena holds one layer's dequantised K/V while its step runs "
-                 "(`compiler/int8_cache.py`).\n")
-    lines.append(f"At N = {data['same_n']:,}: the compiled int8 artifact's last prompt logits are KL "
-                 f"{ag['kl_compiled_int8_vs_eager_int8']:.2e} nats from the eager int8 engine's (argmax "
-                 f"{'equal' if ag['argmax_equal_eager'] else 'different'}) and KL {ag['kl_int8_vs_fp32_compiled']:.2e} "
-                 f"from the fp32 artifact's; {ag['same_greedy_tokens']}/{ag['decode_tokens']} greedy tokens are "
-                 "the same in both formats.\n")
+                 "peak RSS is one artifact's; the weights are mapped, so RSS counts the pages read). Runtime "
+                 "allocations: the native runtime's own peak (caches, arena, inputs, kernel workspaces). The arena "
+                 "holds one layer's dequantised K/V while its step runs (`compiler/int8_cache.py`).\n")
+    lines.append(f"At N = {data['same_n']:,}, last prompt token: the compiled int8 artifact is KL "
+                 f"{ag['kl_compiled_int8_vs_eager_int8']:.2e} nats from the eager int8 engine (argmax "
+                 f"{'equal' if ag['argmax_equal_eager'] else 'different'}), where the compiled fp32 artifact is KL "
+                 f"{ag['kl_compiled_fp32_vs_eager_fp32']:.2e} from the eager fp32 engine (the artifacts' "
+                 f"{data['weights']} weights against the engine's fp32 ones). int8 against fp32: KL "
+                 f"{ag['kl_int8_vs_fp32_compiled']:.2e} compiled, {ag['kl_int8_vs_fp32_eager']:.2e} eager; "
+                 f"{ag['same_greedy_tokens']}/{ag['decode_tokens']} greedy tokens are the same in both formats "
+                 "(compiled).\n")
     lines.append(f"Passkey at equal KV bytes ({_mib(eq['bytes'])} MiB: fp32 N = {eq['fp32_budget']:,}, int8 N = "
                  f"{eq['int8_budget']:,}), greedy, exact key:\n")
-    lines.append("| prompt tokens | fp32 | int8 |")
-    lines.append("|---:|---:|---:|")
-    for length in sorted({p["length"] for p in data["passkey"]}):
-        rows = [p for p in data["passkey"] if p["length"] == length]
-        lines.append(f"| {length} | " + " | ".join(f"{sum(p[kv]['correct'] for p in rows)}/{len(rows)}"
-                                                   for kv in ("fp32", "int8")) + " |")
+    lines += passkey_table(data["passkey"], ["fp32", "int8"])
     return "\n".join(lines) + "\n"
 
 

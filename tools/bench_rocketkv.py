@@ -30,22 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("snapkv++", "rocketkv")
 
 
-def build(model, name: str, budget: int, block: int, out: Path, rebuild: bool) -> Path:
-    """The artifact of ``name`` at ``out``: compiled anew with ``rebuild`` (after a kernel changed),
-    else reused while its manifest matches the model and settings."""
-    from edgekv.compiler import compile_model
-    from edgekv.policies import make_policy
-
-    manifest = out / "manifest.json"
-    if manifest.exists() and not rebuild:
-        m = json.loads(manifest.read_text())
-        if (m["policy"]["name"], m["budget"], m["block"], m["model"]["weight_hash"]) == (
-                name, budget, block, model.weight_hash):
-            return out
-    compile_model(model, make_policy(name), budget, block, out_dir=out)
-    return out
-
-
 def greedy(rt, ids: list[int], tokens: int) -> tuple[list[int], list[int], float]:
     """(generated tokens, cache fill before each decode step, decode tok/s) from a fresh prompt."""
     rt.reset()
@@ -78,15 +62,16 @@ def main(argv=None) -> int:
     from rich.progress import track
 
     from edgekv.evaluation.report import meta
-    from edgekv.evaluation.tasks import build_passkey, extract_key, natural_text
+    from edgekv.compiler.build import compile_or_reuse
+    from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.models import load_model
     from edgekv.policies import make_policy
     from edgekv.runtime import native
 
     model = load_model("smollm2-135m")
     cfg = model.config
-    arts = {name: build(model, name, args.budget, args.block, args.build / name.replace("+", "p"), args.rebuild)
-            for name in POLICIES}
+    arts = {name: compile_or_reuse(model, make_policy(name), args.budget, args.block,
+                                   args.build / name.replace("+", "p"), rebuild=args.rebuild) for name in POLICIES}
     runtimes = {name: native.NativeRuntime(path) for name, path in arts.items()}
     policies = {name: make_policy(name) for name in POLICIES}
     tok = model.tokenizer
@@ -112,22 +97,9 @@ def main(argv=None) -> int:
         row["speedup"] = row["rocketkv"]["decode_tok_s"] / row["snapkv++"]["decode_tok_s"]
         row["bytes_ratio"] = row["rocketkv"]["attention_bytes_per_step"] / row["snapkv++"]["attention_bytes_per_step"]
         decode_rows.append(row)
-    eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
     prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.passkey_lengths.split(",")
                for d in args.depths.split(",") for s in args.seeds.split(",")]
-    passkey = []
-    for p in track(prompts, description="passkey prompts"):
-        row = {"id": p.id, "length": p.length_target, "tokens": int(p.ids.numel()), "depth": p.depth, "answer": p.answer}
-        for name, rt in runtimes.items():
-            rt.reset()
-            out = []
-            for t in rt.generate(p.ids.tolist(), 10, eos_ids=tuple(eos)):
-                if int(t) in eos:
-                    break
-                out.append(int(t))
-            said = tok.decode(out)
-            row[name] = {"text": said, "correct": extract_key(said) == p.answer}
-        passkey.append(row)
+    passkey = answer_passkeys(runtimes, prompts, tok, progress=lambda p: track(p, description="passkey prompts"))
     data = {**meta(model, [sys.executable, *sys.argv]), "budget": args.budget, "block": args.block,
             "weights": json.loads((arts["rocketkv"] / "manifest.json").read_text()).get("weights", {}).get("format"),
             "stage2": {k: v for k, v in policies["rocketkv"].plan(args.budget, cfg.head_dim).__dict__.items()},
@@ -140,6 +112,8 @@ def main(argv=None) -> int:
 
 
 def markdown(data: dict) -> str:
+    from edgekv.evaluation.tasks import passkey_table
+
     s2 = data["stage2"]
     lines = ["# RocketKV vs SnapKV++, compiled (native runtime)\n",
              f"SmolLM2-135M-Instruct, N = {data['budget']}, B = {data['block']}, {data['weights']} weights; "
@@ -161,12 +135,7 @@ def markdown(data: dict) -> str:
                  "RocketKV then rebuilds its summaries, which the speed ratio carries; the paper never evicts "
                  "generated tokens (docs/policies.md, rocketkv).")
     lines.append("\nPasskey (greedy, exact key):\n")
-    lines.append("| prompt tokens | snapkv++ | rocketkv |")
-    lines.append("|---:|---:|---:|")
-    for length in sorted({p["length"] for p in data["passkey"]}):
-        rows = [p for p in data["passkey"] if p["length"] == length]
-        lines.append(f"| {length} | " + " | ".join(
-            f"{sum(p[n]['correct'] for p in rows)}/{len(rows)}" for n in POLICIES) + " |")
+    lines += passkey_table(data["passkey"], list(POLICIES))
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ section itself):
   threads.md    tools/measure_threads.py         (the main job idle and loaded, thread defaults)
   rocketkv.md   tools/bench_rocketkv.py           (RocketKV vs SnapKV++ compiled: decode speed, bytes, passkey)
   kv_int8.md    tools/check_kv_int8.py            (int8 vs fp32 KV cache: error, fidelity at equal N and bytes)
+  kv_int8_compiled.md  tools/bench_kv_int8_compiled.py  (int8 vs fp32 KV compiled: plan, RSS, speed, passkey)
   eval_rocketkv/results.md  edgekv eval --task fidelity --policy snapkv++,rocketkv --budget 2k --fidelity-lengths 4k
   eval_kv_int8/{fp32,int8}/results.md  edgekv eval --task passkey --policy keydiff,snapkv++ --lengths 4k,7k
                 --budget 594 (fp32) / --budget 2535 --kv-dtype int8: the N that 32MiB buys in each format
@@ -58,6 +59,7 @@ SECTIONS = [
     ("Read once, ask many: saved document caches", "snapshot.md"),
     ("RocketKV's sparse decode against SnapKV++, compiled", "rocketkv.md"),
     ("An int8 KV cache against fp32 (eager engine)", "kv_int8.md"),
+    ("An int8 KV cache compiled (native runtime)", "kv_int8_compiled.md"),
     ("RocketKV's fidelity against SnapKV++ (eager, teacher-forced through decode)", "eval_rocketkv/results.md"),
     ("Passkey at equal KV bytes (32 MiB): fp32 cache, N = 594", "eval_kv_int8/fp32/results.md"),
     ("Passkey at equal KV bytes (32 MiB): int8 cache, N = 2535", "eval_kv_int8/int8/results.md"),

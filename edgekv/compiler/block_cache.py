@@ -26,6 +26,10 @@ At every attention site (``attention_sites.find_attention_sites``) the pass:
      beyond K/V").
 The attention-probability subgraph (mask, softmax, matmuls) becomes dead and is removed by
 dead-code elimination (the next pass in ``pipeline.py``).
+
+With ``BlockCacheSpec.kv_dtype`` "int8" the layer stores int8 codes and float16 scales
+(``cache_layout``), and the steps above run unchanged on an fp32 view of it that
+``int8_cache.read`` makes before them and ``int8_cache.write`` stores back after them.
 """
 
 from __future__ import annotations

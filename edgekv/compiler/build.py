@@ -244,6 +244,23 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     return result
 
 
+def compile_or_reuse(model: Any, policy: Any, budget: int, block: int, out_dir: str | Path, *, rebuild: bool = False,
+                     kv_dtype: str = "fp32", **kwargs) -> Path:
+    """The artifact at ``out_dir``: reused while its manifest matches the model, policy (name and
+    parameters), N, B and KV format, else (or with ``rebuild``, after a kernel changed) compiled
+    anew — for benchmark tools that run several artifacts of one model."""
+    out = Path(out_dir)
+    manifest = out / MANIFEST
+    if manifest.exists() and not rebuild:
+        m = json.loads(manifest.read_text())
+        if (m["policy"]["name"], m["policy"]["params"], m["budget"], m["block"], m.get("kv_dtype", "fp32"),
+                m["model"]["weight_hash"]) == (policy.name, json.loads(json.dumps(policy.params())), budget, block,
+                                               kv_dtype, model.weight_hash):
+            return out
+    compile_model(model, policy, budget, block, out_dir=out, kv_dtype=kv_dtype, **kwargs)
+    return out
+
+
 def lay_out_weights(lowered, model: Any, weights: str, cores: int, layout: str) -> dict[str, Any]:
     """The weights as the target's kernels read them (``layout``: ``weight_layout``) — fp32
     column panels on the host (``pack_weights.py``; elsewhere fp32 stays as TVM lays it out) or

@@ -245,6 +245,38 @@ def extract_key(text: str, digits: int = 5) -> str | None:
 
 
 # ---- fidelity text --------------------------------------------------------------------
+def answer_passkeys(runtimes: dict, prompts: list, tokenizer, max_new_tokens: int = 10, progress=None) -> list[dict]:
+    """Each passkey prompt answered greedily by each runtime (``{name: runtime}``, anything with
+    ``reset`` and ``generate`` — HostRuntime, NativeRuntime), exact match on the key: one row per
+    prompt with its id, length, tokens, depth, answer and ``{name: {"text", "correct"}}``.
+    ``progress``: wraps the prompt list (``rich.progress.track``)."""
+    eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
+    rows = []
+    for p in (progress(prompts) if progress else prompts):
+        row = {"id": p.id, "length": p.length_target, "tokens": int(p.ids.numel()), "depth": p.depth, "answer": p.answer}
+        for name, rt in runtimes.items():
+            rt.reset()
+            out = []
+            for t in rt.generate(p.ids.tolist(), max_new_tokens, eos_ids=eos):
+                if int(t) in eos:
+                    break
+                out.append(int(t))
+            said = tokenizer.decode(out)
+            row[name] = {"text": said, "correct": extract_key(said) == p.answer}
+        rows.append(row)
+    return rows
+
+
+def passkey_table(rows: list[dict], names: list[str]) -> list[str]:
+    """Markdown rows: prompt length, then correct/total per runtime name."""
+    lines = ["| prompt tokens | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for length in sorted({r["length"] for r in rows}):
+        cell = [r for r in rows if r["length"] == length]
+        lines.append(f"| {length} | " + " | ".join(f"{sum(r[n]['correct'] for r in cell)}/{len(cell)}"
+                                                 for n in names) + " |")
+    return lines
+
+
 def build_fidelity(tokenizer, length: int, seed: int, window: int) -> Prompt:
     """``length`` tokens of natural text (no chat template); the next-token distributions of
     the last ``window`` positions are scored."""
