@@ -28,6 +28,7 @@ section itself):
   eval_rocketkv/results.md  edgekv eval --task fidelity --policy snapkv++,rocketkv --budget 2k --fidelity-lengths 4k
   eval_kv_int8/{fp32,int8}/results.md  edgekv eval --task passkey --policy keydiff,snapkv++ --lengths 4k,7k
                 --budget 594 (fp32) / --budget 2535 --kv-dtype int8: the N that 32MiB buys in each format
+  eval_kv_int8/fidelity_{fp32,int8}/results.md  the same pair, --task fidelity --fidelity-lengths 4k,7k
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ SECTIONS = [
     ("RocketKV's fidelity against SnapKV++ (eager, teacher-forced through decode)", "eval_rocketkv/results.md"),
     ("Passkey at equal KV bytes (32 MiB): fp32 cache, N = 594", "eval_kv_int8/fp32/results.md"),
     ("Passkey at equal KV bytes (32 MiB): int8 cache, N = 2535", "eval_kv_int8/int8/results.md"),
+    ("Fidelity at equal KV bytes (32 MiB), 4K and 7K texts: fp32 cache, N = 594", "eval_kv_int8/fidelity_fp32/results.md"),
+    ("Fidelity at equal KV bytes (32 MiB), 4K and 7K texts: int8 cache, N = 2535",
+     "eval_kv_int8/fidelity_int8/results.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 
