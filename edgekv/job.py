@@ -318,7 +318,8 @@ def check_artifact_settings(path, manifest: dict, *, policy: str | None, policy_
     if budget is not None:
         from .models.config import ModelConfig
 
-        n = parse_budget(budget, ModelConfig(**manifest["model"]["config"]), fixed_block)
+        n = parse_budget(budget, ModelConfig(**manifest["model"]["config"]), fixed_block,
+                         kv_dtype=manifest.get("kv_dtype", "fp32"))  # bytes buy entries of the artifact's format
         if n != fixed_budget:
             differs.append(f"--budget {budget}" + (f" ({n} tokens)" if str(n) != str(budget).strip() else ""))
     if policy_args:

@@ -252,7 +252,8 @@ def test_native_runtime_runs_int8_like_the_host_runtime(int8_artifacts, prompt, 
 
 def test_cli_compiles_and_runs_an_int8_artifact(tiny_dir, tmp_path):
     """`edgekv compile --kv-dtype int8 --budget 24KiB` buys the entries the int8 plan says; `edgekv run`
-    reports the format; asking an int8 artifact for fp32 is refused with the fix."""
+    takes the same byte budget and reports the format; asking an int8 artifact for fp32 is refused
+    with the fix."""
     from typer.testing import CliRunner
 
     from edgekv.budget import parse_budget
@@ -269,8 +270,9 @@ def test_cli_compiles_and_runs_an_int8_artifact(tiny_dir, tmp_path):
     assert manifest["budget"] == parse_budget("24KiB", cfg, 8, kv_dtype="int8") > parse_budget("24KiB", cfg, 8)
     runtimes = ["tvm"] + ([] if _native_missing() else ["native"])
     for runtime in runtimes:
+        # the byte budget it was compiled with names the same N (counted in the artifact's format)
         res = runner.invoke(app, ["run", str(art), "--prompt", "the cat sat on the mat " * 12, "--max-new-tokens", "4",
-                                  "--runtime", runtime])
+                                  "--runtime", runtime, "--budget", "24KiB"])
         text = " ".join((res.stdout + res.stderr).split())
         assert res.exit_code == 0, text
         assert "(int8, N=" in text, text
