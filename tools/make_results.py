@@ -29,6 +29,7 @@ section itself):
   eval_kv_int8/{fp32,int8}/results.md  edgekv eval --task passkey --policy keydiff,snapkv++ --lengths 4k,7k
                 --budget 594 (fp32) / --budget 2535 --kv-dtype int8: the N that 32MiB buys in each format
   eval_kv_int8/fidelity_{fp32,int8}/results.md  the same pair, --task fidelity --fidelity-lengths 4k,7k
+  snapkv_pooling.md  tools/check_snapkv_pooling.py  (SnapKV's pooling x kernel against SnapKV++, one-block passkey)
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ SECTIONS = [
     ("Fidelity at equal KV bytes (32 MiB), 4K and 7K texts: fp32 cache, N = 594", "eval_kv_int8/fidelity_fp32/results.md"),
     ("Fidelity at equal KV bytes (32 MiB), 4K and 7K texts: int8 cache, N = 2535",
      "eval_kv_int8/fidelity_int8/results.md"),
+    ("SnapKV against SnapKV++ on long passkeys: pooling and kernel", "snapkv_pooling.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 
