@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from edgekv.compiler import compile_model
 from edgekv.corpus import natural_token_ids
 from edgekv.engine import BlockEngine
+from edgekv.evaluation.report import provenance
 from edgekv.models import load_model
 from edgekv.policies import make_policy
 from edgekv.runtime import HostRuntime
@@ -90,7 +92,7 @@ def main() -> None:
     result = {"policy": args.policy, "budget": args.budget, "block": args.block, "prompt_tokens": int(ids.numel()),
               "kept_entries_compared": total, "kept_entries_identical": same, "agreement": same / total,
               "first_mismatch": first_mismatch, "last_logits_max_rel_error": rel, "compile_seconds": compile_s,
-              "same_argmax": int(np.argmax(got)) == int(ref.argmax())}
+              "same_argmax": int(np.argmax(got)) == int(ref.argmax()), **provenance([sys.executable, *sys.argv])}
     out = Path(args.out)
     runs = load_runs(out.with_suffix(".json"))
     key = f"{args.policy} N={args.budget} B={args.block} tokens={args.tokens}"
@@ -130,6 +132,8 @@ def run_markdown(r: dict) -> str:
         + f"- last-token logits: max relative error {r['last_logits_max_rel_error']:.2e}; same argmax: "
         f"{r['same_argmax']}\n"
         f"- compile time: {r['compile_seconds']:.0f} s\n"
+        + (f"- commit `{r['commit']}`, command `{r['command']}`\n" if r.get("commit") else
+           "- (a run from before results recorded their commit and command)\n")
         + (f"- note: {r['note']}\n" if r.get("note") else ""))
 
 

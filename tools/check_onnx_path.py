@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from edgekv.compiler import compile_model
 from edgekv.compiler.onnx_export import export_onnx, onnxruntime_logits
 from edgekv.compiler.onnx_model import load_onnx_model
 from edgekv.corpus import natural_token_ids
+from edgekv.evaluation.report import provenance
 from edgekv.models import load_model
 from edgekv.policies import make_policy
 from edgekv.runtime import HostRuntime
@@ -101,7 +103,8 @@ def main() -> None:
     full_budget = -(-(ids.size + DECODE) // args.block) * args.block
     result = {"model": "smollm2-135m", "policy": args.policy, "budget": args.budget, "block": args.block,
               "prompt_tokens": int(ids.size), "full_budget": full_budget, "decode_steps": DECODE,
-              "torch_compile_s": torch_compile_s, "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "forms": {}}
+              "torch_compile_s": torch_compile_s, "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "forms": {},
+              **provenance([sys.executable, *sys.argv])}
     for form in args.forms.split(","):
         t0 = time.perf_counter()
         path = export_onnx(model, work / f"onnx-{form}", form)
@@ -130,7 +133,8 @@ def markdown(r: dict, args) -> str:
         "",
         f"`python tools/check_onnx_path.py --policy {args.policy} --budget {args.budget} --block {args.block} "
         f"--tokens {args.tokens} --forms {args.forms}` — {r['prompt_tokens']} prompt tokens of natural text, "
-        f"{r['decode_steps']} greedy decode steps, fp32, target `host`, load average {r['load']} (shared 2-core box).",
+        f"{r['decode_steps']} greedy decode steps, fp32, target `host`, load average {r['load']} (shared 2-core box). "
+        f"Commit `{r.get('commit', 'not recorded')}`.",
         "",
         "| | " + " | ".join(r["forms"]) + " |",
         "|---|" + "---|" * len(r["forms"]),

@@ -51,11 +51,16 @@ def machine() -> dict:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def meta(model, command: list[str]) -> dict:
+def provenance(command: list[str]) -> dict:
+    """What a results file records of where it came from: the command, the commit (``-dirty`` when
+    the tree differed from it), when, and the machine."""
     repo = Path(__file__).resolve().parents[2]
     return {"command": " ".join(command), "commit": _git_commit(repo),
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "model": model.model_id, "weight_sha256": model.weight_hash,
+            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine()}
+
+
+def meta(model, command: list[str]) -> dict:
+    return {**provenance(command), "model": model.model_id, "weight_sha256": model.weight_hash,
             "text_source": "pydoc_data.topics (the Python language reference topics that ship with CPython "
                            f"{sys.version.split()[0]})"}
 
