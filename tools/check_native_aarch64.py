@@ -90,12 +90,12 @@ def compile_artifacts(args, work: Path) -> dict[str, float]:
         t0 = time.perf_counter()
         if target == "host":
             compile_model(model, make_policy(args.policy), args.budget, args.block, "host", work / "host",
-                          imported=imported)
+                          imported=imported, kv_dtype=args.kv_dtype)
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ToolchainNeededWarning)
                 build_for_target(model, make_policy(args.policy), args.budget, args.block, "aarch64-linux",
-                                 work / "aarch64", imported=imported)
+                                 work / "aarch64", imported=imported, kv_dtype=args.kv_dtype)
             os.environ.setdefault("EDGEKV_AARCH64_CC", args.cross_cc)
             finish(work / "aarch64")
         seconds[target] = round(time.perf_counter() - t0, 1)
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--policy", default="keydiff")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--kv-dtype", default="fp32", choices=("fp32", "int8"), help="the artifacts' KV cache format")
     ap.add_argument("--prompt-chars", type=int, default=2600,
                     help="the prompt: this many characters of the bundled natural text (edgekv.corpus)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -162,6 +163,7 @@ def main() -> None:
     record = {
         "command": " ".join(["python tools/check_native_aarch64.py", shlex.join(sys.argv[1:])]).strip(),
         "model": args.model, "policy": args.policy, "budget": args.budget, "block": args.block,
+        "kv_dtype": args.kv_dtype,
         "prompt_chars": args.prompt_chars, "max_new_tokens": args.max_new_tokens,
         "ids_equal": same, "first_difference": first_diff,
         "prompt_tokens_equal": host["prompt_tokens"] == a64["prompt_tokens"],
@@ -208,7 +210,7 @@ def render(r: dict) -> str:
 
 Regenerate: `{r['command']}` ({r['date']}).
 
-{r['model']}, policy {r['policy']}, budget N = {r['budget']}, block B = {r['block']}; the prompt is the first
+{r['model']}, policy {r['policy']}, budget N = {r['budget']}, block B = {r['block']}, KV cache {r.get('kv_dtype', 'fp32')}; the prompt is the first
 {r['prompt_chars']} characters of the bundled natural text (`edgekv.corpus`), {r['max_new_tokens']} new tokens,
 greedy. One artifact per CPU from the same model and settings: `--target host` (this CPU's
 vector width, packed weights) and `--target aarch64-linux` (NEON, TVM's layouts; linked by
