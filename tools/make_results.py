@@ -17,6 +17,8 @@ section itself):
   native_agreement.md     tools/check_native_vs_host.py     (native runtime vs HostRuntime and the eager engine)
   native_footprint.md     tools/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
   native_aarch64.md       tools/check_native_aarch64.py     (the aarch64 build under qemu-user)
+  native_aarch64_int8.md  tools/check_native_aarch64.py --kv-dtype int8 --work build/native_aarch64_int8
+                          --out docs/results/native_aarch64_int8 (the same with an int8 KV cache)
   opencl.md               tools/check_opencl.py             (OpenCL artifacts on PoCL vs CPU artifacts)
   opencl_q4.md            tools/check_opencl.py --weights q4 --name opencl_q4 (the same with 4-bit weights)
   snapshot.md             tools/bench_snapshot.py           (saved document caches: size, time to first token, accuracy)
@@ -56,6 +58,7 @@ SECTIONS = [
     ("Native runtime vs HostRuntime and the eager engine", "native_agreement.md"),
     ("Native runtime footprint", "native_footprint.md"),
     ("Native runtime on aarch64 (qemu-user)", "native_aarch64.md"),
+    ("Native runtime on aarch64 (qemu-user), int8 KV cache", "native_aarch64_int8.md"),
     ("The OpenCL path end to end (PoCL)", "opencl.md"),
     ("The OpenCL path with 4-bit weights (PoCL)", "opencl_q4.md"),
     ("Read once, ask many: saved document caches", "snapshot.md"),
