@@ -343,9 +343,13 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
                                 policy_args=_artifact_policy_args(policy_arg, policy, model), budget=budget,
                                 block=block)
         name = manifest["policy"]["name"]
-        if doc is not None and questions and load_cache is None and getattr(REGISTRY.get(name), "uses_question", False):
-            warn(f"{name} scores blocks with the question's queries in the eager engine (`edgekv run MODEL`); a "
-                 "compiled artifact does not take the question's rows yet, so here its blocks score with their own")
+        if doc is not None and questions and load_cache is None and getattr(REGISTRY.get(name), "uses_question", False) \
+                and not manifest.get("question_rows"):
+            warn(f"{model} was compiled without --question-rows, so {name} scores its blocks with their own rows, "
+                 "not the question's; compile it with --question-rows N (N ≥ the question's tokens) to read the "
+                 "document knowing the question")
+        if doc is not None:
+            doc["question_scoring"] = bool(manifest.get("question_rows")) and bool(questions) and load_cache is None
         choice = setup_threads(threads)
         result = run_compiled_job(model, text, chat=chat, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed, mem_limit=limit,
@@ -607,6 +611,9 @@ def compile_cmd(
     kv_dtype: Annotated[str, typer.Option(help="KV cache format compiled into the artifact: fp32, or int8 (8-bit "
                                                "codes with a float16 scale per 32 channels, so a byte --budget buys "
                                                "more entries; CPU targets)")] = "fp32",
+    question_rows: Annotated[int, typer.Option(help="room for a document's question of up to this many tokens to score "
+                                                    "every block (`edgekv run ARTIFACT --question`; query-aware "
+                                                    "policies snapkv, snapkv++, tova, dapq; CPU targets; 0: none)")] = 0,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -639,7 +646,7 @@ def compile_cmd(
                         say(msg.replace(str(tmp), str(output)))
 
                 result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress,
-                                       weights=weights, kv_dtype=kv_dtype)
+                                       weights=weights, kv_dtype=kv_dtype, question_rows=question_rows)
             replace_dir(tmp, output)
         finally:
             if tmp.exists():
@@ -658,6 +665,8 @@ def compile_cmd(
         table.add_row("weights", weights_summary(manifest))
         plan = manifest["memory_plan"]
         table.add_row("KV cache format", "int8 codes + float16 scales" if kv_dtype == "int8" else "fp32")
+        if manifest.get("question_rows"):
+            table.add_row("question rows (scoring every block)", str(manifest["question_rows"]))
         table.add_row("plan: weights / KV cache / activations",
                       f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
                       f"{human_bytes(plan['activation_bytes'])}")
@@ -853,8 +862,13 @@ def eval_(
     allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
     question: Annotated[bool, typer.Option("--question/--no-question", help="passkey tasks: read the document knowing its question, which query-aware policies score the blocks with (as `edgekv run --question`)")] = False,
     kv_dtype: Annotated[str, typer.Option(help=HELP["kv_dtype"] + "; the full-cache reference is always fp32")] = "fp32",
+    workers: Annotated[Optional[int], typer.Option(help="worker processes, one prompt at a time each (default: cores / --threads; 1 = this process)")] = None,
+    ray: Annotated[Optional[str], typer.Option(help="run the prompts on Ray: 'auto' (the instance on this machine, started if none) or a cluster ADDRESS; nodes need edgekv and the model")] = None,
 ):
-    """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache."""
+    """Accuracy sweeps on the real model: passkey retrieval and fidelity to the full cache.
+
+    The prompts run over local worker processes (--workers) or a Ray cluster (--ray); the results
+    are the same as in one process with the same --threads, in the same order."""
     from .evaluation.command import build_spec, check_output_folder, run_eval
 
     try:
@@ -865,7 +879,8 @@ def eval_(
         check_output_folder(output)
         setup_threads(threads)
         data = run_eval(spec, output, model_name=model, console=err, argv=["edgekv", *sys.argv[1:]],
-                        resume=resume, allow_beyond_context=allow_beyond_context)
+                        resume=resume, allow_beyond_context=allow_beyond_context, workers=workers, ray=ray,
+                        threads=threads)
         out.print((output / "results.md").read_text())
         err.print("written: " + ", ".join(data["_files"]))
     except USER_ERRORS as exc:

@@ -459,18 +459,27 @@ def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_na
 def run_compiled_document(rt, described: ArtifactModel, document_ids, questions, *, max_new_tokens: int,
                           new_sampler, chat: bool = False, save_cache=None, load_cache=None, on_token=None,
                           on_question=None, progress=None, on_warning=None) -> RunResult:
-    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime). Compiled
-    artifacts do not take a question's rows yet: a query-aware policy scores with the blocks' own
-    rows there, and the report says so (``question_scoring``: false)."""
+    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime). An
+    artifact compiled with ``--question-rows`` reads the document once per question, knowing it,
+    as the eager engine does (``question_scoring``); one compiled without scores with the blocks'
+    own rows (the caller warns). A question longer than the artifact's rows is refused before any
+    reading, with the fix."""
     from .document import run_document
+    from .errors import InputError
     from .threads import threads_in_use
 
+    q_rows = int(rt.manifest.get("question_rows", 0))
+    scoring = q_rows > 0 and document_ids is not None and bool(questions)
+    longest = max((len(ids) for _, ids in questions), default=0)
+    if scoring and longest > q_rows:
+        raise InputError(f"a --question has {longest} tokens and the artifact {rt.path} was compiled for questions "
+                         f"of at most {q_rows}; shorten it, or compile again with --question-rows {longest} or more")
     eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
     doc = run_document(rt, document_ids=None if document_ids is None else np.asarray(document_ids),
                        questions=questions, new_sampler=lambda: _numpy_sampler(new_sampler()),
                        max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
                        load_cache=load_cache, progress=progress, on_token=on_token, on_question=on_question,
-                       on_warning=on_warning)
+                       question_scoring=scoring, on_warning=on_warning)
     plan = rt.manifest["memory_plan"]
     native = hasattr(rt, "memory_plan")
     fields = document_report(doc, described.tokenizer, described.config, plan["cache_bytes"])
@@ -479,7 +488,7 @@ def run_compiled_document(rt, described: ArtifactModel, document_ids, questions,
         "target": rt.manifest["target"], "model": described.model_id,
         "weight_sha256": rt.manifest["model"]["weight_hash"], "policy": rt.manifest["policy"]["name"],
         "policy_params": rt.manifest["policy"]["params"], "budget_tokens": rt.budget, "block": rt.block,
-        "kv_dtype": rt.manifest.get("kv_dtype", "fp32"), "question_scoring": False,
+        "kv_dtype": rt.manifest.get("kv_dtype", "fp32"), "question_scoring": scoring, "question_rows": q_rows,
         **{k: v for k, v in fields.items() if k != "vs_full_cache"}, "cache_lengths": rt.cache_lengths(),
         "memory": {"plan": _compiled_plan(rt), "peak_rss": max(rt.stats.peak_rss_bytes, peak_rss_bytes()),
                    "vs_full_cache": fields["vs_full_cache"]},

@@ -154,3 +154,46 @@ def test_compiled_snapshot_needs_its_artifact(artifact, doc_file, tiny_dir, tmp_
     assert cli("run", tiny_dir, "--prompt-file", doc_file, *SETTINGS, "--max-new-tokens", 2, "--save-cache", eager)[0] == 0
     refused(*cli("ask", eager, "--question", "q", "--model", artifact, "-o", out),
             "was made by the eager engine", out)
+
+
+@pytest.fixture(scope="module")
+def question_artifact(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("question-art") / "art"
+    code, text = cli("compile", tiny_dir, *SETTINGS, "--policy", "snapkv", "--policy-arg", "window=4",
+                     "--question-rows", 32, "-o", out)
+    assert code == 0, text
+    assert "question rows" in text
+    return out
+
+
+@pytest.mark.parametrize("runtime", ["native", "tvm"])
+def test_compiled_question_rows_answer_as_the_eager_engine(question_artifact, tiny_dir, doc_file, tmp_path, runtime):
+    """`edgekv run ARTIFACT --question` on an artifact compiled with --question-rows reads the
+    document once per question, knowing it, and answers with the eager engine's tokens."""
+    from edgekv.runtime import native
+
+    if runtime == "native" and not native.available():
+        pytest.skip("the native runtime is not built (pip install -e .)")
+    asked = sum((["--question", q] for q in QUESTIONS[:2]), [])
+    code, text = cli("run", question_artifact, "--prompt-file", doc_file, *asked, "--max-new-tokens", 6,
+                     "-o", tmp_path / "c.json", "--runtime", runtime)
+    assert code == 0, text
+    assert "compiled without --question-rows" not in text
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["question_scoring"] is True and report["document"]["document_reads"] == 2
+    code, text = cli("run", tiny_dir, "--prompt-file", doc_file, *asked, "--max-new-tokens", 6, *SETTINGS,
+                     "--policy", "snapkv", "--policy-arg", "window=4", "-o", tmp_path / "e.json")
+    assert code == 0, text
+    assert answers(tmp_path / "c.json") == answers(tmp_path / "e.json")
+    # a question longer than the artifact's rows: refused before reading, with the limit and the fix
+    code, text = cli("run", question_artifact, "--prompt-file", doc_file, "--question", "why " * 40,
+                     "--max-new-tokens", 2, "-o", tmp_path / "x.json", "--runtime", runtime)
+    refused(code, text, "was compiled for questions of at most 32", tmp_path / "x.json")
+    assert "--question-rows" in text
+
+
+def test_artifact_without_question_rows_warns_and_runs(artifact, doc_file, tmp_path):
+    code, text = cli("run", artifact, "--prompt-file", doc_file, "--question", QUESTIONS[0], "--max-new-tokens", 2,
+                     "--policy", "keydiff", "-o", tmp_path / "r.json")
+    assert code == 0, text  # keydiff is query-agnostic: no warning
+    assert "question-rows" not in text

@@ -179,3 +179,45 @@ def test_resume_reuses_finished_prompts_and_reruns_changed_ones(sweep, tmp_path,
     (tmp_path / "results.json").write_text(json.dumps(earlier))
     run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, resume=True)
     assert ran and {pid.split("-")[0] for pid in ran} == {"passkey"}
+
+
+def _without_timings(data: dict) -> dict:
+    """The results without what differs between any two runs: wall times and the run's meta."""
+    timing = {"seconds", "prefill_seconds", "runtime_seconds"}
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in timing and k != "_files"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip({k: v for k, v in data.items() if k != "meta"})
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("where", ["local", "ray"])
+def test_workers_and_ray_give_the_results_of_one_process(sweep, tmp_path, where):
+    """The same small grid over two local worker processes, or two Ray actors on a local Ray
+    instance, gives the in-process JSON (one thread each, as the in-process sweep), in the same
+    order; the meta records where it ran."""
+    data, _ = sweep
+    spec = EvalSpec(**{k: v for k, v in data["config"].items() if k in EvalSpec.__dataclass_fields__})
+    if where == "ray":
+        pytest.importorskip("ray", reason="the Ray path needs Ray: pip install 'ray>=2.9' (in the dev extra)")
+        again = run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, workers=2, ray="auto",
+                         threads=1)
+    else:
+        again = run_eval(spec, tmp_path, argv=["edgekv", "eval", "(test)"], progress=False, workers=2, threads=1)
+    assert again["meta"]["execution"]["workers"] == 2 and again["meta"]["execution"]["threads"] == 1
+    assert _without_timings(again) == _without_timings(data)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert _without_timings(on_disk) == _without_timings(json.loads(json.dumps(data, default=str)))
+
+
+def test_bad_worker_options(tmp_path):
+    from edgekv.evaluation.workers import make_pool
+
+    with pytest.raises(InputError, match="--workers must be"):
+        make_pool(0, None, None, None, 1)
+    assert make_pool(1, None, None, None, 1) is None  # one worker: this process

@@ -48,7 +48,8 @@ def asan_run(tmp_path_factory):
     return build / "edgekv-run"
 
 
-def _toy_artifact(out: Path, kv_dtype: str = "fp32") -> Path:
+def _toy_artifact(out: Path, kv_dtype: str = "fp32", policy: str = "keydiff", args: dict | None = None,
+                  question_rows: int = 0) -> Path:
     """A tiny model with a small trained byte-level BPE tokenizer and a chat template, so the
     tokenizer file is part of the artifact and of the fuzzing."""
     from test_native_tokenizer import _toy_tokenizer
@@ -57,8 +58,8 @@ def _toy_artifact(out: Path, kv_dtype: str = "fp32") -> Path:
     model = tiny_random_model(seed=2, layers=2, vocab=len(tok))
     model.tokenizer = tok
     model.chat = True
-    compile_model(model, make_policy("keydiff", {}), 24, 8, target={"kind": "llvm", "opt-level": 0, "num-cores": 2},
-                  out_dir=out, kv_dtype=kv_dtype)
+    compile_model(model, make_policy(policy, args or {}), 24, 8, target={"kind": "llvm", "opt-level": 0, "num-cores": 2},
+                  out_dir=out, kv_dtype=kv_dtype, question_rows=question_rows)
     assert (out / TOKENIZER_FILE).is_file()
     return out
 
@@ -182,3 +183,25 @@ def test_int8_cache_run_and_snapshot_under_asan(asan_run, tmp_path):
                               "--max-new-tokens", "6", "--report", str(plain), "--quiet"], capture_output=True, text=True)
         assert ref.returncode == 0, ref.stderr
         assert json.loads(plain.read_text())["answers"][0]["generated_ids"] == first
+
+
+def test_question_rows_under_asan(asan_run, tmp_path):
+    """An artifact compiled with --question-rows (SnapKV++): the document read once per question,
+    knowing it, the first question's state saved; clean under the sanitizers and equal to the
+    release build; a question longer than the rows is refused with the fix."""
+    art = _toy_artifact(tmp_path / "art", policy="snapkv++", args={"window": 4, "kernel": 3}, question_rows=24)
+    snap, report = tmp_path / "doc.ekv", tmp_path / "r.json"
+    ask = ["--prompt", PROMPT * 3, "--chat", "--question", "What sat?", "--question", "Where?", "--max-new-tokens", 6]
+    res = run(asan_run, art, *ask, "--save-cache", snap, "--report", report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(report.read_text())
+    assert data["document_reads"] == 2
+    if native.cli_path() is not None:
+        plain = tmp_path / "plain.json"
+        ref = subprocess.run([str(native.cli_path()), str(art), *map(str, ask), "--report", str(plain), "--quiet"],
+                             capture_output=True, text=True)
+        assert ref.returncode == 0, ref.stderr
+        assert [a["generated_ids"] for a in json.loads(plain.read_text())["answers"]] == \
+            [a["generated_ids"] for a in data["answers"]]
+    res = run(asan_run, art, "--prompt", PROMPT, "--chat", "--question", "why " * 40, "--max-new-tokens", 2, "--quiet")
+    assert res.returncode != 0 and "--question-rows" in res.stderr, res.stderr

@@ -65,6 +65,9 @@ class BlockCacheSpec:
     # Pseudo rows at the end of every prefill step (DapQ: the window w). The prefill graph is then
     # exported at T = B + w; their K/V never enter the cache (see ``pseudo_rows.py``).
     extra_rows: int = 0
+    # Of those, rows that may carry a document's question (``--question-rows``): max(w, Q) extra rows
+    # in all; the score kernels then skip padding rows (position −1) and score with the question
+    question_rows: int = 0
     # Threads of the CPU target (its ``num-cores``): the attention kernel's row tiles are sized
     # so that its parallel tasks split evenly over them. GPU targets replace that kernel.
     cores: int = 1
@@ -236,6 +239,8 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 args = [kc, vc, pc, fc, kb, vb, pos32, nv]
                 params_ = dict(spec.policy_params)
                 params_.update(site_params(spec.policy, Hq, site.sm_scale))
+                if spec.question_rows and W:  # the prefill step's extra rows may hold a question
+                    params_["question_rows"] = W
                 tag = policy_tag(spec.policy) + (f"_h{Hq}_{H}_d{D}" if kspec.needs_site else f"_h{H}_d{D}")
                 cand = None
                 if S:

@@ -180,7 +180,8 @@ def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
 
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
-                  progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32") -> BuildResult:
+                  progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32",
+                  question_rows: int = 0) -> BuildResult:
     """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
     from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N
     and block B for ``target``; write the artifact to ``out_dir`` when given.
@@ -188,13 +189,17 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     ``imported`` (from ``pipeline.import_model(model, block)``) skips the torch export, so
     several policies can be compiled from one export. ``weights``: q4 | q8 | fp32
     (``resolve_weights``; None: the model's default). ``kv_dtype``: how the caches store K and V,
-    fp32 or int8 (``memory.KV_DTYPES``; int8: CPU targets)."""
+    fp32 or int8 (``memory.KV_DTYPES``; int8: CPU targets). ``question_rows``: room for a document's
+    question of that many tokens to score the blocks (query-aware policies, CPU targets)."""
     import tvm
+
+    from .pseudo_rows import check_question_rows
 
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
+    check_question_rows(policy, int(question_rows))
     profile, tgt = resolve_target(target)
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         (progress or (lambda msg: None))("importing the ONNX graph")
@@ -207,13 +212,13 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
 
         return build_for_target(model, policy, budget, block, profile if isinstance(target, dict) else target,
                                 out_dir, imported=imported, progress=progress, mem_limit=mem_limit, weights=weights,
-                                kv_dtype=kv_dtype)
+                                kv_dtype=kv_dtype, question_rows=question_rows)
     from .targets import lower_for_target
 
     say = progress or (lambda msg: None)
     say("exporting and lowering")
     lowered, spec = lower_for_target(model, policy, budget, block, imported, cores=int(tgt.get("num-cores", 1)),
-                                     kv_dtype=kv_dtype)
+                                     kv_dtype=kv_dtype, question_rows=question_rows)
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, spec.cores, "host")
     plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
@@ -303,7 +308,10 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
     state = entry_state_names(lowered)
     kv_dtype = getattr(spec, "kv_dtype", "fp32")
     fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params, kv_dtype)]
-    rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo rows last (DapQ)
+    rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo / question rows last
+    from .pseudo_rows import extra_rows as policy_pseudo_rows
+
+    pseudo_window = policy_pseudo_rows(policy)
     manifest: dict[str, Any] = {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -316,10 +324,13 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         # pseudo rows after the B real rows of every prefill step (DapQ; compiler/pseudo_rows.py)
         "extra_rows": int(getattr(spec, "extra_rows", 0)),
         # what a runtime puts in them: the first `prefix` and the last rows − prefix prompt tokens,
-        # at positions after the prompt ("final") or after the block ("block")
-        "pseudo_rows": ({"rows": int(spec.extra_rows), "prefix": int(getattr(policy, "prefix", 0)),
-                         "positions": str(getattr(policy, "positions", "final"))}
-                        if getattr(spec, "extra_rows", 0) else None),
+        # at positions after the prompt ("final") or after the block ("block"); rows after those
+        # are padding (position −1)
+        "pseudo_rows": ({"rows": pseudo_window, "prefix": int(getattr(policy, "prefix", 0)),
+                         "positions": str(getattr(policy, "positions", "final"))} if pseudo_window else None),
+        # the longest question (tokens) that may fill the extra rows instead, at its true positions
+        # after the document, to score the blocks with (`--question-rows`; 0: none)
+        "question_rows": int(spec.question_rows),
         "dtype": "float32",
         # how the caches store K and V: fp32, or int8 codes with float16 scales (k_scale, v_scale)
         "kv_dtype": kv_dtype,

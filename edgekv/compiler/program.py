@@ -331,11 +331,15 @@ def program_settings(manifest: dict, tgt: dict, policy: Any) -> dict[str, Any]:
         "plan_weights_bytes": int(plan["weights_bytes"]),
         "plan_cache_bytes": int(plan["cache_bytes"]),
     }
-    # pseudo rows (DapQ): the last w rows of every prefill step hold the first `prefix` and the
-    # last w - prefix prompt tokens, at positions after the prompt ("final") or after the block
+    # extra rows after the B real rows of every prefill step (pseudo_rows.py): DapQ's first
+    # `pseudo_window` of them hold the first `prefix` and the last window - prefix prompt tokens,
+    # at positions after the prompt ("final") or after the block; a question (`question_rows`)
+    # takes their place; the rest are padding at position -1
     w = int(manifest.get("extra_rows", 0))
     settings["pseudo_rows"] = w
+    settings["question_rows"] = int(manifest.get("question_rows", 0))
     if w:
+        settings["pseudo_window"] = int((manifest.get("pseudo_rows") or {}).get("rows", 0))
         settings["pseudo_prefix"] = int(getattr(policy, "prefix", 0))
         settings["pseudo_positions"] = str(getattr(policy, "positions", "final"))
     return settings

@@ -17,6 +17,14 @@ run through every layer like real ones. Three kernels know about them:
   rows' (``edgekv/policies/dapq.py``);
 * select + compaction reads block rows < n_valid only, so pseudo K/V never enter the cache.
 
+Question rows (``edgekv compile --question-rows Q``, issue 16): the same rows carry a document's
+question, so that query-aware policies score each block with the question's queries at their true
+future positions (the eager engine's ``prefill(question=)``). The step then has max(w, Q) extra
+rows; a runtime fills the first ones with the question (or DapQ's pseudo tokens when there is no
+question) and the rest with padding at position −1. Padding comes last, so no other row sees it,
+and the score kernels skip rows at a negative position: with no question at all every extra row is
+padding and the kernels score with the block's own rows, as without question rows.
+
 The logits are those of row n_valid − 1, the last real row. Decode (T = 1) has no pseudo rows.
 The host runtime fills the pseudo rows from the policy's ``extra_tokens()`` (built once per
 prompt by ``prepare``), for every prefill step: on a step that does not evict, their scores are
@@ -33,6 +41,25 @@ from .attention_sites import AttentionMatchError
 def extra_rows(policy: Any) -> int:
     """Pseudo rows the policy appends to every evicting block (the engine's ``max_extra_tokens``)."""
     return int(getattr(policy, "max_extra_tokens", 0) or 0)
+
+
+def check_question_rows(policy: Any, question_rows: int) -> None:
+    """Refuse question rows for a policy that cannot use them, before any work."""
+    from .build import CompileError
+
+    if question_rows < 0:
+        raise CompileError("--question-rows must be ≥ 0 (the longest question in tokens; 0: none)")
+    if not question_rows:
+        return
+    if not getattr(policy, "uses_question", False):
+        raise CompileError(
+            f"policy '{policy.name}' is query-agnostic: it scores the cache without queries, so a question "
+            "cannot change what it keeps; compile it without --question-rows")
+    if not getattr(policy, "question_kernels", False):
+        raise CompileError(
+            f"policy '{policy.name}' scores with the question in the eager engine (`edgekv run MODEL --question`), "
+            "but its compiled kernels do not take question rows yet; compile it without --question-rows, or use "
+            "snapkv, snapkv++, tova or dapq")
 
 
 def step_extra_rows(spec: Any, rows: int, fixed_n_valid: int | None) -> int:

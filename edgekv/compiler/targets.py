@@ -75,11 +75,17 @@ def _tvm_target(tgt: dict, host: dict | None):
     return tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
 
 
-def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32") -> None:
-    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2)
-    or of an int8 KV cache (its kernels are CPU loops)."""
+def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32", question_rows: int = 0) -> None:
+    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2),
+    of an int8 KV cache or of question rows (their kernels are CPU loops)."""
     from ..policies.base import gpu_policy_names
     from .gpu_schedule import is_gpu_target
+    from .pseudo_rows import check_question_rows
+
+    check_question_rows(policy, question_rows)
+    if is_gpu_target(tgt) and question_rows:
+        raise CompileError(f"--question-rows has no GPU kernels yet, so it cannot be compiled for {tgt.get('kind')}; "
+                           "compile it for a CPU target (host, aarch64-linux, android-cpu), or drop --question-rows")
 
     if is_gpu_target(tgt) and kv_dtype != "fp32":
         raise CompileError(f"--kv-dtype {kv_dtype} has no GPU kernels yet, so it cannot be compiled for "
@@ -92,20 +98,24 @@ def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32") -> N
 
 
 def lower_for_target(model: Any, policy: Any, budget: int, block: int, imported=None, cores: int = 1,
-                     kv_dtype: str = "fp32"):
+                     kv_dtype: str = "fp32", question_rows: int = 0):
     """Export + edgekv passes (the target-independent part); returns (Lowered, spec). ``cores``: the
     CPU target's threads (the attention kernel's row tiles); GPU targets replace that kernel.
-    ``kv_dtype``: how the caches store K and V (``memory.KV_DTYPES``)."""
+    ``kv_dtype``: how the caches store K and V (``memory.KV_DTYPES``). ``question_rows``: room for a
+    question of that many tokens scoring the blocks (``pseudo_rows.py``)."""
     from .block_cache import BlockCacheSpec
     from .pipeline import Lowered, check_imported_rows, import_model, lower_module, param_layout
-    from .pseudo_rows import extra_rows
+    from .pseudo_rows import check_question_rows, extra_rows
+
+    check_question_rows(policy, int(question_rows))
 
     if budget <= 0 or block <= 0:
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     spec = BlockCacheSpec(budget=budget, policy=policy.name, policy_params=policy_kernel_params(policy, budget),
-                          extra_rows=extra_rows(policy), cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
+                          extra_rows=max(extra_rows(policy), int(question_rows)), question_rows=int(question_rows),
+                          cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
     mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
     check_imported_rows(mod, block, spec.extra_rows)
     timings = dict(timings)
@@ -204,7 +214,8 @@ def elf_machine(obj: bytes) -> int | None:
 
 def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "cuda",
                      out_dir: str | Path | None = None, *, imported=None, progress=None,
-                     mem_limit: int | None = None, weights: str | None = None, kv_dtype: str = "fp32") -> BuildResult:
+                     mem_limit: int | None = None, weights: str | None = None, kv_dtype: str = "fp32",
+                     question_rows: int = 0) -> BuildResult:
     """Compile for a device target and (with ``out_dir``) write the complete artifact.
 
     The manifest's ``device`` section says where each function runs, the generated code sizes
@@ -213,9 +224,10 @@ def build_for_target(model: Any, policy: Any, budget: int, block: int = 128, tar
     not part of this build must link it (named in ``toolchain.tool`` / ``toolchain.finish``)."""
     say = progress or (lambda msg: None)
     profile, tgt, host = device_target(target)
-    check_policy_builds_for(policy, tgt, kv_dtype)
+    check_policy_builds_for(policy, tgt, kv_dtype, question_rows)
     say("exporting and lowering")
-    lowered, spec = lower_for_target(model, policy, budget, block, imported, kv_dtype=kv_dtype)
+    lowered, spec = lower_for_target(model, policy, budget, block, imported, kv_dtype=kv_dtype,
+                                     question_rows=question_rows)
     from .build import lay_out_weights, resolve_weights, weight_layout
 
     layout = weight_layout(profile, tgt)

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..budget import parse_budget
 from ..errors import InputError
 from .runner import ONE_BLOCK, TASKS, EvalSpec, Runner, build_prompts
+from .workers import make_pool
 
 
 def split_list(text: str, what: str) -> list[str]:
@@ -188,11 +189,12 @@ def check_output_folder(path: Path, what: str = "-o/--output") -> None:
 
 def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, threads: int | None = None,
              console=None, argv: list[str] | None = None, progress: bool = True, resume: bool = False,
-             allow_beyond_context: bool = False) -> dict:
+             allow_beyond_context: bool = False, workers: int | None = 1, ray: str | None = None) -> dict:
     """Run the sweep and write DIR/results.json, DIR/results.md and DIR/*.png; returns the data.
 
     ``resume``: prompts that DIR/results.json (an earlier, possibly interrupted run) already
-    finished with the same prompt, model and policy parameters are taken from it, not rerun."""
+    finished with the same prompt, model and policy parameters are taken from it, not rerun.
+    ``workers`` / ``ray``: where the prompts run (``workers.make_pool``; 1 and no Ray: here)."""
     import torch
 
     from ..job import check_context, write_json_atomic
@@ -221,8 +223,19 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
         write_json_atomic(json_path, report.finish({**data, **partial}))
 
     runner = Runner(model, spec, progress_factory=(lambda total: _Bar(console, total)) if progress else None,
-                    on_prompt_done=save_partial)  # called after every run
-    data.update(runner.run(prompts, prior))
+                    on_prompt_done=save_partial)  # called after every run (every prompt with a pool)
+    pool = make_pool(workers, ray, model_name, spec, threads)
+    # results are reproducible for a thread count: record the one the engine ran with
+    data["meta"]["execution"] = ({"where": "this process", "workers": 1, "threads": torch.get_num_threads()}
+                                 if pool is None else {"where": pool.describe(), "workers": pool.workers,
+                                                       "threads": pool.threads})
+    if pool is not None and console is not None:
+        console.print(f"eval: {len(prompts)} prompts over {pool.describe()}", highlight=False)
+    try:
+        data.update(runner.run(prompts, prior, pool))
+    finally:
+        if pool is not None and hasattr(pool, "close"):
+            pool.close()
     report.finish(data)
     write_json_atomic(json_path, data)
     plots = report.plot(data, out_dir)

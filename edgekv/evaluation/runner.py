@@ -221,48 +221,80 @@ class Runner:
                     wanted.append(row)
         return prior["references"][prompt.id], wanted
 
-    def run(self, prompts: list[Prompt], prior: dict | None = None) -> dict:
-        spec, model = self.spec, self.model
+    def run(self, prompts: list[Prompt], prior: dict | None = None, pool=None) -> dict:
+        """Every prompt not reusable from ``prior`` (``--resume``), in this process or over ``pool``
+        (``edgekv.evaluation.workers``: local worker processes or a Ray cluster), which hands back
+        each prompt's rows; they are put in prompt order, so the result does not depend on where or
+        in which order the prompts ran."""
         reused = {p.id: r for p in prompts if (r := self.reusable(p, prior)) is not None}
         if reused:
             self.log(f"--resume: {len(reused)} of {len(prompts)} prompts reused from the earlier results")
-        plan = [(p, runs) for p, runs in self.plan(prompts) if p.id not in reused]
-        total_tokens = sum(p.tokens * (1 + len(runs)) for p, runs in plan)
+        plan = [(i, p, runs) for i, (p, runs) in enumerate(self.plan(prompts)) if p.id not in reused]
+        total_tokens = sum(p.tokens * (1 + len(runs)) for _, p, runs in plan)
         bar = self.progress_factory(total_tokens) if self.progress_factory else None
-        results, references = [], {}
-        for pid, (ref_row, rows) in reused.items():
-            references[pid] = ref_row
-            results.extend(rows)
+        finished: dict[str, tuple[dict, list[dict]]] = dict(reused)
         t_start = time.perf_counter()
+
+        def collect(partial_rows: dict | None = None, complete: bool = False) -> dict:
+            references, results = {}, []
+            for p in prompts:  # prompt order, whatever order they finished in
+                if p.id in finished:
+                    references[p.id], rows = finished[p.id]
+                    results.extend(rows)
+                elif partial_rows and p.id in partial_rows:
+                    references[p.id], rows = partial_rows[p.id]
+                    results.extend(rows)
+            return {"prompts": [p.meta() for p in prompts], "references": references, "results": results,
+                    "complete": complete, "runtime_seconds": time.perf_counter() - t_start}
+
         try:
-            for prompt, runs in plan:
-                describe = (lambda what: bar.describe(f"{prompt.id} · {what}")) if bar else (lambda what: None)
-                advance = bar.advance if bar else None
-                describe("full (reference)")
-                ref = run_one(model, prompt, "full", {}, prompt.tokens + output_tokens(spec, prompt), spec.blocks[0],
-                              spec, advance)
-                references[prompt.id] = self._reference_row(prompt, ref)
-                done: dict[tuple[str, int, int], tuple[Outcome | None, str | None]] = {}
-                for policy, budget, block in runs:
-                    describe(f"{policy} N={budget} B={block_label(block)}")
-                    try:
-                        done[(policy, budget, block)] = (run_one(model, prompt, policy, spec.policy_args.get(policy, {}),
-                                                                 budget, block, spec, advance, spec.kv_dtype), None)
-                    except PolicyError as exc:
-                        done[(policy, budget, block)] = (None, str(exc))
-                        if advance:
-                            advance(prompt.tokens)
-                    if self.on_prompt_done:  # partial results after every run (long sweeps)
-                        self.on_prompt_done({"prompts": [p.meta() for p in prompts], "references": references,
-                                             "results": results + self._rows(prompt, ref, done, partial=True),
-                                             "complete": False, "runtime_seconds": time.perf_counter() - t_start})
-                results.extend(self._rows(prompt, ref, done))
-                self.log(f"{prompt.id}: {len(runs)} runs")
+            if pool is None:
+                for _, prompt, runs in plan:
+                    def partial(ref_row, rows, pid=prompt.id):  # after every run (long sweeps)
+                        if self.on_prompt_done:
+                            self.on_prompt_done(collect({pid: (ref_row, rows)}))
+                    finished[prompt.id] = self.run_prompt(prompt, runs, bar, on_run=partial)
+                    self.log(f"{prompt.id}: {len(runs)} runs")
+            else:
+                for i, (ref_row, rows) in pool.map_prompts([i for i, _, _ in plan]):
+                    prompt = prompts[i]
+                    finished[prompt.id] = (ref_row, rows)
+                    if bar:
+                        bar.describe(f"{prompt.id} · done")
+                        bar.advance(prompt.tokens * (1 + len(self.plan([prompt])[0][1])))
+                    if self.on_prompt_done:
+                        self.on_prompt_done(collect())
+                    self.log(f"{prompt.id}: done")
         finally:
             if bar:
                 bar.close()
-        return {"prompts": [p.meta() for p in prompts], "references": references, "results": results,
-                "complete": True, "runtime_seconds": time.perf_counter() - t_start}
+        return collect(complete=True)
+
+    def run_prompt(self, prompt: Prompt, runs: list[tuple[str, int, int]] | None = None, bar=None,
+                   on_run: Callable[[dict, list[dict]], None] | None = None) -> tuple[dict, list[dict]]:
+        """The reference and every run of one prompt: (reference row, result rows)."""
+        spec, model = self.spec, self.model
+        if runs is None:
+            runs = self.plan([prompt])[0][1]
+        describe = (lambda what: bar.describe(f"{prompt.id} · {what}")) if bar else (lambda what: None)
+        advance = bar.advance if bar else None
+        describe("full (reference)")
+        ref = run_one(model, prompt, "full", {}, prompt.tokens + output_tokens(spec, prompt), spec.blocks[0],
+                      spec, advance)
+        ref_row = self._reference_row(prompt, ref)
+        done: dict[tuple[str, int, int], tuple[Outcome | None, str | None]] = {}
+        for policy, budget, block in runs:
+            describe(f"{policy} N={budget} B={block_label(block)}")
+            try:
+                done[(policy, budget, block)] = (run_one(model, prompt, policy, spec.policy_args.get(policy, {}),
+                                                         budget, block, spec, advance, spec.kv_dtype), None)
+            except PolicyError as exc:
+                done[(policy, budget, block)] = (None, str(exc))
+                if advance:
+                    advance(prompt.tokens)
+            if on_run:
+                on_run(ref_row, self._rows(prompt, ref, done, partial=True))
+        return ref_row, self._rows(prompt, ref, done)
 
     def _reference_row(self, prompt: Prompt, ref: Outcome) -> dict:
         row = {"prompt_id": prompt.id, "policy": "full", "budget": prompt.tokens + output_tokens(self.spec, prompt),

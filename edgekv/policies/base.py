@@ -167,6 +167,9 @@ class Policy:
     # scores with the question's rows when the engine appends them (`--question`); query-agnostic
     # policies leave this False and run unchanged
     uses_question: ClassVar[bool] = False
+    # its CPU score kernel takes ``question_rows`` (the step's last rows may be a question's:
+    # `edgekv compile --question-rows`, ``compiler/pseudo_rows.py``)
+    question_kernels: ClassVar[bool] = False
     # Called on every step, even without eviction (to accumulate per-entry state).
     observes_every_step: ClassVar[bool] = False
     # Per-entry float state kept beside K/V and compacted with them, e.g. H2O's column sums.

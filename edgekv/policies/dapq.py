@@ -91,14 +91,16 @@ def pseudo_rows_in_step(rows: int, window: int) -> int:
 
 
 def _kernel_constants(num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent,
-                      num_q_heads, sm_scale):
+                      num_q_heads, sm_scale, question_rows=0):
     """The compile-time constants both DapQ kernels share: (Hq, G, N + T, pseudo rows P, real rows,
     observer rows R, pseudo keys in the softmax, pooling half-width, avg?, κ, recent window, scale)."""
     if num_q_heads is None or num_q_heads % num_kv_heads:
         raise ValueError(f"dapq kernel: num_q_heads ({num_q_heads}) must be a multiple of the {num_kv_heads} KV heads")
     if pooling not in ("avg", "max"):
         raise ValueError(f"dapq kernel: pooling must be avg or max (got {pooling!r})")
-    P = pseudo_rows_in_step(block, int(window))
+    # with question rows (`--question-rows`) the step's extra rows are max(window, Q): the pseudo
+    # tokens or the question, then padding at position −1 that observes nothing
+    P = int(question_rows) if question_rows else pseudo_rows_in_step(block, int(window))
     return (int(num_q_heads), int(num_q_heads) // num_kv_heads, budget + block, P, block - P,
             P if P else min(int(window), block), bool(softmax_pseudo) and P > 0, int(kernel) // 2, pooling == "avg",
             float(kernel), int(keep_recent), float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim))
@@ -106,9 +108,14 @@ def _kernel_constants(num_kv_heads, budget, block, head_dim, window, softmax_pse
 
 def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                             window: int = 32, softmax_pseudo: bool = True, kernel: int = 1, pooling: str = "avg",
-                            keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None):
+                            keep_recent: int = 0, num_q_heads: int | None = None, sm_scale: float | None = None,
+                            question_rows: int = 0):
     """TIR score kernel: the same definition as ``DapQPolicy.score``, computing only the observer
     rows of the attention matrix.
+
+    ``question_rows``: the step's extra rows when the artifact takes a question (``--question-rows``):
+    the question or the pseudo tokens first, then padding rows at position −1, which observe nothing
+    (and, coming last, are seen by no other row).
 
     ``block`` is the step's row count T. A prefill step carries the pseudo rows as its last
     ``window`` rows (T = B + window, ``pseudo_rows_in_step``): they observe the candidates cache ⊕
@@ -133,7 +140,8 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
     check_dtype(dtype)
     H, N, TR, D = num_kv_heads, budget, block, head_dim
     Hq, G, NB, P, BR, R, SP, K2, AVG, KAPPA, REC, scale = _kernel_constants(
-        num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent, num_q_heads, sm_scale)
+        num_kv_heads, budget, block, head_dim, window, softmax_pseudo, kernel, pooling, keep_recent, num_q_heads, sm_scale,
+        question_rows)
     LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
     CH = D // LANES
 
@@ -184,35 +192,36 @@ def build_dapq_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim
                     for g in T.serial(G):
                         for r in T.serial(nobs):
                             row: T.let[T.int32] = T.if_then_else(P > 0, BR + r, nv - nobs + r)
-                            for c in T.vectorized(D):
-                                qv[c] = q[0, h * G + g, row, c]
-                            red[1] = T.float32("-inf")
-                            for i in T.serial(nf):
+                            if pos_blk[row] >= 0:  # a padding row (position −1) observes nothing
                                 for c in T.vectorized(D):
-                                    kv[c] = k_cache[h, i, c]
-                                dot(qv, kv, part, red)
-                                s[i] = red[0]
-                                red[1] = T.max(red[1], red[0])
-                            for j in T.serial(TR):
-                                if key_seen(j, row, nv):
+                                    qv[c] = q[0, h * G + g, row, c]
+                                red[1] = T.float32("-inf")
+                                for i in T.serial(nf):
                                     for c in T.vectorized(D):
-                                        kv[c] = k_blk[0, h, j, c]
+                                        kv[c] = k_cache[h, i, c]
                                     dot(qv, kv, part, red)
-                                    s[N + j] = red[0]
+                                    s[i] = red[0]
                                     red[1] = T.max(red[1], red[0])
-                            red[2] = T.float32(0)
-                            for i in T.serial(nf):
-                                s[i] = T.exp(s[i] - red[1])
-                                red[2] = red[2] + s[i]
-                            for j in T.serial(TR):
-                                if key_seen(j, row, nv):
-                                    s[N + j] = T.exp(s[N + j] - red[1])
-                                    red[2] = red[2] + s[N + j]
-                            for i in T.serial(nf):
-                                raw[i] = raw[i] + s[i] / red[2]
-                            for j in T.serial(TR):
-                                if candidate_seen(j, row, nv):
-                                    raw[nf + j] = raw[nf + j] + s[N + j] / red[2]
+                                for j in T.serial(TR):
+                                    if key_seen(j, row, nv):
+                                        for c in T.vectorized(D):
+                                            kv[c] = k_blk[0, h, j, c]
+                                        dot(qv, kv, part, red)
+                                        s[N + j] = red[0]
+                                        red[1] = T.max(red[1], red[0])
+                                red[2] = T.float32(0)
+                                for i in T.serial(nf):
+                                    s[i] = T.exp(s[i] - red[1])
+                                    red[2] = red[2] + s[i]
+                                for j in T.serial(TR):
+                                    if key_seen(j, row, nv):
+                                        s[N + j] = T.exp(s[N + j] - red[1])
+                                        red[2] = red[2] + s[N + j]
+                                for i in T.serial(nf):
+                                    raw[i] = raw[i] + s[i] / red[2]
+                                for j in T.serial(TR):
+                                    if candidate_seen(j, row, nv):
+                                        raw[nf + j] = raw[nf + j] + s[N + j] / red[2]
                     # group mean, then pooling over the candidate order (kernel 1: the identity)
                     for i in T.serial(NB):
                         raw[i] = raw[i] / T.float32(G)
@@ -420,6 +429,7 @@ class DapQPolicy(Policy):
     summary = "DapQ: scores entries with pseudo queries at the positions the answer will take"
     needs_queries = True  # only used when a step has no pseudo rows (decoding)
     uses_question = True  # the question replaces the pseudo rows (`--question`)
+    question_kernels = True
     evict_kernel = staticmethod(build_dapq_evict_kernel)
     gpu_evict_kernel = staticmethod(build_dapq_evict_kernel_gpu)
     # the compiled kernels also take the step's post-RoPE queries (the pseudo rows' among them)

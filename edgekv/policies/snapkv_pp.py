@@ -36,13 +36,14 @@ from .snapkv import (build_snapkv_evict_kernel, check_window_args, pool_scores, 
 
 def build_snapkvpp_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                                 *, window: int, kernel_short: int, kernel_long: int, long_threshold: int,
-                                pooling: str, num_q_heads: int, sm_scale: float):
+                                pooling: str, num_q_heads: int, sm_scale: float, question_rows: int = 0):
     """TIR score kernel (common eight + queries): ``SnapKVPlusPlusPolicy.score`` — group *sum*,
     max pooling with κ(L) chosen in the kernel from the newest block position (L = position + 1),
     the window pinned. The SnapKV kernel with those settings."""
     return build_snapkv_evict_kernel(num_kv_heads, budget, block, head_dim, dtype, window=window,
                                      kernel=kernel_short, kernel_long=kernel_long, long_threshold=long_threshold,
-                                     pooling=pooling, group="sum", num_q_heads=num_q_heads, sm_scale=sm_scale)
+                                     pooling=pooling, group="sum", num_q_heads=num_q_heads, sm_scale=sm_scale,
+                                     question_rows=question_rows)
 
 
 def build_snapkvpp_evict_kernel_gpu(H, N, B, D, dtype="float32", *, window, kernel_short, kernel_long, long_threshold,
@@ -60,6 +61,7 @@ class SnapKVPlusPlusPolicy(Policy):
     summary = "SnapKV++ (RocketKV stage 1): SnapKV with group-summed scores and wide max pooling"
     needs_queries = True
     uses_question = True
+    question_kernels = True
     kernel_inputs = ("queries",)
     evict_kernel = staticmethod(build_snapkvpp_evict_kernel)
     gpu_evict_kernel = staticmethod(build_snapkvpp_evict_kernel_gpu)

@@ -114,9 +114,14 @@ class HostRuntime:
         # as the manifest describes them (``pseudo_rows``), the same rule the native runtime follows
         self.extra_rows = int(manifest.get("extra_rows", 0))
         self._pseudo_spec = manifest.get("pseudo_rows") or {}
-        if self.extra_rows and self._pseudo_spec.get("rows") != self.extra_rows:
-            raise ArtifactError("the manifest has pseudo rows but does not describe them; recompile the artifact")
+        self.pseudo_window = int(self._pseudo_spec.get("rows", 0))
+        # rows a document's question may fill instead (`--question-rows`): prefill(question=)
+        self.question_rows = int(manifest.get("question_rows", 0))
+        if self.extra_rows != max(self.pseudo_window, self.question_rows):
+            raise ArtifactError("the manifest has extra rows that its pseudo_rows / question_rows do not describe; "
+                                "recompile the artifact")
         self._prompt: np.ndarray | None = None
+        self._question: tuple[np.ndarray, np.ndarray] | None = None  # during prefill(question=)
         self.device = device if device is not None else tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
@@ -300,7 +305,7 @@ class HostRuntime:
         if self._prompt is None:
             raise PolicyError(f"this '{self.policy}' artifact appends pseudo tokens built from the whole prompt to "
                               "every block: call prefill(prompt), or prepare(prompt) before step_block")
-        w, prefix, prompt = self.extra_rows, int(self._pseudo_spec.get("prefix", 0)), self._prompt
+        w, prefix, prompt = self.pseudo_window, int(self._pseudo_spec.get("prefix", 0)), self._prompt
         total, end = prompt.size, self._prompt_end  # end: the position after this prefill's last token
         ids = np.concatenate([prompt[: min(prefix, total)], prompt[total - min(w - prefix, total):]])
         at = min(self.position + self.block, end) if self._pseudo_spec.get("positions") == "block" else end
@@ -331,7 +336,8 @@ class HostRuntime:
 
     def _step_inputs(self, ids: np.ndarray, start: int):
         """(tokens, positions, n_valid) of one prefill step: the ids at positions start…, padded
-        to B, then the pseudo rows (DapQ)."""
+        to B, then the extra rows: the question's (``prefill(question=)``), else DapQ's pseudo rows,
+        then padding at position −1 (``compiler/pseudo_rows.py``)."""
         import tvm
 
         n = ids.shape[0]
@@ -339,9 +345,14 @@ class HostRuntime:
         tok = np.zeros((rows,), dtype=np.int64)
         tok[:n] = ids
         pos = np.arange(start, start + rows, dtype=np.int64)
-        if self.extra_rows:
+        pos[self.block:] = -1
+        B = self.block
+        if self._question is not None:
+            q_ids, q_pos = self._question
+            tok[B:B + q_ids.size], pos[B:B + q_ids.size] = q_ids, q_pos
+        elif self.pseudo_window:
             self.position = start  # the pseudo positions may follow the block (positions=block)
-            tok[self.block:], pos[self.block:] = self._pseudo_rows(n)
+            tok[B:B + self.pseudo_window], pos[B:B + self.pseudo_window] = self._pseudo_rows(n)
         return (tvm.runtime.tensor(tok, self.device), tvm.runtime.tensor(pos, self.device),
                 tvm.runtime.tensor(np.array([n], dtype=np.int32), self.device))
 
@@ -349,11 +360,37 @@ class HostRuntime:
         """One ``prefill_block`` call (all its outputs)."""
         return self._prefill(*self._step_inputs(ids, start), *self._tail)
 
-    def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None) -> np.ndarray:
+    def question_ids(self, question, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, positions end…) of a question that scores the blocks, or a clear error."""
+        from ..policies.base import PolicyError
+
+        q = np.asarray(question, dtype=np.int64).reshape(-1)
+        if q.size == 0:
+            raise PolicyError("the question is empty; give its text")
+        if not self.question_rows:
+            raise PolicyError(f"this '{self.policy}' artifact was compiled without question rows, so its blocks "
+                              "cannot score with a question; compile it with --question-rows N (N ≥ the question's "
+                              "tokens), or read the document without the question")
+        if q.size > self.question_rows:
+            raise PolicyError(f"the question has {q.size} tokens and this artifact was compiled for questions of at "
+                              f"most {self.question_rows}; shorten the question, or compile with --question-rows "
+                              f"{q.size} or more")
+        return q, np.arange(end, end + q.size, dtype=np.int64)
+
+    def prefill(self, prompt_ids, progress: Callable[[int], None] | None = None, question=None) -> np.ndarray:
+        """Prefill the prompt block by block; ``question``: the ids that will follow it (a
+        document's question), whose rows score every block (artifacts with ``question_rows``).
+        The question itself is not prefilled here."""
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("the prompt is empty; give at least one token")
         self._check_room(ids.size)
+        if question is not None:
+            self._question = self.question_ids(question, self.position + ids.size)
+            try:
+                return self.prefill(ids, progress)
+            finally:
+                self._question = None
         if self.position == 0:  # a new sequence: the per-prompt step; a continuation keeps the state
             self.prepare(ids)
         else:  # a continuation's pseudo rows are built from its own tokens, after its end

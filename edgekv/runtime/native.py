@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "ekv_session_reset": (None, [P]),
         "ekv_session_prefill": (c.c_int, [P, c.POINTER(c.c_int32), c.c_size_t, PROGRESS_FN, P]),
         "ekv_session_decode": (c.c_int, [P, c.c_int32]),
+        "ekv_session_set_question": (c.c_int, [P, c.POINTER(c.c_int32), c.c_size_t]),
+        "ekv_model_question_rows": (c.c_int32, [P]),
         "ekv_session_logits": (c.POINTER(c.c_float), [P]),
         "ekv_session_position": (c.c_size_t, [P]),
         "ekv_session_allow_beyond_context": (None, [P, c.c_int]),
@@ -268,9 +270,29 @@ class NativeRuntime:
         ptr = self.lib.ekv_session_logits(self._session)
         return self._np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()
 
-    def prefill(self, prompt_ids, progress=None, on_block=None):
+    @property
+    def question_rows(self) -> int:
+        """The longest question (tokens) this artifact's blocks can score with (0: none)."""
+        return int(self.lib.ekv_model_question_rows(self._model))
+
+    def prefill(self, prompt_ids, progress=None, on_block=None, question=None):
         """Block-wise prefill; ``progress(n)`` gets each block's token count, ``on_block(rt)``
-        runs after every block (tests read the kept positions there). Returns last-token logits."""
+        runs after every block (tests read the kept positions there). Returns last-token logits.
+        ``question``: the ids that will follow (a document's question; artifacts compiled with
+        --question-rows), whose rows score every block; it is not prefilled here."""
+        if question is not None:
+            q = self._np.ascontiguousarray(self._np.asarray(question, dtype=self._np.int64).reshape(-1),
+                                           dtype=self._np.int32)
+            if q.size == 0:
+                from ..policies.base import PolicyError
+
+                raise PolicyError("the question is empty; give its text")
+            self._check(self.lib.ekv_session_set_question(self._session, q.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                                          q.size))
+            try:
+                return self.prefill(prompt_ids, progress, on_block)
+            finally:
+                self.lib.ekv_session_set_question(self._session, None, 0)
         ids = self._np.ascontiguousarray(self._np.asarray(prompt_ids, dtype=self._np.int64).reshape(-1), dtype=self._np.int32)
         seen = [0]
 

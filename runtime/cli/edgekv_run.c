@@ -314,6 +314,7 @@ typedef struct {
   double question_start, ttft; /* time to first token of the current question */
   double document_seconds;     /* the document's prefill (0 when it came from --load-cache) */
   size_t document_tokens;
+  int document_reads;          /* 1, or one per question (an artifact compiled with --question-rows) */
   ekv_snapshot_info loaded;    /* what --load-cache's snapshot records */
   int reported;                /* an error was already printed (the CLI's own checks) */
   struct answer {
@@ -427,6 +428,7 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
   if (r->n_answers > 0 || o->save_cache != NULL) {
     json_uint(&w, "document_tokens", r->document_tokens);
     json_double(&w, "document_prefill_seconds", r->document_seconds);
+    json_uint(&w, "document_reads", (uint64_t)r->document_reads);
     if (o->save_cache != NULL) json_string(&w, "saved_cache", o->save_cache);
     if (o->load_cache != NULL) {
       json_string(&w, "loaded_cache", o->load_cache);
@@ -469,13 +471,17 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
 
 /* A document, then each question from the document's state: the state is saved once (to
  * --save-cache, or a temporary file when several questions need it) and loaded again before
- * every question but the first, so no answer leaks into the next question's cache. */
+ * every question but the first, so no answer leaks into the next question's cache. An artifact
+ * compiled with --question-rows reads the document once per question instead, knowing it (its
+ * blocks score with the question's rows); --save-cache then keeps the first question's state. */
 static ekv_status run_document(const options *o, ekv_model *model, ekv_session *s, ekv_sampler *sampler,
                                const int32_t *doc, size_t n_doc, run_state *r) {
   ekv_status st = EKV_OK;
   char tmp_path[] = "/tmp/edgekv-run-doc-XXXXXX";
+  int per_question = o->load_cache == NULL && o->n_questions > 0 && ekv_model_question_rows(model) > 0;
   const char *snapshot = o->load_cache != NULL ? o->load_cache : o->save_cache;
-  if (snapshot == NULL && o->n_questions > 1) {
+  if (per_question) snapshot = NULL;
+  if (snapshot == NULL && o->n_questions > 1 && !per_question) {
     int fd = mkstemp(tmp_path);
     if (fd < 0) return EKV_ERR_IO;
     close(fd);
@@ -501,10 +507,11 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
             fprintf(stderr, "warning: %s was made knowing the question \"%s\" (a query-aware policy's cache); "
                     "answers to other questions may miss what it evicted\n", o->load_cache, r->loaded.question);
     }
-  } else {
+  } else if (!per_question) {
     st = ekv_session_prefill(s, doc, n_doc, on_progress, r);
     r->document_seconds = now_seconds() - t0;
     r->document_tokens = n_doc;
+    r->document_reads = 1;
     if (st == EKV_OK && snapshot != NULL) st = ekv_session_save(s, snapshot, NULL, o->chat);
     if (st == EKV_OK && o->save_cache != NULL && !o->quiet)
       fprintf(stderr, "saved the document's cache (%zu tokens) to %s\n", n_doc, o->save_cache);
@@ -513,7 +520,7 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     struct answer *a = &r->answers[q];
     a->question = o->questions[q];
     r->question_start = now_seconds();
-    if (q > 0) {
+    if (q > 0 && !per_question) {
       st = ekv_session_load(s, snapshot);
       a->load_seconds = now_seconds() - r->question_start;
       if (st != EKV_OK) break;
@@ -529,6 +536,31 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
       fflush(stdout);
       fprintf(stderr, "question %d: %s\n", q + 1, a->question);
     }
+    double before = 0.0;
+    if (per_question) { /* this question's own reading of the document */
+      if (q > 0) ekv_session_reset(s);
+      double td = now_seconds();
+      st = ekv_session_set_question(s, ids, n);
+      if (st == EKV_OK) st = ekv_session_prefill(s, doc, n_doc, on_progress, r);
+      ekv_session_set_question(s, NULL, 0);
+      r->document_seconds += now_seconds() - td;
+      r->document_tokens = n_doc;
+      r->document_reads++;
+      if (st == EKV_OK && q == 0 && o->save_cache != NULL) {
+        st = ekv_session_save(s, o->save_cache, a->question, o->chat);
+        if (st == EKV_OK && !o->quiet)
+          fprintf(stderr, "saved the document's cache (%zu tokens, read knowing question 1) to %s\n", n_doc,
+                  o->save_cache);
+      }
+      if (st != EKV_OK) {
+        free(ids);
+        break;
+      }
+      ekv_stats read;
+      ekv_session_get_stats(s, &read);
+      before = read.prefill_seconds;
+      r->question_start = now_seconds();
+    }
     r->n_out = 0;
     r->text_len = 0;
     r->ttft = 0;
@@ -540,7 +572,7 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     ekv_session_get_stats(s, &stats);
     a->prompt_tokens = n;
     a->ttft = r->ttft + (q == 0 && o->load_cache != NULL ? a->load_seconds : 0.0);
-    a->prefill_seconds = stats.prefill_seconds;
+    a->prefill_seconds = stats.prefill_seconds - before;
     a->decode_seconds = stats.decode_seconds;
     a->n_ids = r->n_out;
     a->ids = malloc(sizeof(int32_t) * (r->n_out + 1));

@@ -164,6 +164,14 @@ typedef int (*ekv_progress_fn)(void *user, size_t done, size_t total);
  * per-prompt preparation when it has one, then ceil(n / B) prefill calls. */
 ekv_status ekv_session_prefill(ekv_session *session, const int32_t *ids, size_t n, ekv_progress_fn progress,
                                void *user);
+/* The question that will follow the next prefill's tokens (a document's question), for an artifact
+ * compiled with --question-rows: its rows then score every block of the prefill at their true
+ * future positions and never enter the cache; it applies to every prefill until cleared (ids
+ * NULL or n 0). Refused when the artifact has no question rows or fewer than n; the question
+ * itself is prefilled after the document, as any continuation. */
+ekv_status ekv_session_set_question(ekv_session *session, const int32_t *ids, size_t n);
+/* The longest question (tokens) the artifact's prefill rows hold (0: compiled without). */
+int32_t ekv_model_question_rows(const ekv_model *model);
 /* One decode step: token at the next position. */
 ekv_status ekv_session_decode(ekv_session *session, int32_t token);
 /* The last step's logits (vocab_size floats; valid until the next step). */

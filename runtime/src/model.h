@@ -52,6 +52,8 @@ struct ekv_session {
   ekv_mapped_file snapshot; /* a loaded cache snapshot the caches point into (copy-on-write) */
   ekv_snapshot_info snapshot_info; /* strings in the mapping */
   ekv_stats stats;
+  int32_t *question;  /* a document's question scoring the next prefill's blocks (question_rows ids) */
+  size_t question_n;  /* its tokens; 0: none */
 };
 
 /* Point the cache buffers at cache_data[buffer id] (NULL: the session's own), views following. */

@@ -104,6 +104,9 @@ ekv_status ekv_session_new(ekv_model *m, ekv_session **out) {
       s->args == NULL)
     return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the session's tables");
   EKV_TRY(place_buffers(s));
+  int64_t qrows = ekv_program_int(p, "question_rows", 0);
+  if (qrows > 0 && (s->question = ekv_alloc(sizeof(int32_t) * (size_t)qrows, EKV_MEM_RUNTIME)) == NULL)
+    return ekv_fail(&s->err, EKV_ERR_NO_MEMORY, "cannot allocate the question rows");
   bind_arguments(s);
   s->n_stop_ids = -1;
   ekv_session_reset(s);
@@ -124,6 +127,7 @@ void ekv_session_free(ekv_session *s) {
   }
   if (dev != NULL && s->arena != NULL) dev->free(dev, s->arena);
   ekv_free(s->logits_host);
+  ekv_free(s->question);
   ekv_free(s->views);
   ekv_free(s->staging);
   ekv_free(s->data);
@@ -242,13 +246,15 @@ static int32_t cache_fill(const ekv_session *s, int32_t layer) {
 /* ---- prefill ------------------------------------------------------------------------------ */
 
 /* The inputs of one prefill call: n real tokens at positions start…, padding to B, then the
- * program's pseudo rows (DapQ's "where matters more than what": the first `prefix` and the
- * last w − prefix prompt tokens at positions after the prompt, or after the block). */
+ * program's extra rows (compiler/pseudo_rows.py): the session's question at the positions after
+ * the prompt, else DapQ's pseudo tokens (its "where matters more than what": the first `prefix`
+ * and the last w − prefix prompt tokens at positions after the prompt, or after the block), then
+ * padding at position −1, which the kernels skip. */
 typedef struct {
   const int32_t *prompt;
   size_t prompt_len;
   size_t end; /* the position after the prompt's last token (a continuation starts past 0) */
-  int32_t w, prefix, block_positions;
+  int32_t rows, w, prefix, block_positions; /* extra rows; of those, DapQ's pseudo window */
 } pseudo_rows;
 
 static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *ids, size_t n, size_t start,
@@ -260,14 +266,21 @@ static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *
   if (tokens == NULL || positions == NULL || n_valid == NULL)
     return ekv_fail(&s->err, EKV_ERR_FORMAT, "the program's %s function lacks tokens/positions/n_valid inputs; "
                     "recompile the artifact", p->functions[function].name);
-  size_t B = (size_t)p->block, rows = B + (size_t)pr->w;
+  size_t B = (size_t)p->block, rows = B + (size_t)pr->rows;
   for (size_t r = 0; r < rows; r++) {
     tokens[r] = r < n ? ids[r] : 0;
-    positions[r] = (int64_t)(start + r);
+    positions[r] = r < B ? (int64_t)(start + r) : -1;
   }
   *n_valid = (int32_t)n;
   int64_t *prompt_len = ekv_function_input(s, function, "prompt_len"); /* the per-prompt function's */
   if (prompt_len != NULL) *prompt_len = (int64_t)pr->prompt_len;
+  if (s->question_n > 0) {
+    for (size_t r = 0; r < s->question_n; r++) {
+      tokens[B + r] = s->question[r];
+      positions[B + r] = (int64_t)(pr->end + r);
+    }
+    return EKV_OK;
+  }
   if (pr->w == 0) return EKV_OK;
   size_t L = pr->prompt_len, head = (size_t)pr->prefix < L ? (size_t)pr->prefix : L;
   size_t tail = (size_t)(pr->w - pr->prefix) < L ? (size_t)(pr->w - pr->prefix) : L;
@@ -288,6 +301,34 @@ static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *
     tokens[B + r] = id;
     positions[B + r] = (int64_t)(at + r);
   }
+  return EKV_OK;
+}
+
+int32_t ekv_model_question_rows(const ekv_model *m) {
+  return m == NULL ? 0 : (int32_t)ekv_program_int(&m->prog, "question_rows", 0);
+}
+
+ekv_status ekv_session_set_question(ekv_session *s, const int32_t *ids, size_t n) {
+  const ekv_program *p = &s->model->prog;
+  int32_t rows = ekv_model_question_rows(s->model);
+  if (ids == NULL || n == 0) {
+    s->question_n = 0;
+    return EKV_OK;
+  }
+  if (rows == 0)
+    return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "this '%s' artifact was compiled without question rows, so its "
+                    "blocks cannot score with a question; compile it with --question-rows N (N >= the question's "
+                    "tokens), or read the document without the question", ekv_program_str(p, "policy"));
+  if (n > (size_t)rows)
+    return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "the question has %zu tokens and this artifact was compiled for "
+                    "questions of at most %d; shorten the question, or compile with --question-rows %zu or more", n,
+                    rows, n);
+  for (size_t i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= p->vocab_size)
+      return ekv_fail(&s->err, EKV_ERR_INVALID_ARG, "token %zu of the question is id %d, outside the vocabulary "
+                      "(0..%d)", i, ids[i], p->vocab_size - 1);
+  memcpy(s->question, ids, sizeof(int32_t) * n);
+  s->question_n = n;
   return EKV_OK;
 }
 
@@ -313,7 +354,9 @@ ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   EKV_TRY(check_prompt(s, ids, n));
-  pseudo_rows pr = {ids, n, s->position + n, p->pseudo_rows, (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
+  pseudo_rows pr = {ids, n, s->position + n, p->pseudo_rows,
+                    (int32_t)ekv_program_int(p, "pseudo_window", p->pseudo_rows),
+                    (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
                     strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
   double t0 = ekv_now();
   size_t B = (size_t)p->block;

@@ -35,12 +35,19 @@ def _lanes(d: int) -> int:
     return 16 if d % 16 == 0 else (8 if d % 8 == 0 else 1)
 
 
-def _colsum_macros(H, Hq, N, B, D, scale, W):
-    """Stage 1 as a macro: ``colsum[hq, :]`` = Σ over the last min(W, n_valid) rows of p[hq, r, :]."""
+def _colsum_macros(H, Hq, N, B, D, scale, W, Q=0, WQ=0):
+    """Stage 1 as a macro: ``colsum[hq, :]`` = Σ over the observer rows of p[hq, r, :].
+
+    The step has B real rows then Q question rows (``--question-rows``; ``pseudo_rows.py``). The
+    observers are the last min(W, n_valid) real rows, each seeing the cache and the real rows up to
+    its own — or, when the step carries a question (``nq`` > 0 rows at a position ≥ 0, the first nq
+    of the Q), the last min(WQ, nq) question rows, each seeing the cache and every real row (all
+    older), never the question's own keys (they are not candidates: the eager reference's softmax)."""
     G = Hq // H
-    NB = N + B
+    NB = N + B + Q
     LANES = _lanes(D)
     CH = D // LANES
+    WL = max(W, WQ)
 
     @T.macro
     def dot(qs, kbuf, kh, j, part, out, idx):
@@ -55,11 +62,11 @@ def _colsum_macros(H, Hq, N, B, D, scale, W):
         out[idx] = out[idx] * T.float32(scale)
 
     @T.macro
-    def colsum_stage(q, k_cache, k_blk, fill, n_valid, colsum):
+    def colsum_stage(q, k_cache, k_blk, fill, n_valid, nq_buf, colsum):
         for hq in T.parallel(Hq):
             with T.sblock("colsum"):
-                T.reads(q[0, hq, 0:B, 0:D], k_cache[hq // G, 0:N, 0:D], k_blk[0, hq // G, 0:B, 0:D], fill[0:1],
-                        n_valid[0:1])
+                T.reads(q[0, hq, 0:B + Q, 0:D], k_cache[hq // G, 0:N, 0:D], k_blk[0, hq // G, 0:B + Q, 0:D],
+                        fill[0:1], n_valid[0:1], nq_buf[0:1])
                 T.writes(colsum[hq, 0:NB])
                 qs = T.sblock_alloc_buffer((D,), "float32")
                 kv = T.sblock_alloc_buffer((D,), "float32")
@@ -68,13 +75,16 @@ def _colsum_macros(H, Hq, N, B, D, scale, W):
                 red = T.sblock_alloc_buffer((2,), "float32")
                 nf: T.let[T.int32] = fill[0]
                 nv: T.let[T.int32] = n_valid[0]
-                w: T.let[T.int32] = T.min(W, nv)
+                nq: T.let[T.int32] = nq_buf[0]
+                w: T.let[T.int32] = T.if_then_else(nq > 0, T.min(WQ, nq), T.min(W, nv))
+                row0: T.let[T.int32] = T.if_then_else(nq > 0, B + nq - w, nv - w)
+                # the last block key the observer row r0 sees (question rows: every real row)
                 for j in T.serial(NB):
                     colsum[hq, j] = T.float32(0)
-                for r0 in T.serial(W):
+                for r0 in T.serial(WL):
                     if r0 < w:
                         for c in T.vectorized(D):
-                            qs[c] = q[0, hq, nv - w + r0, c]
+                            qs[c] = q[0, hq, row0 + r0, c]
                         # logits of the visible candidates and the row max
                         red[0] = T.float32(NEG_BIG)
                         for j in T.serial(N):
@@ -84,7 +94,7 @@ def _colsum_macros(H, Hq, N, B, D, scale, W):
                                 dot(qs, kv, hq // G, j, part, srow, j)
                                 red[0] = T.max(red[0], srow[j])
                         for j in T.serial(B):
-                            if j <= nv - w + r0:
+                            if j <= T.if_then_else(nq > 0, nv - 1, row0 + r0):
                                 for c in T.vectorized(D):
                                     kv[c] = k_blk[0, hq // G, j, c]
                                 dot(qs, kv, hq // G, j, part, srow, nf + j)
@@ -96,17 +106,28 @@ def _colsum_macros(H, Hq, N, B, D, scale, W):
                                 srow[j] = T.exp(srow[j] - red[0])
                                 red[1] = red[1] + srow[j]
                         for j in T.serial(B):
-                            if j <= nv - w + r0:
+                            if j <= T.if_then_else(nq > 0, nv - 1, row0 + r0):
                                 srow[nf + j] = T.exp(srow[nf + j] - red[0])
                                 red[1] = red[1] + srow[nf + j]
                         for j in T.serial(N):
                             if j < nf:
                                 colsum[hq, j] = colsum[hq, j] + srow[j] / red[1]
                         for j in T.serial(B):
-                            if j <= nv - w + r0:
+                            if j <= T.if_then_else(nq > 0, nv - 1, row0 + r0):
                                 colsum[hq, nf + j] = colsum[hq, nf + j] + srow[nf + j] / red[1]
 
-    return colsum_stage
+    @T.macro
+    def count_question_rows(pos_blk, nq_buf):
+        """nq_buf[0] = the question rows of this step: those at a position ≥ 0 (padding is at −1)."""
+        with T.sblock("question_rows"):
+            T.reads(pos_blk[B:B + Q])
+            T.writes(nq_buf[0:1])
+            nq_buf[0] = 0
+            for r in T.serial(Q):
+                if pos_blk[B + r] >= 0:
+                    nq_buf[0] = nq_buf[0] + 1
+
+    return colsum_stage, count_question_rows
 
 
 def _head_reduce(H, Hq, heads):
@@ -124,8 +145,12 @@ def _head_reduce(H, Hq, heads):
 def build_window_score_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
                               sm_scale: float, *, window: int, heads: str, pin_window: bool, pooling: str = "none",
                               kernel_short: int = 1, kernel_long: int = 1, long_threshold: int = 1 << 30,
-                              dtype: str = "float32"):
+                              question_rows: int = 0, dtype: str = "float32"):
     """Score kernel ``(8 common, q, out score[H, N + B])`` of SnapKV / SnapKV++ / TOVA.
+
+    ``question_rows`` = Q > 0: the last Q of the ``block`` rows are question rows (``--question-rows``);
+    on a step that carries a question the window is its last min(window, nq) rows, which vote over
+    the candidates and pin nothing (they are not candidates), as ``scoring_rows`` in the reference.
 
     votes[h, j] = reduction over the query heads (``heads``) of Σ over the last w = min(window,
     n_valid) block rows of p[hq, r, j]. The candidates before the last w (m = n − w of them with
@@ -142,29 +167,34 @@ def build_window_score_kernel(num_kv_heads: int, budget: int, block: int, head_d
     for k in (kernel_short, kernel_long):
         if k < 1 or k % 2 == 0:
             raise ValueError(f"pooling kernels must be odd and >= 1 (got {k})")
-    NB = N + B
+    Q = int(question_rows)
+    B = B - Q  # real rows
+    NB = N + B + Q
     W = max(1, min(int(window), B))
+    WQ = max(1, min(int(window), Q)) if Q else 0
     PINI = 1 if pin_window else 0
     POOL = POOLS.index(pooling)
     KS, KL, THR = int(kernel_short), int(kernel_long), int(long_threshold)
     first, count, factor = _head_reduce(H, Hq, heads)
-    colsum_stage = _colsum_macros(H, Hq, N, B, D, float(sm_scale), W)
+    colsum_stage, count_question_rows = _colsum_macros(H, Hq, N, B, D, float(sm_scale), W, Q, WQ)
 
     @T.macro
     def window_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, score):
         colsum = T.alloc_buffer((Hq, NB), "float32")
+        nq_buf = T.alloc_buffer((1,), "int32")
         if fill[0] + n_valid[0] > N:
-            colsum_stage(q, k_cache, k_blk, fill, n_valid, colsum)
+            count_question_rows(pos_blk, nq_buf)
+            colsum_stage(q, k_cache, k_blk, fill, n_valid, nq_buf, colsum)
             for h in T.parallel(H):
                 with T.sblock("finish"):
-                    T.reads(colsum[0:Hq, 0:NB], fill[0:1], n_valid[0:1], pos_blk[0:B])
+                    T.reads(colsum[0:Hq, 0:NB], fill[0:1], n_valid[0:1], pos_blk[0:B], nq_buf[0:1])
                     T.writes(score[h, 0:NB])
                     votes = T.sblock_alloc_buffer((NB,), "float32")
                     red = T.sblock_alloc_buffer((1,), "float32")
                     nf: T.let[T.int32] = fill[0]
                     nv: T.let[T.int32] = n_valid[0]
                     n: T.let[T.int32] = nf + nv
-                    w: T.let[T.int32] = T.min(W, nv)
+                    w: T.let[T.int32] = T.if_then_else(nq_buf[0] > 0, 0, T.min(W, nv))  # the pinned window
                     m: T.let[T.int32] = n - w * PINI
                     kap: T.let[T.int32] = T.if_then_else(pos_blk[T.max(nv - 1, 0)] + 1 < THR, KS, KL)
                     for j in T.serial(NB):
@@ -195,7 +225,7 @@ def build_window_score_kernel(num_kv_heads: int, budget: int, block: int, head_d
                         else:
                             score[h, j] = T.float32("-inf")
 
-    return score_kernel(StepShapes(H, N, B, D, Hq=Hq), window_score, queries=True)
+    return score_kernel(StepShapes(H, N, B + Q, D, Hq=Hq), window_score, queries=True)
 
 
 def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
@@ -212,12 +242,15 @@ def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head
     S = int(num_state)
     NB = N + B
     first, count, factor = _head_reduce(H, Hq, heads)
-    colsum_stage = _colsum_macros(H, Hq, N, B, D, float(sm_scale), B)
+    colsum_stage, _ = _colsum_macros(H, Hq, N, B, D, float(sm_scale), B)
 
     @T.macro
     def colsum_observe(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, state, cand_state):
         colsum = T.alloc_buffer((Hq, NB), "float32")
-        colsum_stage(q, k_cache, k_blk, fill, n_valid, colsum)
+        nq_buf = T.alloc_buffer((1,), "int32")  # no question rows: every step observes its real rows
+        with T.sblock("no_question"):
+            nq_buf[0] = 0
+        colsum_stage(q, k_cache, k_blk, fill, n_valid, nq_buf, colsum)
         for h in T.parallel(H):
             with T.sblock("accumulate"):
                 T.reads(colsum[0:Hq, 0:NB], fill[0:1], n_valid[0:1], state[0:S, h, 0:N])
