@@ -908,6 +908,7 @@ def bench(
     threads: Annotated[Optional[int], typer.Option(help=HELP["threads"] + " (every system)")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", hidden=True, help="alias of MODEL")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", "--out", help="output folder (JSON, markdown, plot)")] = Path("bench-results"),
+    question_tokens: Annotated[int, typer.Option(help="time question-aware prefill: the prompt's last Q tokens are its question, whose rows score every block (edgekv-eager; edgekv-compiled with an artifact compiled with --question-rows ≥ Q); peers read the whole prompt")] = 0,
 ):
     """Prefill/decode speed and peak RSS of edgekv next to HF, kvpress, llama.cpp and ONNX Runtime (one process per run)."""
     from .bench.report import markdown, plot
@@ -929,6 +930,12 @@ def bench(
         from .evaluation.command import parse_lengths
 
         lengths = parse_lengths(prompt_lengths, "--prompt-lengths")
+        if question_tokens < 0 or (question_tokens and question_tokens >= min(lengths)):
+            raise InputError(f"--question-tokens {question_tokens}: give 0 (none) or fewer tokens than the shortest "
+                             "--prompt-lengths")
+        if question_tokens and "edgekv-native" in names:
+            raise InputError("--question-tokens: edgekv-native takes a question as text (edgekv-run --question), not "
+                             "ids; time the compiled path with edgekv-compiled, or drop edgekv-native from --systems")
         mem_lengths = parse_lengths(memory_only_lengths, "--memory-only-lengths") if memory_only_lengths.strip() else []
         if onnx is not None and not onnx.is_file():
             raise InputError(f"--onnx {onnx} is not a file; export one with `edgekv export-onnx --form past -o DIR`")
@@ -940,7 +947,7 @@ def bench(
                           budget=parse_budget(budget, loaded.config, block), block=block, policy=policy,
                           decode_tokens=decode_tokens, repeats=repeats, threads=choice.count,
                           artifact=str(artifact) if artifact else None, onnx=str(onnx) if onnx else None,
-                          fp32_artifact=str(fp32_artifact) if fp32_artifact else None)
+                          fp32_artifact=str(fp32_artifact) if fp32_artifact else None, question_tokens=question_tokens)
         results = run_bench(cfg, lambda n: natural_token_ids(loaded.tokenizer, n).tolist(), err)
         results["machine"] = machine_info()
         results["command"] = "edgekv bench " + " ".join(sys.argv[2:])

@@ -56,3 +56,16 @@ def test_worker_process_reports_timings_and_peak_rss(tiny_dirs, system):
     assert "error" not in out, out
     assert out["prefill_seconds"] > 0 and out["decode_seconds"] > 0 and out["peak_rss"] > 0
     assert out["prefill_tok_s"] == pytest.approx(40 / out["prefill_seconds"])
+
+
+def test_question_tokens_time_the_question_aware_prefill(tiny_dirs):
+    """--question-tokens: the eager system reads the prompt's document knowing its last Q tokens;
+    a query-agnostic policy cannot take them (BlockEngine gives it no question rows) — it still
+    runs, unchanged — and a query-aware one scores with them."""
+    hf_dir, _ = tiny_dirs
+    for policy in ("snapkv", "keydiff"):
+        cfg = BenchConfig(model=str(hf_dir), budget=16, block=8, threads=1, timeout=300, policy=policy,
+                          question_tokens=6)
+        out = run_once(cfg, "edgekv-eager", list(range(3, 43)), decode_tokens=2)
+        assert "error" not in out, out
+        assert out["prefill_seconds"] > 0

@@ -31,6 +31,7 @@ class BenchConfig:
     artifact: str | None = None
     onnx: str | None = None  # past_key_values-form ONNX file for the onnxruntime peer
     fp32_artifact: str | None = None  # the same build with fp32 weights (edgekv-native-fp32)
+    question_tokens: int = 0  # the prompt's last Q tokens as its question (question-aware prefill)
     timeout: int = 900
 
 
@@ -46,7 +47,7 @@ def installed(system: str) -> bool:
 def run_once(cfg: BenchConfig, system: str, ids: list[int], decode_tokens: int) -> dict:
     spec = {"system": system, "ids": ids, "model": cfg.model, "budget": cfg.budget, "block": cfg.block,
             "policy": cfg.policy, "decode_tokens": decode_tokens, "threads": cfg.threads, "artifact": cfg.artifact,
-            "onnx": cfg.onnx, "fp32_artifact": cfg.fp32_artifact}
+            "onnx": cfg.onnx, "fp32_artifact": cfg.fp32_artifact, "question_tokens": cfg.question_tokens}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TOKENIZERS_PARALLELISM": "false"}

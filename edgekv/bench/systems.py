@@ -40,6 +40,15 @@ def _timed_greedy_decode(step, logits, count: int) -> float:
     return _timed(run)[1]
 
 
+def _prefill_with_question(prefill, ids, q: int):
+    """The whole prompt, or (``q`` > 0) its document knowing its last q tokens, then those tokens:
+    what `--question` costs (a query-aware policy's blocks run q more rows each)."""
+    if not q:
+        return prefill(ids)
+    prefill(ids[:-q], question=ids[-q:])
+    return prefill(ids[-q:])
+
+
 @system("edgekv-eager")
 def run_edgekv_eager(ids, args):
     from ..engine import BlockEngine
@@ -47,10 +56,11 @@ def run_edgekv_eager(ids, args):
     from ..policies import make_policy
 
     model = load_model(args["model"])
+    q = int(args.get("question_tokens") or 0)
     BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"]).prefill(ids[: args["block"]])
     engine = BlockEngine(model, make_policy(args["policy"]), args["budget"], args["block"],
-                         max_tokens=int(ids.numel()) + args["decode_tokens"])  # as `edgekv run` allocates
-    logits, prefill = _timed(lambda: engine.prefill(ids))
+                         max_tokens=int(ids.numel()) + args["decode_tokens"], question_rows=q)  # as `edgekv run` allocates
+    logits, prefill = _timed(lambda: _prefill_with_question(engine.prefill, ids, q))
     dec = _timed_greedy_decode(engine.decode, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec, "kv_bytes": engine.kv_bytes}
 
@@ -64,7 +74,7 @@ def run_edgekv_compiled(ids, args):
     rt = HostRuntime(args["artifact"])
     rt.prefill(ids[: args["block"]].numpy())
     rt.reset()
-    logits, prefill = _timed(lambda: rt.prefill(ids.numpy()))
+    logits, prefill = _timed(lambda: _prefill_with_question(rt.prefill, ids.numpy(), int(args.get("question_tokens") or 0)))
     dec = _timed_greedy_decode(rt.decode, logits, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec, "block_seconds": rt.stats.block_seconds}
 

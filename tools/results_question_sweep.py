@@ -1,0 +1,188 @@
+"""Issue 16's evaluation: passkey accuracy at 4K and 7K tokens with and without `--question`,
+from `edgekv eval` runs (one without the question, one with it, per length), into one table with
+95 % intervals, the needle's retention and the full cache's accuracy on the same prompts.
+
+    # the runs (each resumable with --resume; --workers / --ray spread the prompts)
+    edgekv eval --task passkey --policies keydiff,lagkv,snapkv++,snapkv --budgets 512,1k --block 128 \\
+        --lengths 4k --depths 0.1,0.3,0.5,0.7,0.9 --seeds 0,1 --no-question --threads 1 --out build/eval/sweep16/4k_noq
+    edgekv eval ... --policies snapkv++,snapkv,tova --question ... --out build/eval/sweep16/4k_q
+    (the same for 7k)
+    python tools/results_question_sweep.py --collect build/eval/sweep16   # copies results.json here, then tables
+
+Query-agnostic policies (KeyDiff, LagKV) do not read the question (`uses_question` False: the
+engine runs them unchanged), so their rows from the run without it stand for both modes and
+are marked so. A cell's interval is Wilson's score interval for k correct of n prompts.
+Writes docs/results/question_sweep.{json,md,png}; raw runs in docs/results/question_sweep/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RAW = ROOT / "docs/results/question_sweep"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def collect(src: Path) -> None:
+    RAW.mkdir(parents=True, exist_ok=True)
+    for run in sorted(p for p in src.iterdir() if (p / "results.json").is_file()):
+        shutil.copyfile(run / "results.json", RAW / f"{run.name}.json")
+
+
+def load_runs() -> list[dict]:
+    return [dict(json.loads(p.read_text()), _name=p.stem) for p in sorted(RAW.glob("*.json"))]
+
+
+def cells(runs: list[dict]):
+    """(length, budget, policy, question) → rows; and length → {prompt: full-cache correct}."""
+    from edgekv.policies import REGISTRY
+
+    by_cell: dict[tuple, list[dict]] = defaultdict(list)
+    ceiling: dict[int, dict[str, bool]] = defaultdict(dict)
+    for run in runs:
+        asked = bool(run["config"].get("question"))
+        lengths = {p["id"]: p["length_target"] for p in run["prompts"]}
+        for pid, ref in run["references"].items():
+            seen = ceiling[lengths[pid]].get(pid)
+            if seen is not None and seen != ref["correct"]:
+                raise SystemExit(f"the full cache answers {pid} differently in two runs; rerun them")
+            ceiling[lengths[pid]][pid] = ref["correct"]
+        for row in run["results"]:
+            if row.get("error") or row["policy"] == "full":
+                continue
+            uses_question = getattr(REGISTRY[row["policy"]], "uses_question", False)
+            modes = [asked] if uses_question else [False, True]  # query-agnostic: the same run in both
+            if asked and not uses_question:
+                continue  # taken from the run without the question
+            for mode in modes:
+                by_cell[(row["length_target"], row["budget"], row["policy"], mode)].append(
+                    dict(row, _shared=not uses_question))
+    return by_cell, ceiling
+
+
+def summarize(runs: list[dict]) -> dict:
+    by_cell, ceiling = cells(runs)
+    out = []
+    for (length, budget, policy, asked), rows in sorted(by_cell.items()):
+        k, n = sum(r["correct"] for r in rows), len(rows)
+        full = [ceiling[length][r["prompt_id"]] for r in rows if r["prompt_id"] in ceiling[length]]
+        kept = [r["needle_retention"] for r in rows if r.get("needle_retention") is not None]
+        lo, hi = wilson(k, n)
+        out.append({"length": length, "budget": budget, "policy": policy, "question": asked, "correct": k,
+                    "prompts": n, "accuracy": k / n if n else None, "interval95": [lo, hi],
+                    "needle_retention": sum(kept) / len(kept) if kept else None,
+                    "full_cache_correct": sum(full), "of_full_cache": (k / sum(full)) if sum(full) else None,
+                    "question_unused": rows[0]["_shared"]})
+    ceilings = [{"length": L, "correct": sum(v.values()), "prompts": len(v), "interval95": list(wilson(sum(v.values()), len(v)))}
+                for L, v in sorted(ceiling.items())]
+    return {"cells": out, "full_cache": ceilings}
+
+
+def markdown(data: dict) -> str:
+    lines = ["## Passkey with and without `--question` (`tools/results_question_sweep.py`)", "",
+             "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (the classic repeated filler as the "
+             "haystack, needle at depths 0.1–0.9, seeds 0 and 1), greedy, exact key. Without `--question` the question "
+             "ends the prompt and each block scores with its own rows; with it, query-aware policies score every block "
+             "with the question's queries (KeyDiff and LagKV do not read it: one run stands for both columns, marked °). "
+             "95 % Wilson intervals; retention: share of (layer, KV head) caches holding the key's digits after prefill; "
+             "\"of full\": accuracy as a share of the full cache's on the same prompts.", "",
+             "Runs: " + "; ".join(f"`{r['_name']}`: `{r['meta']['command']}` at {r['meta']['commit'][:12]}"
+                                  + ("" if r.get("complete") else " (**partial**: interrupted, resumable)")
+                                  for r in data["runs"]), ""]
+    lines += ["| length | full cache |", "|---:|---|"]
+    for c in data["full_cache"]:
+        lo, hi = c["interval95"]
+        lines.append(f"| {c['length']} | {c['correct']}/{c['prompts']} ({lo:.0%}–{hi:.0%}) |")
+    lines += ["", "| length | N | policy | without --question | with --question | retention without / with | "
+                  "of full (with) |", "|---:|---:|---|---|---|---|---:|"]
+    table = {(c["length"], c["budget"], c["policy"], c["question"]): c for c in data["cells"]}
+    keys = sorted({(c["length"], c["budget"], c["policy"]) for c in data["cells"]})
+
+    def fmt(c):
+        if c is None:
+            return "—"
+        lo, hi = c["interval95"]
+        return f"{c['correct']}/{c['prompts']} = {c['accuracy']:.0%} ({lo:.0%}–{hi:.0%})" + ("°" if c["question_unused"] else "")
+
+    for length, budget, policy in keys:
+        a, b = table.get((length, budget, policy, False)), table.get((length, budget, policy, True))
+        ret = " / ".join("—" if c is None or c["needle_retention"] is None else f"{c['needle_retention']:.0%}"
+                         for c in (a, b))
+        share = "—" if b is None or b["of_full_cache"] is None else f"{b['of_full_cache']:.0%}"
+        lines.append(f"| {length} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
+    lines += ["", "![accuracy against budget](question_sweep.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({c["length"] for c in data["cells"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
+    full = {c["length"]: c["correct"] / c["prompts"] for c in data["full_cache"] if c["prompts"]}
+    for ax, length in zip(axes[0], lengths):
+        for policy in sorted({c["policy"] for c in data["cells"]}):
+            for asked, style in ((False, "--"), (True, "-")):
+                pts = sorted((c["budget"], c["accuracy"], c["interval95"]) for c in data["cells"]
+                             if c["length"] == length and c["policy"] == policy and c["question"] == asked)
+                if not pts or (asked and any(c["question_unused"] for c in data["cells"] if c["policy"] == policy)):
+                    continue
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
+                ax.errorbar(xs, ys, yerr=err, fmt=style + "o", capsize=3,
+                            label=f"{policy}" + (" --question" if asked else ""))
+        if length in full:
+            ax.axhline(full[length], color="black", lw=1, label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{length}-token prompts")
+        ax.set_xlabel("budget N (tokens)")
+        ax.set_ylabel("passkey accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--collect", type=Path, help="copy each RUN/results.json under this folder into " + str(RAW))
+    args = ap.parse_args()
+    if args.collect:
+        collect(args.collect)
+    runs = load_runs()
+    if not runs:
+        raise SystemExit(f"no runs in {RAW}; run the edgekv eval commands in this file's docstring, then --collect")
+    from edgekv.evaluation.report import provenance
+
+    data = {"provenance": provenance([sys.argv[0], *sys.argv[1:]]),
+            "runs": [{"_name": r["_name"], "meta": r["meta"], "complete": r.get("complete", False)} for r in runs],
+            **summarize(runs)}
+    out = ROOT / "docs/results/question_sweep"
+    (out.with_suffix(".json")).write_text(json.dumps(data, indent=1))
+    out.with_suffix(".md").write_text(markdown(data))
+    plot(data, out.with_suffix(".png"))
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()
