@@ -613,7 +613,7 @@ def compile_cmd(
                                                "more entries; CPU targets)")] = "fp32",
     question_rows: Annotated[int, typer.Option(help="room for a document's question of up to this many tokens to score "
                                                     "every block (`edgekv run ARTIFACT --question`; query-aware "
-                                                    "policies snapkv, snapkv++, tova, dapq; CPU targets; 0: none)")] = 0,
+                                                    "policies snapkv, snapkv++, tova, h2o, dapq; CPU targets; 0: none)")] = 0,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time

@@ -84,7 +84,7 @@ def check_against_engine(model, rt, name, question):
 
 
 @pytest.mark.parametrize("name", ["snapkv++", "dapq", pytest.param("snapkv", marks=pytest.mark.slow),
-                                  pytest.param("tova", marks=pytest.mark.slow)])
+                                  pytest.param("tova", marks=pytest.mark.slow), pytest.param("h2o", marks=pytest.mark.slow)])
 def test_compiled_question_rows_keep_the_engines_sets(model, name, tmp_path_factory):
     art = built(model, name, tmp_path_factory)
     rt = HostRuntime(art)
@@ -95,7 +95,7 @@ def test_compiled_question_rows_keep_the_engines_sets(model, name, tmp_path_fact
     without = check_against_engine(model, rt, name, None)  # padding rows only: the engine without a question
     # the question changed what was kept (else this setup would not test anything)
     assert any(not torch.equal(with_q.kept_positions(layer).sort(1).values, without.kept_positions(layer).sort(1).values)
-               for layer in range(2)) or name == "tova"
+               for layer in range(2)) or name in ("tova", "h2o")
 
 
 @pytest.mark.skipif(not native.available(), reason="the native runtime is not built: `pip install -e .` builds "
@@ -129,7 +129,7 @@ def test_question_errors(model, tmp_path_factory):
     with pytest.raises(PolicyError, match="empty"):
         rt.prefill(DOC, question=[])
     assert rt.position == 0
-    for name, why in (("keydiff", "query-agnostic"), ("h2o", "do not take question rows yet")):
+    for name, why in (("keydiff", "does not score blocks with a question"), ("d2o", "does not score blocks")):
         with pytest.raises(CompileError, match=why):
             compile_model(model, make_policy(name), N, B, target=TARGET, question_rows=Q)
     with pytest.raises(CompileError, match="no GPU kernels"):

@@ -24,17 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgekv.evaluation.report import provenance  # noqa: E402
-from edgekv.evaluation.tasks import INTRO, QUESTION, build_passkey, extract_key  # noqa: E402
+from edgekv.evaluation.tasks import INTRO, build_passkey, extract_key  # noqa: E402
+from edgekv.evaluation.tasks import QUESTION as EVAL_QUESTION  # noqa: E402
 from edgekv.job import write_json_atomic  # noqa: E402
 from edgekv.models import load_model  # noqa: E402
 from edgekv.models.chat import QUESTION_SEPARATOR  # noqa: E402
 
 
+# `edgekv eval` starts the assistant's turn with "The pass key is" for the model; a user of `edgekv run`
+# cannot, so the question asks for the number (the full cache answers it so)
+QUESTION = "What is the pass key? Answer with the number only."
+
+
 def documents(tokenizer, length: int, depth: float, seed: int) -> tuple[str, str]:
-    """(document, answer) of the passkey prompt: the user turn before its question."""
+    """(document, answer) of ``edgekv eval``'s passkey prompt: the user turn before its question."""
     p = build_passkey(tokenizer, length, depth, seed)
     text = tokenizer.decode(p.ids.tolist())
-    return text[text.index(INTRO): text.index(QUESTION_SEPARATOR + QUESTION)], p.answer
+    return text[text.index(INTRO): text.index(QUESTION_SEPARATOR + EVAL_QUESTION)], p.answer
 
 
 def edgekv_run(model: str, doc: Path, report: Path, question: str | None, args) -> dict:

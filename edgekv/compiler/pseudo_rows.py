@@ -51,15 +51,18 @@ def check_question_rows(policy: Any, question_rows: int) -> None:
         raise CompileError("--question-rows must be ≥ 0 (the longest question in tokens; 0: none)")
     if not question_rows:
         return
+    from ..policies import REGISTRY
+
+    takes = ", ".join(n for n, c in REGISTRY.items() if getattr(c, "question_kernels", False))
     if not getattr(policy, "uses_question", False):
         raise CompileError(
-            f"policy '{policy.name}' is query-agnostic: it scores the cache without queries, so a question "
-            "cannot change what it keeps; compile it without --question-rows")
+            f"policy '{policy.name}' does not score blocks with a question (only {takes} do), so question rows "
+            "would change nothing; compile it without --question-rows")
     if not getattr(policy, "question_kernels", False):
         raise CompileError(
             f"policy '{policy.name}' scores with the question in the eager engine (`edgekv run MODEL --question`), "
-            "but its compiled kernels do not take question rows yet; compile it without --question-rows, or use "
-            "snapkv, snapkv++, tova or dapq")
+            f"but its compiled kernels do not take question rows yet; compile it without --question-rows, or use "
+            f"{takes}")
 
 
 def step_extra_rows(spec: Any, rows: int, fixed_n_valid: int | None) -> int:

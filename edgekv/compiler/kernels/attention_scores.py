@@ -276,28 +276,50 @@ def build_colsum_observe_kernel(num_kv_heads: int, budget: int, block: int, head
 
 
 def build_state_score_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, num_q_heads: int,
-                             sm_scale: float, *, recent: int = 0, num_state: int = 1, dtype: str = "float32"):
+                             sm_scale: float, *, recent: int = 0, num_state: int = 1, question_rows: int = 0,
+                             dtype: str = "float32"):
     """Score kernel ``(8 common, q, cand_state[S, H, N + B], out score[H, N + B])`` of H2O: the
     accumulated attention (state row 0), the ``recent`` newest candidates (the last ones: the
-    candidates are in position order) pinned to +inf."""
+    candidates are in position order) pinned to +inf. ``question_rows`` = Q > 0: on a step that
+    carries a question, the column sums of all its rows over the candidates (group mean) join
+    the accumulated sums, never stored (the reference's ``score`` with ``extra_is_question``)."""
     check_dtype(dtype)
     H, N, B, D, Hq = num_kv_heads, budget, block, head_dim, int(num_q_heads)
+    Q = int(question_rows)
+    B = B - Q  # real rows
     S = int(num_state)
-    NB = N + B
+    NB = N + B + Q
     R = int(recent)
+    first, count, factor = _head_reduce(H, Hq, "group_mean")
+    colsum_stage, count_question_rows = _colsum_macros(H, Hq, N, B, D, float(sm_scale), 1, Q, Q)
 
     @T.macro
     def state_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, cand_state, score):
+        colsum = T.alloc_buffer((Hq, NB), "float32")
+        nq_buf = T.alloc_buffer((1,), "int32")
+        if Q > 0:
+            count_question_rows(pos_blk, nq_buf)
+            if nq_buf[0] > 0:
+                colsum_stage(q, k_cache, k_blk, fill, n_valid, nq_buf, colsum)
         for h in T.parallel(H):
             with T.sblock("score"):
-                T.reads(cand_state[0, h, 0:NB], fill[0:1], n_valid[0:1])
+                T.reads(cand_state[0, h, 0:NB], fill[0:1], n_valid[0:1], colsum[0:Hq, 0:NB], nq_buf[0:1])
                 T.writes(score[h, 0:NB])
+                asked = T.sblock_alloc_buffer((NB,), "float32")
                 n: T.let[T.int32] = fill[0] + n_valid[0]
                 for j in T.serial(NB):
+                    asked[j] = T.float32(0)
+                if Q > 0:
+                    if nq_buf[0] > 0:
+                        for g in T.serial(count):
+                            for j in T.serial(NB):
+                                asked[j] = asked[j] + colsum[first(h) + g, j]
+                for j in T.serial(NB):
                     score[h, j] = T.if_then_else(
-                        j < n, T.if_then_else(j >= n - R, T.float32("inf"), cand_state[0, h, j]), T.float32("-inf"))
+                        j < n, T.if_then_else(j >= n - R, T.float32("inf"),
+                                              cand_state[0, h, j] + asked[j] * T.float32(factor)), T.float32("-inf"))
 
-    return state_score_kernel(StepShapes(H, N, B, D, Hq=Hq, S=S), state_score)
+    return state_score_kernel(StepShapes(H, N, B + Q, D, Hq=Hq, S=S), state_score)
 
 
 # ---- GPU versions (same signatures; swapped in by gpu_schedule.ReplaceKernels) ---------------------
