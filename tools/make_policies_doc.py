@@ -18,6 +18,22 @@ Common to all: with N ≥ prompt + output every policy is exactly full attention
 changes nothing while nothing is evicted (both are tested for every registered policy in
 `tests/test_policy_properties.py`).
 
+## Reading a document knowing its question (`--question`)
+
+When the question is known before the document is read (`edgekv run --question Q`, `edgekv eval
+--question`, `BlockEngine.prefill(doc, question=ids)`), the question's tokens run after every
+evicting block at their true future positions, as extra rows that never enter the cache, and the
+query-aware policies score that block's candidates with the question's queries instead of the
+block's own last rows: SnapKV and SnapKV++ take the question's last `window` rows as the
+observation window (nothing is pinned: the question is not a candidate), TOVA its last row, H2O
+adds the question's column sums to the accumulated ones at scoring time (they never enter its
+state), DapQ's pseudo rows become the question. KeyDiff, LagKV, streaming, D2O and RocketKV do not
+read the question and run unchanged, so one reading serves every question; a query-aware policy
+reads the document once per question. Compiled: `edgekv compile --question-rows N` (questions of
+up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md). The effect on
+long passkeys: [results](results/question_sweep.md) (SnapKV++ at N = 512 on 4K-token prompts:
+0 of 10 without the question, every one with it).
+
 ## full
 
 No eviction; refuses with the size it needs when cache ⊕ block exceeds N.

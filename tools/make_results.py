@@ -32,6 +32,9 @@ section itself):
                 --budget 594 (fp32) / --budget 2535 --kv-dtype int8: the N that 32MiB buys in each format
   eval_kv_int8/fidelity_{fp32,int8}/results.md  the same pair, --task fidelity --fidelity-lengths 4k,7k
   snapkv_pooling.md  tools/check_snapkv_pooling.py  (SnapKV's pooling x kernel against SnapKV++, one-block passkey)
+  dapq_ablation.md   tools/check_snapkv_pooling.py --study dapq  (DapQ's switches one at a time)
+  question_sweep.md  tools/results_question_sweep.py (passkey at 4K/7K with and without --question; edgekv eval runs)
+  question_demo.md   tools/question_demo.py --compiled  (the --question demo on a 7K-token document)
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ SECTIONS = [
     ("Fidelity at equal KV bytes (32 MiB), 4K and 7K texts: int8 cache, N = 2535",
      "eval_kv_int8/fidelity_int8/results.md"),
     ("SnapKV against SnapKV++ on long passkeys: pooling and kernel", "snapkv_pooling.md"),
+    ("Long passkeys with and without the question (`--question`)", "question_sweep.md"),
+    ("The `--question` demo: a 7K-token document", "question_demo.md"),
+    ("DapQ's switches one at a time", "dapq_ablation.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
 

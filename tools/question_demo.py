@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -56,7 +57,7 @@ def edgekv_run(model: str, doc: Path, report: Path, question: str | None, args) 
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     data = json.loads(report.read_text())
     text = data["document"]["answers"][0]["text"] if question is not None else data["text"]
-    return {"command": "edgekv " + " ".join(cmd[3:]).replace(str(ROOT) + "/", ""), "answer_text": text,
+    return {"command": "edgekv " + shlex.join(cmd[3:]).replace(str(ROOT) + "/", ""), "answer_text": text,
             "seconds": time.perf_counter() - t0, "question_scoring": data.get("question_scoring", False),
             "prompt_tokens": data.get("document", {}).get("document_tokens") or data.get("prompt_tokens")}
 

@@ -87,6 +87,9 @@ class RayPool:
                              "processes)") from None
         self.ray = ray
         self.started_here = not ray.is_initialized()
+        # Ray nices its workers (15) by default: beside any other work on the machine a sweep started
+        # here would barely run (an instance started by `ray start` keeps its own setting)
+        os.environ.setdefault("RAY_worker_niceness", "0")
         try:
             ray.init(address=None if address == "auto" else address, ignore_reinit_error=True,
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
