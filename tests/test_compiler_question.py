@@ -29,7 +29,7 @@ TARGET = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
 B, N, Q = 8, 16, 8
 DOC = np.random.default_rng(1).integers(1, 250, 60)
 QUESTION = np.array([5, 9, 11, 200, 17, 3])
-ARGS = {"dapq": {"window": 4, "prefix": 1}, "snapkv": {"window": 4}, "snapkv++": {"window": 4, "kernel": 3}}
+ARGS = {"dapq": {"window": 4, "prefix": 1, "kernel": 3}, "snapkv": {"window": 4}, "snapkv++": {"window": 4, "kernel": 3}}
 _BUILT: dict = {}
 
 

@@ -159,7 +159,7 @@ def test_score_sanity_and_softmax_domain(tiny):
 def test_single_block_equals_single_shot_dapq(tiny, softmax_over):
     n, budget, w, a = 60, 20, 8, 2
     x = prompt(n, seed=4)
-    policy = Recording(window=w, prefix=a, softmax_over=softmax_over)
+    policy = Recording(window=w, prefix=a, softmax_over=softmax_over, kernel=1)  # the paper: no pooling
     engine = BlockEngine(tiny, policy, budget=budget, block=128, record_kept=True)
     logits = engine.prefill(x)
     # Direct single-shot computation with HF's own forward over [prompt, pseudo] at positions 0..n+w-1.

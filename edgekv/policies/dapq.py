@@ -9,8 +9,13 @@ query heads of its KV group; the top N candidates are kept per KV head. Pseudo K
 and the first output token comes from the last real prompt row (decoding starts at position n).
 
 Defaults (paper §5.1, digest §2.9): ``window`` w = 32, ``prefix`` a = 4 (first 4 + last 28),
-``softmax_over="prompt+pseudo"``, no pooling (``kernel=1``: the paper names none), no protected
-recent window (``keep_recent=0``), final-aligned positions.
+``softmax_over="prompt+pseudo"``, no protected recent window (``keep_recent=0``), final-aligned
+positions. Pooling, which the paper does not name, is ours, chosen by measurement (issue 16,
+``tools/check_snapkv_pooling.py --study dapq``, docs/policies.md): max pooling over κ = 63
+candidates (SnapKV++'s), because without it DapQ keeps the needle's attended tokens but too few
+of their neighbours — long passkeys 1 of 12 without pooling, 12 of 12 with it, at N = 512 on
+2K/4K prompts, one block and block-wise; fidelity to the full cache stays SnapKV++'s (mean KL
+0.042 vs 0.025 unpooled at N = 256..1K). ``kernel=1`` is the unpooled variant.
 
 Block-wise adaptation (digest §7.3): the pseudo tokens are built once in ``prepare`` from the whole
 prompt (known up front) and appended, at positions n … n+w−1, to every block that triggers an
@@ -438,8 +443,8 @@ class DapQPolicy(Policy):
     prefix: int = 4
     positions: str = "final"
     softmax_over: str = "prompt+pseudo"
-    kernel: int = 1
-    pooling: str = "avg"
+    kernel: int = 63  # max pooling over 63 candidates: ours, measured (the paper names no pooling)
+    pooling: str = "max"
     keep_recent: int = 0
 
     def __post_init__(self) -> None:
