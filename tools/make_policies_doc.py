@@ -31,8 +31,14 @@ state), DapQ's pseudo rows become the question. KeyDiff, LagKV, streaming, D2O a
 read the question and run unchanged, so one reading serves every question; a query-aware policy
 reads the document once per question. Compiled: `edgekv compile --question-rows N` (questions of
 up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md). The effect on
-long passkeys: [results](results/question_sweep.md) (SnapKV++ at N = 512 on 4K-token prompts:
-0 of 10 without the question, every one with it).
+long passkeys: [results](results/question_sweep.md) (N = 512, 4K-token prompts: SnapKV++ 2 of 10
+without the question, 10 of 10 with it, as the full cache; at 7K tokens SnapKV reaches 6 of 10 and
+SnapKV++ 3 of 10 with it, both 10 of 10 at N = 1K). Why the query-aware policies fail without it:
+each block's candidates are scored by that block's own last rows, which attend to their own
+neighbourhood and have not seen the question, so the needle leaves the cache in the block after it
+arrives, long before the question does; its retention shows it (SnapKV++ at 4K, N = 512: 59 % of
+the layer × head caches keep the key without the question, 76 % with it). KeyDiff keeps diverse
+keys whatever is asked and holds at 4K (6 of 10 at N = 512, 9 of 10 at 1K) but not at 7K.
 
 ## full
 
