@@ -41,6 +41,7 @@ section itself):
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,8 +101,9 @@ def main() -> None:
             if lines and lines[0].startswith("# "):
                 lines = lines[1:]
             body = "\n".join(("#" + l) if l.startswith("#") else l for l in lines)
-            if "/" in name:  # a results folder of its own (edgekv bench -o docs/results/<folder>)
-                body = body.replace("](bench.png)", f"](results/{name.split('/')[0]}/bench.png)")
+            if "/" in name:  # a results folder of its own (edgekv bench / eval -o docs/results/<folder>)
+                folder = name.rsplit("/", 1)[0]
+                body = re.sub(r"\]\(([^)/:]+\.png)\)", lambda m: f"](results/{folder}/{m.group(1)})", body)
             else:
                 body = body.replace("](", "](results/").replace("](results/http", "](http").replace("](results/results/", "](results/")
             parts.append(body + "\n")
