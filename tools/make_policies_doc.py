@@ -33,7 +33,9 @@ reads the document once per question. Compiled: `edgekv compile --question-rows 
 up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md). The effect on
 long passkeys: [results](results/question_sweep.md) (N = 512, 4K-token prompts: SnapKV++ 2 of 10
 without the question, 10 of 10 with it, as the full cache; at 7K tokens SnapKV reaches 6 of 10 and
-SnapKV++ 3 of 10 with it, both 10 of 10 at N = 1K). Why the query-aware policies fail without it:
+SnapKV++ 3 of 10 with it, both 10 of 10 at N = 1K; on the same 7K prompts at N = 512 pooled DapQ
+answers 8 of 10 with the question and SnapKV++ at κ = 7 answers 7 of 10 —
+[probe](results/question_probe_7k/results.md): SnapKV++'s κ = 63 is too wide there). Why the query-aware policies fail without it:
 each block's candidates are scored by that block's own last rows, which attend to their own
 neighbourhood and have not seen the question, so the needle leaves the cache in the block after it
 arrives, long before the question does; its retention shows it (SnapKV++ at 4K, N = 512: 59 % of
