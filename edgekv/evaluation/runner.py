@@ -256,12 +256,13 @@ class Runner:
                     finished[prompt.id] = self.run_prompt(prompt, runs, bar, on_run=partial)
                     self.log(f"{prompt.id}: {len(runs)} runs")
             else:
-                for i, (ref_row, rows) in pool.map_prompts([i for i, _, _ in plan]):
+                runs_of = {i: runs for i, _, runs in plan}
+                for i, (ref_row, rows) in pool.map_prompts(list(runs_of)):
                     prompt = prompts[i]
                     finished[prompt.id] = (ref_row, rows)
                     if bar:
                         bar.describe(f"{prompt.id} · done")
-                        bar.advance(prompt.tokens * (1 + len(self.plan([prompt])[0][1])))
+                        bar.advance(prompt.tokens * (1 + len(runs_of[i])))
                     if self.on_prompt_done:
                         self.on_prompt_done(collect())
                     self.log(f"{prompt.id}: done")

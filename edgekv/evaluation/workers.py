@@ -23,15 +23,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Iterable, Iterator
 
 from ..errors import InputError
+from ..threads import usable_cores
 
 _WORKER = None  # this process's Runner, in a worker process
-
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _make_runner(model_name: str | None, spec, threads: int):
@@ -140,7 +134,7 @@ def make_pool(workers: int | None, ray: str | None, model_name: str | None, spec
         raise InputError("--workers must be ≥ 1 (1 runs the prompts in this process)")
     if ray:
         return RayPool(ray, workers, model_name, spec, threads or 1)
-    n = workers if workers is not None else max(1, cores() // (threads or 1))
+    n = workers if workers is not None else max(1, usable_cores() // (threads or 1))
     if n == 1:
         return None
-    return LocalPool(n, model_name, spec, threads or max(1, cores() // n))
+    return LocalPool(n, model_name, spec, threads or max(1, usable_cores() // n))
