@@ -523,8 +523,7 @@ def host_bridge(tmp_path_factory):
     return {"lib": lib, "classes": classes}
 
 
-@pytest.fixture(scope="module")
-def host_artifact(tmp_path_factory):
+def _host_artifact(tmp_path_factory, policy: str, args: dict, question_rows: int = 0) -> Path:
     tvm = pytest.importorskip("tvm")  # noqa: F841
     from edgekv.compiler import compile_model
     from edgekv.models import load_model, tiny_random_model
@@ -533,20 +532,20 @@ def host_artifact(tmp_path_factory):
     d = tmp_path_factory.mktemp("host-art")
     tiny_random_model(0, layers=2).to_hf().save_pretrained(d / "hf")
     _byte_level_tokenizer().save_pretrained(d / "hf")
-    compile_model(load_model(str(d / "hf")), make_policy("keydiff", {}), 16, 4,
-                  target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=d / "art")
+    compile_model(load_model(str(d / "hf")), make_policy(policy, args), 16, 4,
+                  target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=d / "art",
+                  question_rows=question_rows)
     assert (d / "art" / "tokenizer.ekt").is_file()
     return d / "art"
 
 
-def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
-    """The app's Engine through the JNI bridge on a real JVM, on the artifact edgekv-run answers
-    too: the same ids and text for each question (the first reads the document and saves its
-    cache, the later ones load it), the text streamed whole; text into the bridge crosses as
-    UTF-16 (a character outside the BMP, a NUL) and encodes as HF tokenizers does; a cancel stops
-    the run and the engine answers again after it; refusals arrive as EdgeKvException."""
-    from edgekv.runtime import native
+@pytest.fixture(scope="module")
+def host_artifact(tmp_path_factory):
+    return _host_artifact(tmp_path_factory, "keydiff", {})
 
+
+def _host_check(host_bridge, artifact, tmp_path, questions) -> dict:
+    """HostCheck (the app's Engine through the bridge on a desktop JVM) on ``artifact``; its JSON."""
     (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")
     (tmp_path / "probe.txt").write_text(PROBE, encoding="utf-8")
     env = dict(os.environ)
@@ -556,32 +555,49 @@ def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
     # the symbol themselves (test_finish_defines_the_loader_symbol_inside_android_model_so).
     env["LD_PRELOAD"] = str(host_bridge["lib"] / "libedgekv_runtime.so")
     r = run(["java", "-Xss4m", f"-Djava.library.path={host_bridge['lib']}", "-cp", host_bridge["classes"], "HostCheck",
-             host_artifact, tmp_path / "doc.txt", tmp_path / "snapshots", NEW_TOKENS, tmp_path / "probe.txt",
-             *QUESTIONS], env=env, timeout=300)
+             artifact, tmp_path / "doc.txt", tmp_path / "snapshots", NEW_TOKENS, tmp_path / "probe.txt",
+             *questions], env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _edgekv_run_answers(artifact, tmp_path, questions) -> list[dict]:
+    """edgekv-run's answers on the same artifact, document and questions."""
+    from edgekv.runtime import native
+
+    cli = native.cli_path()
+    if cli is None:
+        pytest.skip("edgekv-run is not built (pip install -e .)")
+    report = tmp_path / "run.json"
+    res = run([cli, artifact, "--prompt-file", tmp_path / "doc.txt", *sum((["--question", q] for q in questions), []),
+               "--max-new-tokens", NEW_TOKENS, "--report", report, "--quiet"], timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(report.read_text())
+    return data["document"]["answers"] if "document" in data else data["answers"]
+
+
+def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
+    """The app's Engine through the JNI bridge on a real JVM, on the artifact edgekv-run answers
+    too: the same ids and text for each question (the first reads the document and saves its
+    cache, the later ones load it), the text streamed whole; text into the bridge crosses as
+    UTF-16 (a character outside the BMP, a NUL) and encodes as HF tokenizers does; a cancel stops
+    the run and the engine answers again after it; refusals arrive as EdgeKvException."""
+    got = _host_check(host_bridge, host_artifact, tmp_path, QUESTIONS)
 
     # what was compiled, and the memory check before loading
     assert got["info"]["policy"] == "keydiff" and got["info"]["budget"] == 16 and got["info"]["block"] == 4
-    assert got["info"]["chat"] is False and got["info"]["vocab_size"] == 256
+    assert got["info"]["chat"] is False and got["info"]["vocab_size"] == 256 and got["info"]["question_rows"] == 0
     assert got["describe"] == "hf · keydiff · N=16 · B=4 · float32 · custom"  # model dir name, dict target
     assert got["refusal_large"] is None
     assert "Not loading art: its memory plan needs" in got["refusal_small"] and "MiB" in got["refusal_small"]
 
     # the answers, against edgekv-run on the same artifact, document and questions
-    cli = native.cli_path()
-    if cli is None:
-        pytest.skip("edgekv-run is not built (pip install -e .)")
-    report = tmp_path / "run.json"
-    res = run([cli, host_artifact, "--prompt-file", tmp_path / "doc.txt", *sum((["--question", q] for q in QUESTIONS), []),
-               "--max-new-tokens", NEW_TOKENS, "--report", report, "--quiet"], timeout=300)
-    assert res.returncode == 0, res.stderr
-    want = json.loads(report.read_text())["document"]["answers"] if "document" in json.loads(report.read_text()) \
-        else json.loads(report.read_text())["answers"]
+    want = _edgekv_run_answers(host_artifact, tmp_path, QUESTIONS)
     answers = got["answers"]
     assert [a["generated_ids"] for a in answers] == [w["generated_ids"] for w in want]
     assert [a["text"] for a in answers] == [w["text"] for w in want]
     assert [a["from_snapshot"] for a in answers] == [False, True, True]
+    assert not any(a["question_scoring"] for a in answers)
     doc_tokens = len(DOCUMENT.encode("utf-8"))  # one token per byte
     for a, q in zip(answers, QUESTIONS):
         assert len(a["generated_ids"]) == NEW_TOKENS  # no stop id in this vocabulary
@@ -606,6 +622,29 @@ def test_bridge_on_a_desktop_jvm(host_bridge, host_artifact, tmp_path):
     assert got["error_missing"].startswith("1 "), got["error_missing"]
     assert got["error_memory"].startswith("5 ") and "memory plan" in got["error_memory"], got["error_memory"]
     assert got["error_empty"].startswith("4 ") and "document" in got["error_empty"], got["error_empty"]
+
+
+def test_bridge_scores_the_document_with_the_question(host_bridge, tmp_path_factory, tmp_path):
+    """An artifact compiled with --question-rows (issue 16): the app reads the document knowing
+    each question, as edgekv-run does (the same ids and text, the document read once per new
+    question); its saved cache serves the same question again and no other; a question longer
+    than the rows is refused with the fix."""
+    art = _host_artifact(tmp_path_factory, "snapkv++", {"window": 4, "kernel": 3}, question_rows=32)
+    questions = [QUESTIONS[0], QUESTIONS[0], QUESTIONS[1]]
+    got = _host_check(host_bridge, art, tmp_path, questions)
+    assert got["info"]["policy"] == "snapkv++" and got["info"]["question_rows"] == 32
+    want = _edgekv_run_answers(art, tmp_path, questions)
+    answers = got["answers"]
+    assert [a["generated_ids"] for a in answers] == [w["generated_ids"] for w in want]
+    assert [a["text"] for a in answers] == [w["text"] for w in want]
+    assert all(a["question_scoring"] for a in answers)
+    assert [a["from_snapshot"] for a in answers] == [False, True, False]  # the cache is the question's
+    doc_tokens = len(DOCUMENT.encode("utf-8"))
+    assert [a["prefill_tokens"] for a in answers] == [doc_tokens + answers[0]["question_tokens"],
+                                                      answers[1]["question_tokens"],
+                                                      doc_tokens + answers[2]["question_tokens"]]
+    assert got["error_long_question"].startswith("4 "), got["error_long_question"]
+    assert "--question-rows" in got["error_long_question"], got["error_long_question"]
 
 
 @pytest.mark.slow

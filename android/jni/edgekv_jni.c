@@ -329,6 +329,7 @@ JNIEXPORT void FN(modelInfo)(JNIEnv *env, jclass cls, jlong model, jobject out) 
   set_int(env, out, c, "budget", i.budget);
   set_int(env, out, c, "block", i.block);
   set_int(env, out, c, "pseudoRows", i.pseudo_rows);
+  set_int(env, out, c, "questionRows", ekv_model_question_rows(MODEL(model)));
   set_int(env, out, c, "threads", i.threads);
   set_bool(env, out, c, "chat", i.chat);
   set_long(env, out, c, "weightsBytes", i.weights_bytes);
@@ -422,6 +423,22 @@ JNIEXPORT void FN(prefill)(JNIEnv *env, jclass cls, jlong session, jintArray ids
   int32_t *p = ids_of(env, ids, &n);
   if (p == NULL) return;
   ekv_status st = ekv_session_prefill(SESSION(session), p, n, on_progress, &cb);
+  free(p);
+  if (st != EKV_OK) throw_status(env, st, ekv_session_last_error(SESSION(session)));
+}
+
+/* The question whose rows score every prefill block that follows (artifacts compiled with
+ * --question-rows); null or empty clears it. The runtime refuses one longer than the rows. */
+JNIEXPORT void FN(setQuestion)(JNIEnv *env, jclass cls, jlong session, jintArray ids) {
+  (void)cls;
+  if (!require_handle(env, session, "edgekv: no session")) return;
+  size_t n = 0;
+  int32_t *p = NULL;
+  if (ids != NULL && (*env)->GetArrayLength(env, ids) > 0) {
+    p = ids_of(env, ids, &n);
+    if (p == NULL) return;
+  }
+  ekv_status st = ekv_session_set_question(SESSION(session), p, n);
   free(p);
   if (st != EKV_OK) throw_status(env, st, ekv_session_last_error(SESSION(session)));
 }

@@ -55,6 +55,7 @@ public final class HostCheck {
         i.put("plan_bytes", info.planBytes);
         i.put("cache_bytes", info.cacheBytes);
         i.put("vocab_size", info.vocabSize);
+        i.put("question_rows", info.questionRows);
         out.put("info", i);
 
         final List<Object> events = new ArrayList<Object>();
@@ -84,6 +85,7 @@ public final class HostCheck {
             m.put("text", a.text);
             m.put("streamed", streamed.toString());
             m.put("from_snapshot", a.fromSnapshot);
+            m.put("question_scoring", a.questionScoring);
             m.put("document_tokens", a.documentTokens);
             m.put("question_tokens", a.questionTokens);
             m.put("prefill_tokens", a.stats.prefillTokens);
@@ -136,6 +138,16 @@ public final class HostCheck {
             out.put("error_empty", "accepted");
         } catch (EdgeKvException ex) {
             out.put("error_empty", ex.status + " " + ex.getMessage());
+        }
+        if (e3.info().questionRows > 0) { /* a question past the artifact's rows: refused with the fix */
+            StringBuilder longQuestion = new StringBuilder();
+            while (longQuestion.length() <= e3.info().questionRows) longQuestion.append("why? ");
+            try {
+                e3.ask(document, longQuestion.toString(), maxNew, 0f, quiet());
+                out.put("error_long_question", "accepted");
+            } catch (EdgeKvException ex) {
+                out.put("error_long_question", ex.status + " " + ex.getMessage());
+            }
         }
         e3.close();
         System.out.println(Json.write(out));

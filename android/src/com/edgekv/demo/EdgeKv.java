@@ -61,6 +61,12 @@ public final class EdgeKv {
 
     public static native void prefill(long session, int[] ids, Progress progress) throws EdgeKvException;
 
+    /**
+     * The question whose rows score every following prefill block (artifacts compiled with
+     * --question-rows; {@link ModelInfo#questionRows} &gt; 0); null clears it.
+     */
+    public static native void setQuestion(long session, int[] ids) throws EdgeKvException;
+
     public static native void decode(long session, int token) throws EdgeKvException;
 
     public static native int greedy(long session, long model) throws EdgeKvException;

@@ -11,6 +11,9 @@ import java.security.NoSuchAlgorithmException;
  * first question about a document prefills it block by block, saves the cache state
  * (ekv_session_save) and continues with the question; every later question about the same
  * document maps that file back (ekv_session_load) and prefills only the question.
+ * An artifact compiled with --question-rows reads the document knowing the question (issue 16):
+ * the question's rows score every block, so the kept cache belongs to that question; its saved
+ * cache serves the same question again, and another question reads the document again.
  *
  * Pure Java: the Activity runs it on its worker thread, and tests/test_android_app.py runs it on a
  * desktop JVM against a host artifact. All methods but {@link #cancel} belong to one thread.
@@ -31,6 +34,7 @@ public final class Engine {
         public String question = "", text = "";
         public int[] ids = new int[0];
         public boolean fromSnapshot;
+        public boolean questionScoring;     /* the document was read knowing the question (--question-rows) */
         public int documentTokens, questionTokens;
         public double documentSeconds;      /* the document's prefill (then, or when the snapshot was made) */
         public double snapshotLoadSeconds;  /* mapping the saved cache back (0 when read now) */
@@ -171,7 +175,9 @@ public final class Engine {
         }
         int[] prompt;
         if (hasQuestion && hasDocument) {
-            String key = key(document, chat);
+            prompt = EdgeKv.encode(model, question, chat, EdgeKv.PART_QUESTION);
+            a.questionScoring = info.questionRows > 0;
+            String key = key(document, chat, a.questionScoring ? question : null);
             if (key.equals(documentKey) && documentSnapshot != null && documentSnapshot.isFile()) {
                 listener.onPhase("loading the saved document cache");
                 long l0 = System.nanoTime();
@@ -192,17 +198,21 @@ public final class Engine {
                 int[] doc = EdgeKv.encode(model, document, chat, EdgeKv.PART_DOCUMENT);
                 listener.onPhase("reading the document: " + doc.length + " tokens in " + blocks(doc.length, block)
                         + " blocks of " + block);
-                EdgeKv.prefill(session, doc, progress("document", block, listener));
+                if (a.questionScoring) EdgeKv.setQuestion(session, prompt); /* refused past the rows, with the fix */
+                try {
+                    EdgeKv.prefill(session, doc, progress("document", block, listener));
+                } finally {
+                    if (a.questionScoring) EdgeKv.setQuestion(session, null);
+                }
                 Stats st = stats();
                 documentTokens = a.documentTokens = doc.length;
                 documentSeconds = a.documentSeconds = st.prefillSeconds;
                 File snap = new File(snapshotDir, "document-" + key.substring(0, 16) + ".ekv");
                 listener.onPhase("saving the document cache");
-                EdgeKv.save(session, snap.getPath(), null, chat);
+                EdgeKv.save(session, snap.getPath(), a.questionScoring ? question : null, chat);
                 documentSnapshot = snap;
                 documentKey = key;
             }
-            prompt = EdgeKv.encode(model, question, chat, EdgeKv.PART_QUESTION);
         } else {
             forgetDocument();
             EdgeKv.sessionReset(session);
@@ -233,11 +243,19 @@ public final class Engine {
         return (tokens + block - 1) / block;
     }
 
-    /** The document's identity for its saved cache: SHA-256 of its text and form. */
-    static String key(String document, boolean chat) {
+    /**
+     * The identity of a saved document cache: SHA-256 of the document's text and form, and of the
+     * question that scored its blocks (null: read without one).
+     */
+    static String key(String document, boolean chat, String scoringQuestion) {
         try {
             MessageDigest d = MessageDigest.getInstance("SHA-256");
             d.update((chat ? "chat\n" : "plain\n").getBytes("UTF-8"));
+            if (scoringQuestion != null) {
+                byte[] q = scoringQuestion.getBytes("UTF-8");
+                d.update(("question " + q.length + "\n").getBytes("UTF-8"));
+                d.update(q);
+            }
             byte[] h = d.digest(document.getBytes("UTF-8"));
             StringBuilder b = new StringBuilder();
             for (byte x : h) b.append(String.format("%02x", x & 0xff));

@@ -354,6 +354,9 @@ public final class MainActivity extends Activity {
         b.append(String.format(Locale.US, "policy   %s %s%n", i.policy, i.policyParams != null && i.policyParams.length() > 2 ? i.policyParams : ""));
         b.append(String.format(Locale.US, "budget   N = %d cache entries per layer and KV head%n", i.budget));
         b.append(String.format(Locale.US, "block    B = %d prompt tokens per step%n", i.block));
+        b.append(i.questionRows > 0
+                ? String.format(Locale.US, "question scores the document's blocks (up to %d tokens)%n", i.questionRows)
+                : "question read after the document (compiled without --question-rows)\n");
         b.append(String.format(Locale.US, "weights  %s, %s%n", a.dtype, Artifact.mib(i.weightsBytes)));
         b.append(String.format(Locale.US, "target   %s (%s) on %s%n", i.targetProfile, i.targetArch, i.device));
         b.append(String.format(Locale.US, "plan     %s = weights %s + KV cache %s + activations %s%n",
@@ -454,8 +457,9 @@ public final class MainActivity extends Activity {
         ModelInfo i = ENGINE.info();
         Stats s = a.stats;
         StringBuilder b = new StringBuilder();
-        b.append(String.format(Locale.US, "prompt       %d tokens = document %d (%s) + question %d%n", a.promptTokens(),
-                a.documentTokens, a.fromSnapshot ? "from the saved cache" : "read now", a.questionTokens));
+        b.append(String.format(Locale.US, "prompt       %d tokens = document %d (%s%s) + question %d%n", a.promptTokens(),
+                a.documentTokens, a.fromSnapshot ? "from the saved cache" : "read now",
+                a.questionScoring ? ", scored by the question" : "", a.questionTokens));
         b.append(String.format(Locale.US, "prefill      %.1f tok/s (%d tokens, %d blocks, %.2f s)%n",
                 s.prefillTokensPerSecond(), s.prefillTokens, s.prefillBlocks, s.prefillSeconds));
         if (a.fromSnapshot) {
@@ -630,6 +634,7 @@ public final class MainActivity extends Activity {
         m.put("text", a.text);
         m.put("generated_ids", a.ids);
         m.put("from_snapshot", a.fromSnapshot);
+        m.put("question_scoring", a.questionScoring);
         m.put("prompt_tokens", a.promptTokens());
         m.put("document_tokens", a.documentTokens);
         m.put("question_tokens", a.questionTokens);
