@@ -841,7 +841,8 @@ app.command("simulate")(simulate_cmd)
 def eval_(
     model: Annotated[Optional[str], typer.Argument(help=HELP["model"])] = None,
     task: Annotated[str, typer.Option(help="passkey, multikey, fidelity or all (comma-separated)")] = "passkey",
-    policies: Annotated[str, typer.Option("--policy", "--policies", help="comma-separated policies, or 'all' (see `edgekv policies`)")] = "full,keydiff,snapkv,tova,streaming,h2o",
+    policies: Annotated[str, typer.Option("--policy", "--policies", help="comma-separated policies, or 'all' (see `edgekv policies`); name#tag runs a variant beside the default, "
+                  "set with --policy-arg name#tag:key=value")] = "full,keydiff,snapkv,tova,streaming,h2o",
     budgets: Annotated[str, typer.Option("--budget", "--budgets", help="comma-separated budgets N: 128,256,512,1k")] = "128,256,512,1k",
     block: Annotated[str, typer.Option(help="block size(s) B, comma-separated; 'one' = the whole prompt as one block")] = "128",
     one_block: Annotated[bool, typer.Option(help="also run every budget with the whole prompt as one block")] = False,

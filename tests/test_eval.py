@@ -38,6 +38,20 @@ def test_option_parsing():
         parse_tasks("passkeys")
 
 
+def test_policy_variants_run_side_by_side():
+    """``name#tag`` labels a variant of a policy with its own --policy-arg (a κ sweep in one run,
+    sharing each prompt's full-cache reference); unnamed arguments reach every variant."""
+    spec = build_spec("passkey", "snapkv++,snapkv++#k3", "512", "128", False, "1k", "0.5", "0", 4, "repeat", 10,
+                      "2k", 512, 16, ["snapkv++#k3:kernel=3", "window=16"])
+    assert spec.policies == ["snapkv++", "snapkv++#k3"]
+    assert spec.policy_args == {"snapkv++": {"window": "16"}, "snapkv++#k3": {"kernel": "3", "window": "16"}}
+    variant = make_policy("snapkv++#k3", spec.policy_args["snapkv++#k3"])
+    assert variant.name == "snapkv++" and variant.kernel == 3 and variant.window == 16
+    assert make_policy("snapkv++", spec.policy_args["snapkv++"]).kernel == 0
+    with pytest.raises(Exception, match="unknown policy 'nope#k3'"):
+        build_spec("passkey", "nope#k3", "512", "128", False, "1k", "0.5", "0", 4, "repeat", 10, "2k", 512, 16, None)
+
+
 def test_extract_key():
     assert extract_key(" 58916.") == "58916"
     assert extract_key(" the pass key that is") is None

@@ -40,6 +40,12 @@ def policy_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def base_policy(label: str) -> str:
+    """The registered policy a label names: ``snapkv++#k15`` is a variant of ``snapkv++`` (a sweep
+    runs several settings of one policy side by side, each with its own ``--policy-arg LABEL:k=v``)."""
+    return label.split("#", 1)[0]
+
+
 def _coerce(value: str, annotation: typing.Any, policy: str, key: str):
     kind = annotation if isinstance(annotation, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(
         str(annotation).split("|")[0].strip(), str)
@@ -75,7 +81,8 @@ def policy_arguments(pairs: list[str] | None, policies: list[str]) -> dict[str, 
                                   f"ones ({', '.join(policies)})")
             out.setdefault(target, {})[key] = value
             continue
-        takers = [p for p in policies if p in REGISTRY and key in {f.name for f in dataclasses.fields(REGISTRY[p])}]
+        takers = [p for p in policies if base_policy(p) in REGISTRY
+                  and key in {f.name for f in dataclasses.fields(REGISTRY[base_policy(p)])}]
         if not takers:
             if len(policies) == 1:  # make_policy names the policy's arguments
                 out.setdefault(policies[0], {})[key] = value
@@ -88,10 +95,12 @@ def policy_arguments(pairs: list[str] | None, policies: list[str]) -> dict[str, 
 
 
 def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
-    """Build a policy from its name and ``key=value`` strings (CLI ``--policy-arg``)."""
-    if name not in REGISTRY:
-        raise PolicyError(f"unknown policy '{name}'; known policies: {', '.join(policy_names())}")
-    cls = REGISTRY[name]
+    """Build a policy from its name (or a variant label ``name#tag``, ``base_policy``) and
+    ``key=value`` strings (CLI ``--policy-arg``)."""
+    if base_policy(name) not in REGISTRY:
+        raise PolicyError(f"unknown policy '{name}'; known policies: {', '.join(policy_names())} (a variant of one "
+                          "is written name#tag, e.g. snapkv++#k15 with --policy-arg snapkv++#k15:kernel=15)")
+    cls = REGISTRY[base_policy(name)]
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in (args or {}).items():
@@ -102,5 +111,5 @@ def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
     return cls(**kwargs)
 
 
-__all__ = ["DEFAULT_POLICY", "EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy",
+__all__ = ["DEFAULT_POLICY", "base_policy", "EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy",
            "policy_arguments", "policy_names", "topk_keep"]
