@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from rich.progress import track
 
     from edgekv.engine import BlockEngine
-    from edgekv.evaluation.report import meta
+    from edgekv.evaluation.report import meta, provenance
     from edgekv.compiler.build import compile_or_reuse
     from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.memory import kv_bytes_per_token
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     from edgekv.policies import make_policy
     from edgekv.runtime import native
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")
     cfg = model.config
     # a compiled cache holds N rows per layer and KV head: equal bytes is N · bytes per token equal
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     passkey = answer_passkeys({kv: native.NativeRuntime(art) for kv, art in pair.items()}, prompts, tok,
                               progress=lambda p: track(p, description="passkey prompts"))
 
-    data = {**meta(model, [sys.executable, *sys.argv]), "policy": POLICY, "block": args.block,
+    data = {**meta(model, [sys.executable, *sys.argv]), **origin, "policy": POLICY, "block": args.block,
             "weights": json.loads(arts[("int8", args.budget)].joinpath("manifest.json").read_text())["weights"]["format"],
             "same_n": args.budget, "equal_bytes": {"bytes": fp32_bytes, "fp32_budget": args.bytes_of_fp32_budget,
                                                    "int8_budget": equal_n},

@@ -61,13 +61,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from rich.progress import track
 
-    from edgekv.evaluation.report import meta
+    from edgekv.evaluation.report import meta, provenance
     from edgekv.compiler.build import compile_or_reuse
     from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.models import load_model
     from edgekv.policies import make_policy
     from edgekv.runtime import native
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")
     cfg = model.config
     arts = {name: compile_or_reuse(model, make_policy(name), args.budget, args.block,
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.passkey_lengths.split(",")
                for d in args.depths.split(",") for s in args.seeds.split(",")]
     passkey = answer_passkeys(runtimes, prompts, tok, progress=lambda p: track(p, description="passkey prompts"))
-    data = {**meta(model, [sys.executable, *sys.argv]), "budget": args.budget, "block": args.block,
+    data = {**meta(model, [sys.executable, *sys.argv]), **origin, "budget": args.budget, "block": args.block,
             "weights": json.loads((arts["rocketkv"] / "manifest.json").read_text()).get("weights", {}).get("format"),
             "stage2": {k: v for k, v in policies["rocketkv"].plan(args.budget, cfg.head_dim).__dict__.items()},
             "decode": decode_rows, "passkey": passkey}

@@ -275,8 +275,10 @@ def main() -> None:
     args.agnostic = [p for p in args.agnostic.split(",") if p]
     args.aware = [p for p in args.aware.split(",") if p]
 
+    from edgekv.evaluation.report import provenance
     from edgekv.models import load_model
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")
     tok = model.tokenizer
     lengths = [parse_len(x) for x in args.lengths.split(",")]
@@ -292,7 +294,7 @@ def main() -> None:
         acc = accuracy(model, tok, docs, args, work)
     data = {"model": "smollm2-135m", "budget": args.budget, "block": args.block, "lengths": lengths, "seeds": seeds,
             "timing": timing, "cli": cli, "accuracy": acc, "command": "python tools/bench_snapshot.py " + " ".join(sys.argv[1:]),
-            "load_before": os.getloadavg()}
+            "load_before": os.getloadavg(), "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "snapshot.json").write_text(json.dumps(data, indent=2))
     write_markdown(data, args.out / "snapshot.md")
@@ -306,7 +308,8 @@ def mib(b):
 def write_markdown(data: dict, path: Path) -> None:
     lines = ["# Read once, ask many: saved caches", "",
              f"Regenerate: `{data['command']}` (SmolLM2-135M, N = {data['budget']}, B = {data['block']}, documents of "
-             f"{', '.join(str(x) for x in data['lengths'])} tokens with three facts each).", "",
+             f"{', '.join(str(x) for x in data['lengths'])} tokens with three facts each)"
+             + (f"; commit {data['provenance']['commit']}." if data.get("provenance") else "."), "",
              "| document | our snapshot (N) | our full fp32 cache | llama.cpp state file (full f16) |",
              "|---:|---:|---:|---:|"]
     for t in data["timing"]:

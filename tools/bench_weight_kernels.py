@@ -116,6 +116,9 @@ def main(argv=None) -> int:
                                                      build_quant_gemv_kernel)
     from rich.progress import track
 
+    from edgekv.evaluation.report import provenance
+
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     tgt = target(args.threads)
     bw = bandwidth(tgt, args.threads)
     rng = np.random.default_rng(0)
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
         totals[fmt_name] = {"gemv_ms_per_token": us / 1e3, "weight_MB_per_token": nbytes / 1e6,
                             "GBps": nbytes / us / 1e3}
     result = {"bandwidth_GBps": bw, "threads": args.threads, "prefill_rows": M, "rows": rows, "per_token": totals,
-              "cpu": cpu, "commit": commit + ("-dirty" if dirty else ""), "command": "python tools/bench_weight_kernels.py"}
+              "cpu": cpu, "commit": commit + ("-dirty" if dirty else ""), "command": "python tools/bench_weight_kernels.py",
+              "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "weight_kernels.json").write_text(json.dumps(result, indent=2))
     lines = ["# Weight-format kernels on SmolLM2's shapes", "",

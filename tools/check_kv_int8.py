@@ -265,9 +265,11 @@ def main() -> None:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from edgekv.evaluation.report import provenance
     from edgekv.evaluation.tasks import build_fidelity
     from edgekv.models import load_model
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -280,7 +282,7 @@ def main() -> None:
     data = {"command": "python tools/check_kv_int8.py " + " ".join(sys.argv[1:]), "git_commit": git_commit(),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "model": model.model_id,
             "weight_sha256": model.weight_hash, "spec": spec,
-            "load_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+            "load_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None, "provenance": origin}
     data["quantisation_error"] = quantisation_errors(model, prompts[0].ids[: prompts[0].eval_start], args.block)
     with Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                   TimeElapsedColumn()) as progress:

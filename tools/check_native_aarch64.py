@@ -135,6 +135,9 @@ def main() -> None:
     if qemu is None or shutil.which(args.cross_cc) is None:
         sys.exit("needs qemu-user and the aarch64 cross compiler: apt-get install -y gcc-aarch64-linux-gnu "
                  "libc6-dev-arm64-cross qemu-user-static")
+    from edgekv.evaluation.report import provenance
+
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     compile_s = compile_artifacts(args, work)
@@ -175,6 +178,7 @@ def main() -> None:
                                                 "--version"]),
                     "load_average_before_runs": load},
         "date": time.strftime("%Y-%m-%d"),
+        "provenance": origin,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
@@ -208,7 +212,7 @@ def render(r: dict) -> str:
     table = "\n".join(f"| {x} | {y} | {z} |" for x, y, z in rows[1:])
     return f"""# The native runtime on aarch64 (qemu-user) against x86-64
 
-Regenerate: `{r['command']}` ({r['date']}).
+Regenerate: `{r['command']}` ({r['date']}{', commit ' + r['provenance']['commit'] if r.get('provenance') else ''}).
 
 {r['model']}, policy {r['policy']}, budget N = {r['budget']}, block B = {r['block']}, KV cache {r.get('kv_dtype', 'fp32')}; the prompt is the first
 {r['prompt_chars']} characters of the bundled natural text (`edgekv.corpus`), {r['max_new_tokens']} new tokens,

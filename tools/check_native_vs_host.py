@@ -133,9 +133,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = ap.parse_args()
 
+    from edgekv.evaluation.report import provenance
     from edgekv.models import load_model
     from edgekv.policies.base import compiled_policy_names
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")
     names = args.policies.split(",") if args.policies else compiled_policy_names()
     ids = prompt_ids(model.tokenizer, args.prompt_tokens)
@@ -150,12 +152,12 @@ def main() -> None:
         print(json.dumps(demo), flush=True)
     data = {"model": "smollm2-135m", "budget": args.budget, "block": args.block, "prompt_tokens": len(ids),
             "new_tokens": args.new_tokens, "rows": rows, "readme_demo": demo,
-            "command": "python tools/check_native_vs_host.py " + " ".join(sys.argv[1:])}
+            "command": "python tools/check_native_vs_host.py " + " ".join(sys.argv[1:]), "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "native_agreement.json").write_text(json.dumps(data, indent=2))
     lines = ["# Native runtime vs HostRuntime and the eager engine (SmolLM2)", "",
              f"Regenerate: `python tools/check_native_vs_host.py --budget {args.budget} --block {args.block} "
-             f"--prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens}`.", "",
+             f"--prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens}` (commit {origin['commit']}).", "",
              f"Native vs HostRuntime on the same artifact: a {len(ids)}-token prompt (CPython's pydoc text), "
              f"N = {args.budget}, B = {args.block}; kept positions of every layer after every block, last-token "
              f"logits, {args.new_tokens} greedy tokens. Then `edgekv-run` (its own process, native tokenizer) on "

@@ -117,6 +117,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from edgekv.corpus import natural_text
+    from edgekv.evaluation.report import provenance
     from edgekv.models import load_model
     from edgekv.policies.base import gpu_policy_names
     from edgekv.runtime import native
@@ -124,6 +125,7 @@ def main() -> None:
     reason = native.opencl_unavailable_reason()
     if reason:
         sys.exit(f"cannot run the OpenCL path here: {reason}")
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")
     ids = model.tokenizer(natural_text())["input_ids"][: args.prompt_tokens]
     names = args.policies.split(",") if args.policies else gpu_policy_names()  # the ones with GPU kernels
@@ -139,7 +141,8 @@ def main() -> None:
     command = "python tools/check_opencl.py " + " ".join(sys.argv[1:])
     data = {"model": "smollm2-135m", "weights": args.weights, "budget": args.budget, "block": args.block,
             "prompt_tokens": len(ids),
-            "new_tokens": args.new_tokens, "demo": demo_row, "rows": rows, "command": command.strip()}
+            "new_tokens": args.new_tokens, "demo": demo_row, "rows": rows, "command": command.strip(),
+            "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=2))
     write_markdown(data, args.out / f"{args.name}.md")
@@ -148,7 +151,9 @@ def main() -> None:
 def write_markdown(data: dict, path: Path) -> None:
     mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "—"  # noqa: E731
     lines = ["# The OpenCL path on SmolLM2: an OpenCL artifact against the CPU artifact", "",
-             f"Regenerate: `{data['command']}`. Weights: {data.get('weights', 'fp32')} in both artifacts. Both "
+             f"Regenerate: `{data['command']}`"
+             + (f" (commit {data['provenance']['commit']})" if data.get("provenance") else "")
+             + f". Weights: {data.get('weights', 'fp32')} in both artifacts. Both "
              "artifacts run in the native runtime; the OpenCL one on "
              f"{(data['rows'] or [{}])[0].get('device') or (data['demo'] or {}).get('device')}.", ""]
     d = data["demo"]

@@ -60,12 +60,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from rich.progress import track
 
-    from edgekv.evaluation.report import meta
+    from edgekv.evaluation.report import meta, provenance
     from edgekv.evaluation.runner import ONE_BLOCK, EvalSpec, run_one
     from edgekv.evaluation.tasks import build_passkey
     from edgekv.models import load_model
     from edgekv.threads import apply_threads
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     if args.threads:
         apply_threads(args.threads)
     model = load_model("smollm2-135m")
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
             out = run_one(model, p, policy, policy_args, args.budget, block, spec).passkey
             row[label] = {"correct": out["correct"], "retention": out["needle_retention"], "text": out["output_text"]}
         rows.append(row)
-    data = {**meta(model, [sys.executable, *sys.argv]), "budget": args.budget,
+    data = {**meta(model, [sys.executable, *sys.argv]), **origin, "budget": args.budget,
             "block": ", ".join("one (the whole prompt)" if b == ONE_BLOCK else str(b) for b in blocks),
             "study": args.study,
             "variants": [{"label": lab, "policy": pol, "args": a} for lab, pol, a, _ in labels], "prompts": rows}

@@ -226,6 +226,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from edgekv.artifact import read_manifest
+    from edgekv.evaluation.report import provenance
     from edgekv.models import sources
 
     if args.tokens < 2:
@@ -238,6 +239,8 @@ def main(argv=None) -> int:
         if args.tokens > budget:
             ap.error(f"--tokens {args.tokens} exceeds {p}'s budget N = {budget}: eviction would mix into the comparison")
 
+    # before the long work: the commit that ran
+    origin = provenance([sys.executable, sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     load_before = os.getloadavg()
     ids = text_ids(args.tokens)
     gguf = sources.resolve(MODEL).path
@@ -254,7 +257,8 @@ def main(argv=None) -> int:
     cmd = "python tools/check_weights_fidelity.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     data = {"model": MODEL, "tokens": args.tokens, "text": "edgekv eval fidelity text, seed 0 (build_fidelity)",
             "ids_head": ids[:16], "threads": args.threads, "command": cmd, "git_commit": git_commit(),
-            "cpu": cpu_name(), "load_before": list(load_before), "runs": runs, "comparisons": comps}
+            "cpu": cpu_name(), "load_before": list(load_before), "runs": runs, "comparisons": comps,
+            "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "weights_fidelity.json").write_text(json.dumps(data, indent=1) + "\n")
     write_markdown(data, args.out / "weights_fidelity.md")

@@ -30,9 +30,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from rich.progress import track
 
+    from edgekv.evaluation.report import provenance
     from edgekv.evaluation.tasks import build_passkey, extract_key
     from edgekv.runtime import native
 
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     arts = {"q4": args.q4, "fp32": args.fp32}
     manifests = {k: json.loads((p / "manifest.json").read_text()) for k, p in arts.items()}
     for k, m in manifests.items():
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     result = {"build": a, "model": manifests["q4"]["model"]["id"], "accuracy": acc, "same_answers": same,
               "prompts": len(rows), "rows": rows, "commit": commit + ("-dirty" if dirty else ""),
-              "command": "python tools/check_weights_passkey.py"}
+              "command": "python tools/check_weights_passkey.py", "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "weights_passkey.json").write_text(json.dumps(result, indent=2))
     lines = ["# Passkey accuracy: q4 against fp32 weights", "",

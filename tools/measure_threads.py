@@ -155,6 +155,9 @@ def main() -> None:
     ap.add_argument("--md", type=Path, default=OUT_MD)
     args = ap.parse_args()
 
+    from edgekv.evaluation.report import provenance
+
+    origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # run the clean-up (busy processes, temp tree)
     choice = json.loads(DEMO.read_text())["choice"]
     job = ["--prompt-file", str(ROOT / "examples" / "long_document.txt"), "--chat",
@@ -214,7 +217,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
               "commit": _commit(), "before_rev": args.before_rev, "job": eager, "artifact": str(args.artifact or ""),
-              "busy": args.busy, "repeats": args.repeats, "rows": rows}
+              "busy": args.busy, "repeats": args.repeats, "rows": rows, "provenance": origin}
     result["summary"] = summary(rows)
     from edgekv.job import write_json_atomic
 

@@ -45,8 +45,10 @@ def main() -> None:
     import tvm
     import tvm_ffi
 
+    from edgekv.evaluation.report import provenance
     from edgekv.runtime import native
 
+    origin = provenance([sys.executable, *sys.argv])  # before the work: the commit that ran
     exe, lib = native.cli_path(), native.library_path()
     if exe is None or lib is None:
         sys.exit("the native runtime is not built: pip install -e .")
@@ -74,13 +76,14 @@ def main() -> None:
         "peak_rss_kib": {"edgekv-run --check": rss_native,
                          "edgekv-run --check with TVM's runtime libraries loaded": rss_with_tvm,
                          "python -c 'import tvm'": rss_import_tvm},
+        "provenance": origin,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "native_footprint.json").write_text(json.dumps(data, indent=2))
     mib = lambda kib: f"{kib / 1024:.1f} MiB"  # noqa: E731
     lines = ["# Native runtime footprint", "",
              "Regenerate: `python tools/native_footprint.py` (artifact: "
-             f"{'a tiny random model' if args.artifact is None else args.artifact}).", "",
+             f"{'a tiny random model' if args.artifact is None else args.artifact}; commit {origin['commit']}).", "",
              "| file | bytes | needs |", "|---|---:|---|"]
     for name, size in data["files_bytes"].items():
         lines.append(f"| {name} | {size:,} | {', '.join(data['needed'][name])} |")
