@@ -212,7 +212,7 @@ def render(r: dict) -> str:
     table = "\n".join(f"| {x} | {y} | {z} |" for x, y, z in rows[1:])
     return f"""# The native runtime on aarch64 (qemu-user) against x86-64
 
-Regenerate: `{r['command']}` ({r['date']}{', commit ' + r['provenance']['commit'] if r.get('provenance') else ''}).
+Regenerate: `{r['command']}` ({r['date']}{', commit ' + str(r['provenance']['commit']) if r.get('provenance') else ''}).
 
 {r['model']}, policy {r['policy']}, budget N = {r['budget']}, block B = {r['block']}, KV cache {r.get('kv_dtype', 'fp32')}; the prompt is the first
 {r['prompt_chars']} characters of the bundled natural text (`edgekv.corpus`), {r['max_new_tokens']} new tokens,
