@@ -51,54 +51,61 @@ def load_runs() -> list[dict]:
 
 
 def cells(runs: list[dict]):
-    """(length, budget, policy, question) → rows; and length → {prompt: full-cache correct}."""
-    from edgekv.policies import REGISTRY
+    """(haystack, length, budget, policy, question) → rows; and (haystack, length) → {prompt:
+    full-cache correct}. A policy label may be a variant (``dapq#k15``, ``base_policy``)."""
+    from edgekv.policies import REGISTRY, base_policy
 
     by_cell: dict[tuple, list[dict]] = defaultdict(list)
-    ceiling: dict[int, dict[str, bool]] = defaultdict(dict)
+    ceiling: dict[tuple, dict[str, bool]] = defaultdict(dict)
     for run in runs:
         asked = bool(run["config"].get("question"))
+        hay = run["config"].get("haystack", "repeat")
         lengths = {p["id"]: p["length_target"] for p in run["prompts"]}
         for pid, ref in run["references"].items():
-            seen = ceiling[lengths[pid]].get(pid)
+            seen = ceiling[(hay, lengths[pid])].get(pid)
             if seen is not None and seen != ref["correct"]:
                 raise SystemExit(f"the full cache answers {pid} differently in two runs; rerun them")
-            ceiling[lengths[pid]][pid] = ref["correct"]
+            ceiling[(hay, lengths[pid])][pid] = ref["correct"]
         for row in run["results"]:
             if row.get("error") or row["policy"] == "full":
                 continue
-            uses_question = getattr(REGISTRY[row["policy"]], "uses_question", False)
+            uses_question = getattr(REGISTRY[base_policy(row["policy"])], "uses_question", False)
             modes = [asked] if uses_question else [False, True]  # query-agnostic: the same run in both
-            if asked and not uses_question:
+            if asked and not uses_question and any(not r["config"].get("question")
+                                                   and r["config"].get("haystack", "repeat") == hay for r in runs):
                 continue  # taken from the run without the question
             for mode in modes:
-                by_cell[(row["length_target"], row["budget"], row["policy"], mode)].append(
-                    dict(row, _shared=not uses_question))
+                cell = by_cell[(hay, row["length_target"], row["budget"], row["policy"], mode)]
+                if any(r["prompt_id"] == row["prompt_id"] for r in cell):
+                    raise SystemExit(f"{row['policy']} N={row['budget']} ran {row['prompt_id']} in two collected "
+                                     "runs; keep one of them in " + str(RAW))
+                cell.append(dict(row, _shared=not uses_question))
     return by_cell, ceiling
 
 
 def summarize(runs: list[dict]) -> dict:
     by_cell, ceiling = cells(runs)
     out = []
-    for (length, budget, policy, asked), rows in sorted(by_cell.items()):
+    for (hay, length, budget, policy, asked), rows in sorted(by_cell.items()):
         k, n = sum(r["correct"] for r in rows), len(rows)
-        full = [ceiling[length][r["prompt_id"]] for r in rows if r["prompt_id"] in ceiling[length]]
+        full = [ceiling[(hay, length)][r["prompt_id"]] for r in rows if r["prompt_id"] in ceiling[(hay, length)]]
         kept = [r["needle_retention"] for r in rows if r.get("needle_retention") is not None]
         lo, hi = wilson(k, n)
-        out.append({"length": length, "budget": budget, "policy": policy, "question": asked, "correct": k,
+        out.append({"haystack": hay, "length": length, "budget": budget, "policy": policy, "question": asked, "correct": k,
                     "prompts": n, "accuracy": k / n if n else None, "interval95": [lo, hi],
                     "needle_retention": sum(kept) / len(kept) if kept else None,
                     "full_cache_correct": sum(full), "of_full_cache": (k / sum(full)) if sum(full) else None,
                     "question_unused": rows[0]["_shared"]})
-    ceilings = [{"length": L, "correct": sum(v.values()), "prompts": len(v), "interval95": list(wilson(sum(v.values()), len(v)))}
-                for L, v in sorted(ceiling.items())]
+    ceilings = [{"haystack": h, "length": L, "correct": sum(v.values()), "prompts": len(v),
+                 "interval95": list(wilson(sum(v.values()), len(v)))} for (h, L), v in sorted(ceiling.items())]
     return {"cells": out, "full_cache": ceilings}
 
 
 def markdown(data: dict) -> str:
     lines = ["## Passkey with and without `--question` (`tools/results_question_sweep.py`)", "",
-             "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (the classic repeated filler as the "
-             "haystack, needle at depths 0.1–0.9, seeds 0 and 1), greedy, exact key. Without `--question` the question "
+             "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (needle at depths 0.1–0.9, seeds 0 "
+             "and 1; haystack `repeat`: the classic repeated filler, `text`: natural English from CPython's "
+             "`pydoc_data` topics), greedy, exact key. `name#kK`: the policy with its pooling kernel set to K. Without `--question` the question "
              "ends the prompt and each block scores with its own rows; with it, query-aware policies score every block "
              "with the question's queries (KeyDiff and LagKV do not read it: one run stands for both columns, marked °). "
              "95 % Wilson intervals; retention: share of (layer, KV head) caches holding the key's digits after prefill; "
@@ -106,14 +113,14 @@ def markdown(data: dict) -> str:
              "Runs: " + "; ".join(f"`{r['_name']}`: `{r['meta']['command']}` at {r['meta']['commit'][:12]}"
                                   + ("" if r.get("complete") else " (**partial**: interrupted, resumable)")
                                   for r in data["runs"]), ""]
-    lines += ["| length | full cache |", "|---:|---|"]
+    lines += ["| haystack | length | full cache |", "|---|---:|---|"]
     for c in data["full_cache"]:
         lo, hi = c["interval95"]
-        lines.append(f"| {c['length']} | {c['correct']}/{c['prompts']} ({lo:.0%}–{hi:.0%}) |")
-    lines += ["", "| length | N | policy | without --question | with --question | retention without / with | "
-                  "of full (with) |", "|---:|---:|---|---|---|---|---:|"]
-    table = {(c["length"], c["budget"], c["policy"], c["question"]): c for c in data["cells"]}
-    keys = sorted({(c["length"], c["budget"], c["policy"]) for c in data["cells"]})
+        lines.append(f"| {c['haystack']} | {c['length']} | {c['correct']}/{c['prompts']} ({lo:.0%}–{hi:.0%}) |")
+    lines += ["", "| haystack | length | N | policy | without --question | with --question | retention without / with | "
+                  "of full (with) |", "|---|---:|---:|---|---|---|---|---:|"]
+    table = {(c["haystack"], c["length"], c["budget"], c["policy"], c["question"]): c for c in data["cells"]}
+    keys = sorted({(c["haystack"], c["length"], c["budget"], c["policy"]) for c in data["cells"]})
 
     def fmt(c):
         if c is None:
@@ -121,12 +128,12 @@ def markdown(data: dict) -> str:
         lo, hi = c["interval95"]
         return f"{c['correct']}/{c['prompts']} = {c['accuracy']:.0%} ({lo:.0%}–{hi:.0%})" + ("°" if c["question_unused"] else "")
 
-    for length, budget, policy in keys:
-        a, b = table.get((length, budget, policy, False)), table.get((length, budget, policy, True))
+    for hay, length, budget, policy in keys:
+        a, b = table.get((hay, length, budget, policy, False)), table.get((hay, length, budget, policy, True))
         ret = " / ".join("—" if c is None or c["needle_retention"] is None else f"{c['needle_retention']:.0%}"
                          for c in (a, b))
         share = "—" if b is None or b["of_full_cache"] is None else f"{b['of_full_cache']:.0%}"
-        lines.append(f"| {length} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
+        lines.append(f"| {hay} | {length} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
     lines += ["", "![accuracy against budget](question_sweep.png)"]
     return "\n".join(lines) + "\n"
 
@@ -137,24 +144,25 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({c["length"] for c in data["cells"]})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False)
-    full = {c["length"]: c["correct"] / c["prompts"] for c in data["full_cache"] if c["prompts"]}
-    for ax, length in zip(axes[0], lengths):
-        for policy in sorted({c["policy"] for c in data["cells"]}):
+    panels = sorted({(c["haystack"], c["length"]) for c in data["cells"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    full = {(c["haystack"], c["length"]): c["correct"] / c["prompts"] for c in data["full_cache"] if c["prompts"]}
+    for ax, (hay, length) in zip(axes[0], panels):
+        mine = [c for c in data["cells"] if (c["haystack"], c["length"]) == (hay, length)]
+        for policy in sorted({c["policy"] for c in mine}):
             for asked, style in ((False, "--"), (True, "-")):
-                pts = sorted((c["budget"], c["accuracy"], c["interval95"]) for c in data["cells"]
-                             if c["length"] == length and c["policy"] == policy and c["question"] == asked)
+                pts = sorted((c["budget"], c["accuracy"], c["interval95"]) for c in mine
+                             if c["policy"] == policy and c["question"] == asked)
                 if not pts or (asked and any(c["question_unused"] for c in data["cells"] if c["policy"] == policy)):
                     continue
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
                 ax.errorbar(xs, ys, yerr=err, fmt=style + "o", capsize=3,
                             label=f"{policy}" + (" --question" if asked else ""))
-        if length in full:
-            ax.axhline(full[length], color="black", lw=1, label="full cache")
+        if (hay, length) in full:
+            ax.axhline(full[(hay, length)], color="black", lw=1, label="full cache")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{length}-token prompts")
+        ax.set_title(f"{length}-token prompts, {hay} haystack")
         ax.set_xlabel("budget N (tokens)")
         ax.set_ylabel("passkey accuracy")
         ax.set_ylim(-0.05, 1.05)
