@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from edgekv.compiler import compile_model
 from edgekv.corpus import natural_token_ids
@@ -40,6 +39,7 @@ def main() -> None:
     ap.add_argument("--artifact", default="build/agreement")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "compiled_agreement"))
     args = ap.parse_args()
+    origin = provenance([sys.executable, *sys.argv])  # the commit that runs, taken before the long work
 
     model = load_model()
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def main() -> None:
     result = {"policy": args.policy, "budget": args.budget, "block": args.block, "prompt_tokens": int(ids.numel()),
               "kept_entries_compared": total, "kept_entries_identical": same, "agreement": same / total,
               "first_mismatch": first_mismatch, "last_logits_max_rel_error": rel, "compile_seconds": compile_s,
-              "same_argmax": int(np.argmax(got)) == int(ref.argmax()), **provenance([sys.executable, *sys.argv])}
+              "same_argmax": int(np.argmax(got)) == int(ref.argmax()), **origin}
     out = Path(args.out)
     runs = load_runs(out.with_suffix(".json"))
     key = f"{args.policy} N={args.budget} B={args.block} tokens={args.tokens}"
