@@ -58,12 +58,14 @@ def run(args) -> None:
         tok = describe(args.model).tokenizer
         fh.write(long_prompt(args.tokens, (lambda t: len(tok(t)["input_ids"])) if tok is not None else None))
         prompt_file = fh.name
-    cmd = [sys.executable, "-c", "from edgekv.cli import app; app()", "simulate", args.model,
+    # -S passes on: a run from a worktree (PYTHONPATH, no site) must not import an editable install's tree
+    cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), "-c", "from edgekv.cli import app; app()",
+           "simulate", args.model,
            "--prompt-file", prompt_file, "--allow-beyond-context", "--mem-limit", args.mem_limit,
            "--policy", args.policies, "--budget", args.budget, "--max-new-tokens", str(args.max_new_tokens),
            "--report", str(OUT / "simulate.json"), "--sweep-json", str(OUT / "simulate_sweep.json"),
            "--plot", str(OUT / "simulate_sweep.png"), "--all-units"]
-    shown = ["edgekv", "simulate", args.model, "--prompt-file", "<16.5K-token text>", *cmd[7:]]
+    shown = ["edgekv", "simulate", args.model, "--prompt-file", "<16.5K-token text>", *cmd[cmd.index("--prompt-file") + 2:]]
     shown = [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c for c in shown]
     env = {**os.environ, "COLUMNS": "150"}
     t0 = time.time()
