@@ -6,13 +6,19 @@ from `edgekv eval` runs (one without the question, one with it, per length), int
     edgekv eval --task passkey --policies keydiff,lagkv,snapkv++,snapkv --budgets 512,1k --block 128 \\
         --lengths 4k --depths 0.1,0.3,0.5,0.7,0.9 --seeds 0,1 --no-question --threads 1 --out build/eval/sweep16/4k_noq
     edgekv eval ... --policies snapkv++,snapkv,tova --question ... --out build/eval/sweep16/4k_q
-    (the same for 7k)
+    (the same for 7k and 2k; dapq in runs of its own; 2k with --haystack text)
     python tools/results_question_sweep.py --collect build/eval/sweep16   # copies results.json here, then tables
+
+    # another grid, e.g. pooling kernels and recent windows at 7K, N = 512 (policy variants name#tag):
+    edgekv eval --policies "dapq#k15,dapq#k31" --policy-arg dapq#k15:kernel=15 --policy-arg dapq#k31:kernel=31 \
+        --budgets 512 --lengths 7k --question ... --out build/eval/kappa_7k_512/dapq_k
+    python tools/results_question_sweep.py --collect build/eval/kappa_7k_512 --name question_kappa_7k \
+        --title "7K prompts at N = 512 with the question: pooling kernels and recent windows"
 
 Query-agnostic policies (KeyDiff, LagKV) do not read the question (`uses_question` False: the
 engine runs them unchanged), so their rows from the run without it stand for both modes and
 are marked so. A cell's interval is Wilson's score interval for k correct of n prompts.
-Writes docs/results/question_sweep.{json,md,png}; raw runs in docs/results/question_sweep/.
+Writes docs/results/NAME.{json,md,png} (default question_sweep); raw runs in docs/results/NAME/.
 """
 
 from __future__ import annotations
@@ -28,9 +34,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RAW = ROOT / "docs/results/question_sweep"
-
-
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return (0.0, 1.0)
@@ -40,14 +43,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def collect(src: Path) -> None:
-    RAW.mkdir(parents=True, exist_ok=True)
+def collect(src: Path, raw: Path) -> None:
+    raw.mkdir(parents=True, exist_ok=True)
     for run in sorted(p for p in src.iterdir() if (p / "results.json").is_file()):
-        shutil.copyfile(run / "results.json", RAW / f"{run.name}.json")
+        shutil.copyfile(run / "results.json", raw / f"{run.name}.json")
 
 
-def load_runs() -> list[dict]:
-    return [dict(json.loads(p.read_text()), _name=p.stem) for p in sorted(RAW.glob("*.json"))]
+def load_runs(raw: Path) -> list[dict]:
+    return [dict(json.loads(p.read_text()), _name=p.stem) for p in sorted(raw.glob("*.json"))]
 
 
 def cells(runs: list[dict]):
@@ -78,7 +81,7 @@ def cells(runs: list[dict]):
                 cell = by_cell[(hay, row["length_target"], row["budget"], row["policy"], mode)]
                 if any(r["prompt_id"] == row["prompt_id"] for r in cell):
                     raise SystemExit(f"{row['policy']} N={row['budget']} ran {row['prompt_id']} in two collected "
-                                     "runs; keep one of them in " + str(RAW))
+                                     f"runs ({run['_name']} and another); keep one of them")
                 cell.append(dict(row, _shared=not uses_question))
     return by_cell, ceiling
 
@@ -101,11 +104,11 @@ def summarize(runs: list[dict]) -> dict:
     return {"cells": out, "full_cache": ceilings}
 
 
-def markdown(data: dict) -> str:
-    lines = ["## Passkey with and without `--question` (`tools/results_question_sweep.py`)", "",
+def markdown(data: dict, title: str = "Passkey with and without `--question`", image: str = "question_sweep.png") -> str:
+    lines = [f"## {title} (`tools/results_question_sweep.py`)", "",
              "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (needle at depths 0.1–0.9, seeds 0 "
              "and 1; haystack `repeat`: the classic repeated filler, `text`: natural English from CPython's "
-             "`pydoc_data` topics), greedy, exact key. `name#kK`: the policy with its pooling kernel set to K. Without `--question` the question "
+             "`pydoc_data` topics), greedy, exact key. `name#tag`: a variant of the policy, set by the run's `--policy-arg name#tag:key=value` (its command below). Without `--question` the question "
              "ends the prompt and each block scores with its own rows; with it, query-aware policies score every block "
              "with the question's queries (KeyDiff and LagKV do not read it: one run stands for both columns, marked °). "
              "95 % Wilson intervals; retention: share of (layer, KV head) caches holding the key's digits after prefill; "
@@ -134,7 +137,7 @@ def markdown(data: dict) -> str:
                          for c in (a, b))
         share = "—" if b is None or b["of_full_cache"] is None else f"{b['of_full_cache']:.0%}"
         lines.append(f"| {hay} | {length} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
-    lines += ["", "![accuracy against budget](question_sweep.png)"]
+    lines += ["", f"![accuracy against budget]({image})"]
     return "\n".join(lines) + "\n"
 
 
@@ -173,23 +176,28 @@ def plot(data: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--collect", type=Path, help="copy each RUN/results.json under this folder into " + str(RAW))
+    ap.add_argument("--collect", type=Path, help="copy each RUN/results.json under this folder into the raw folder")
+    ap.add_argument("--name", default="question_sweep",
+                    help="docs/results/NAME.{json,md,png}, raw runs in docs/results/NAME/ (another grid: another name)")
+    ap.add_argument("--title", default="Passkey with and without `--question`")
     args = ap.parse_args()
+    raw = ROOT / "docs/results" / args.name
     if args.collect:
-        collect(args.collect)
-    runs = load_runs()
+        collect(args.collect, raw)
+    runs = load_runs(raw)
     if not runs:
-        raise SystemExit(f"no runs in {RAW}; run the edgekv eval commands in this file's docstring, then --collect")
+        raise SystemExit(f"no runs in {raw}; run the edgekv eval commands in this file's docstring, then --collect")
     from edgekv.evaluation.report import provenance
 
     data = {"provenance": provenance([sys.argv[0], *sys.argv[1:]]),
             "runs": [{"_name": r["_name"], "meta": r["meta"], "complete": r.get("complete", False)} for r in runs],
             **summarize(runs)}
-    out = ROOT / "docs/results/question_sweep"
+    out = raw
+    text = markdown(data, args.title, f"{args.name}.png")
     (out.with_suffix(".json")).write_text(json.dumps(data, indent=1))
-    out.with_suffix(".md").write_text(markdown(data))
+    out.with_suffix(".md").write_text(text)
     plot(data, out.with_suffix(".png"))
-    print(markdown(data))
+    print(text)
 
 
 if __name__ == "__main__":
