@@ -235,3 +235,38 @@ def test_bad_worker_options(tmp_path):
     with pytest.raises(InputError, match="--workers must be"):
         make_pool(0, None, None, None, 1)
     assert make_pool(1, None, None, None, 1) is None  # one worker: this process
+
+
+def test_a_killed_eval_takes_its_workers_with_it(tmp_path):
+    """A local eval worker ends when its eval process is killed (SIGKILL: no shutdown runs),
+    instead of running on as an orphan that holds a model and a core."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, os\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time, sys; "
+        "from edgekv.evaluation.workers import _exit_with_parent; "
+        "_exit_with_parent(int(sys.argv[1]), 0.1); time.sleep(60)', str(os.getpid())])\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    def gone() -> bool:  # exited: no such process, or a zombie nobody reaps (a container's init may not)
+        try:
+            return open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    while time.time() < deadline:
+        if gone():
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the worker outlived its killed eval process")

@@ -40,8 +40,24 @@ def _make_runner(model_name: str | None, spec, threads: int):
     return Runner(model, spec), build_prompts(spec, model.tokenizer)
 
 
-def _init_local(model_name, spec, threads) -> None:
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """End this worker when the eval process that started it is gone (killed, not shut down):
+    a pool's workers otherwise run on as orphans, each holding a model and a core."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="edgekv-parent-watch", daemon=True).start()
+
+
+def _init_local(model_name, spec, threads, parent: int | None = None) -> None:
     global _WORKER
+    if parent is not None:
+        _exit_with_parent(parent)
     _WORKER = _make_runner(model_name, spec, threads)
 
 
@@ -65,7 +81,7 @@ class LocalPool:
             return
         with ProcessPoolExecutor(max_workers=min(self.workers, len(indices)),
                                  mp_context=multiprocessing.get_context("spawn"), initializer=_init_local,
-                                 initargs=(self.model_name, self.spec, self.threads)) as pool:
+                                 initargs=(self.model_name, self.spec, self.threads, os.getpid())) as pool:
             for fut in as_completed([pool.submit(_run_local, i) for i in indices]):
                 yield fut.result()
 
