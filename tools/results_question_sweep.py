@@ -54,8 +54,8 @@ def load_runs(raw: Path) -> list[dict]:
 
 
 def cells(runs: list[dict]):
-    """(haystack, length, budget, policy, question) → rows; and (haystack, length) → {prompt:
-    full-cache correct}. A policy label may be a variant (``dapq#k15``, ``base_policy``)."""
+    """(haystack, length, new tokens, budget, policy, question) → rows; and (haystack, length, new
+    tokens) → {prompt: full-cache correct}. A policy label may be a variant (``dapq#k15``, ``base_policy``)."""
     from edgekv.policies import REGISTRY, base_policy
 
     by_cell: dict[tuple, list[dict]] = defaultdict(list)
@@ -63,22 +63,24 @@ def cells(runs: list[dict]):
     for run in runs:
         asked = bool(run["config"].get("question"))
         hay = run["config"].get("haystack", "repeat")
+        tokens = int(run["config"].get("max_new_tokens", 10))
         lengths = {p["id"]: p["length_target"] for p in run["prompts"]}
         for pid, ref in run["references"].items():
-            seen = ceiling[(hay, lengths[pid])].get(pid)
+            seen = ceiling[(hay, lengths[pid], tokens)].get(pid)
             if seen is not None and seen != ref["correct"]:
                 raise SystemExit(f"the full cache answers {pid} differently in two runs; rerun them")
-            ceiling[(hay, lengths[pid])][pid] = ref["correct"]
+            ceiling[(hay, lengths[pid], tokens)][pid] = ref["correct"]
         for row in run["results"]:
             if row.get("error") or row["policy"] == "full":
                 continue
             uses_question = getattr(REGISTRY[base_policy(row["policy"])], "uses_question", False)
             modes = [asked] if uses_question else [False, True]  # query-agnostic: the same run in both
             if asked and not uses_question and any(not r["config"].get("question")
-                                                   and r["config"].get("haystack", "repeat") == hay for r in runs):
+                                                   and r["config"].get("haystack", "repeat") == hay
+                                                   and int(r["config"].get("max_new_tokens", 10)) == tokens for r in runs):
                 continue  # taken from the run without the question
             for mode in modes:
-                cell = by_cell[(hay, row["length_target"], row["budget"], row["policy"], mode)]
+                cell = by_cell[(hay, row["length_target"], tokens, row["budget"], row["policy"], mode)]
                 if any(r["prompt_id"] == row["prompt_id"] for r in cell):
                     raise SystemExit(f"{row['policy']} N={row['budget']} ran {row['prompt_id']} in two collected "
                                      f"runs ({run['_name']} and another); keep one of them")
@@ -89,18 +91,19 @@ def cells(runs: list[dict]):
 def summarize(runs: list[dict]) -> dict:
     by_cell, ceiling = cells(runs)
     out = []
-    for (hay, length, budget, policy, asked), rows in sorted(by_cell.items()):
+    for (hay, length, tokens, budget, policy, asked), rows in sorted(by_cell.items()):
         k, n = sum(r["correct"] for r in rows), len(rows)
-        full = [ceiling[(hay, length)][r["prompt_id"]] for r in rows if r["prompt_id"] in ceiling[(hay, length)]]
+        ref = ceiling[(hay, length, tokens)]
+        full = [ref[r["prompt_id"]] for r in rows if r["prompt_id"] in ref]
         kept = [r["needle_retention"] for r in rows if r.get("needle_retention") is not None]
         lo, hi = wilson(k, n)
-        out.append({"haystack": hay, "length": length, "budget": budget, "policy": policy, "question": asked, "correct": k,
+        out.append({"haystack": hay, "length": length, "new_tokens": tokens, "budget": budget, "policy": policy, "question": asked, "correct": k,
                     "prompts": n, "accuracy": k / n if n else None, "interval95": [lo, hi],
                     "needle_retention": sum(kept) / len(kept) if kept else None,
                     "full_cache_correct": sum(full), "of_full_cache": (k / sum(full)) if sum(full) else None,
                     "question_unused": rows[0]["_shared"]})
-    ceilings = [{"haystack": h, "length": L, "correct": sum(v.values()), "prompts": len(v),
-                 "interval95": list(wilson(sum(v.values()), len(v)))} for (h, L), v in sorted(ceiling.items())]
+    ceilings = [{"haystack": h, "length": L, "new_tokens": t, "correct": sum(v.values()), "prompts": len(v),
+                 "interval95": list(wilson(sum(v.values()), len(v)))} for (h, L, t), v in sorted(ceiling.items())]
     return {"cells": out, "full_cache": ceilings}
 
 
@@ -108,7 +111,7 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
     lines = [f"## {title} (`tools/results_question_sweep.py`)", "",
              "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (needle at depths 0.1–0.9, seeds 0 "
              "and 1; haystack `repeat`: the classic repeated filler, `text`: natural English from CPython's "
-             "`pydoc_data` topics), greedy, exact key. `name#tag`: a variant of the policy, set by the run's `--policy-arg name#tag:key=value` (its command below). Without `--question` the question "
+             "`pydoc_data` topics), greedy, exact key among the answer's first *new tokens* (`--max-new-tokens`). `name#tag`: a variant of the policy, set by the run's `--policy-arg name#tag:key=value` (its command below). Without `--question` the question "
              "ends the prompt and each block scores with its own rows; with it, query-aware policies score every block "
              "with the question's queries (KeyDiff and LagKV do not read it: one run stands for both columns, marked °). "
              "95 % Wilson intervals; retention: share of (layer, KV head) caches holding the key's digits after prefill; "
@@ -116,14 +119,16 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
              "Runs: " + "; ".join(f"`{r['_name']}`: `{r['meta']['command']}` at {r['meta']['commit'][:12]}"
                                   + ("" if r.get("complete") else " (**partial**: interrupted, resumable)")
                                   for r in data["runs"]), ""]
-    lines += ["| haystack | length | full cache |", "|---|---:|---|"]
+    lines += ["| haystack | length | new tokens | full cache |", "|---|---:|---:|---|"]
     for c in data["full_cache"]:
         lo, hi = c["interval95"]
-        lines.append(f"| {c['haystack']} | {c['length']} | {c['correct']}/{c['prompts']} ({lo:.0%}–{hi:.0%}) |")
-    lines += ["", "| haystack | length | N | policy | without --question | with --question | retention without / with | "
-                  "of full (with) |", "|---|---:|---:|---|---|---|---|---:|"]
-    table = {(c["haystack"], c["length"], c["budget"], c["policy"], c["question"]): c for c in data["cells"]}
-    keys = sorted({(c["haystack"], c["length"], c["budget"], c["policy"]) for c in data["cells"]})
+        lines.append(f"| {c['haystack']} | {c['length']} | {c['new_tokens']} | {c['correct']}/{c['prompts']} "
+                     f"({lo:.0%}–{hi:.0%}) |")
+    lines += ["", "| haystack | length | new tokens | N | policy | without --question | with --question | "
+                  "retention without / with | of full (with) |", "|---|---:|---:|---:|---|---|---|---|---:|"]
+    table = {(c["haystack"], c["length"], c["new_tokens"], c["budget"], c["policy"], c["question"]): c
+             for c in data["cells"]}
+    keys = sorted({(c["haystack"], c["length"], c["new_tokens"], c["budget"], c["policy"]) for c in data["cells"]})
 
     def fmt(c):
         if c is None:
@@ -131,12 +136,13 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
         lo, hi = c["interval95"]
         return f"{c['correct']}/{c['prompts']} = {c['accuracy']:.0%} ({lo:.0%}–{hi:.0%})" + ("°" if c["question_unused"] else "")
 
-    for hay, length, budget, policy in keys:
-        a, b = table.get((hay, length, budget, policy, False)), table.get((hay, length, budget, policy, True))
+    for hay, length, tokens, budget, policy in keys:
+        a, b = (table.get((hay, length, tokens, budget, policy, False)),
+                table.get((hay, length, tokens, budget, policy, True)))
         ret = " / ".join("—" if c is None or c["needle_retention"] is None else f"{c['needle_retention']:.0%}"
                          for c in (a, b))
         share = "—" if b is None or b["of_full_cache"] is None else f"{b['of_full_cache']:.0%}"
-        lines.append(f"| {hay} | {length} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
+        lines.append(f"| {hay} | {length} | {tokens} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
     lines += ["", f"![accuracy against budget]({image})"]
     return "\n".join(lines) + "\n"
 
@@ -147,11 +153,17 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(c["haystack"], c["length"]) for c in data["cells"]})
+    # one panel per haystack and length, at the grid's usual answer length (the most common)
+    counts: dict = defaultdict(int)
+    for c in data["cells"]:
+        counts[c["new_tokens"]] += 1
+    usual = max(counts, key=counts.get)
+    panels = sorted({(c["haystack"], c["length"]) for c in data["cells"] if c["new_tokens"] == usual})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    full = {(c["haystack"], c["length"]): c["correct"] / c["prompts"] for c in data["full_cache"] if c["prompts"]}
+    full = {(c["haystack"], c["length"]): c["correct"] / c["prompts"] for c in data["full_cache"]
+            if c["prompts"] and c["new_tokens"] == usual}
     for ax, (hay, length) in zip(axes[0], panels):
-        mine = [c for c in data["cells"] if (c["haystack"], c["length"]) == (hay, length)]
+        mine = [c for c in data["cells"] if (c["haystack"], c["length"], c["new_tokens"]) == (hay, length, usual)]
         for policy in sorted({c["policy"] for c in mine}):
             for asked, style in ((False, "--"), (True, "-")):
                 pts = sorted((c["budget"], c["accuracy"], c["interval95"]) for c in mine
@@ -165,7 +177,7 @@ def plot(data: dict, path: Path) -> None:
         if (hay, length) in full:
             ax.axhline(full[(hay, length)], color="black", lw=1, label="full cache")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{length}-token prompts, {hay} haystack")
+        ax.set_title(f"{length}-token prompts, {hay} haystack, {usual} new tokens")
         ax.set_xlabel("budget N (tokens)")
         ax.set_ylabel("passkey accuracy")
         ax.set_ylim(-0.05, 1.05)
