@@ -68,13 +68,14 @@ def run(args) -> None:
     shown = ["edgekv", "simulate", args.model, "--prompt-file", "<16.5K-token text>", *cmd[cmd.index("--prompt-file") + 2:]]
     shown = [str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c for c in shown]
     env = {**os.environ, "COLUMNS": "150"}
+    from edgekv.evaluation.report import provenance
+
+    # simulate.json gets the same provenance as every results file (the command it ran, its commit),
+    # taken before the run writes into docs/results (which would mark the tree dirty)
+    origin = {**provenance([sys.executable, *sys.argv]), "simulate_command": " ".join(shown)}
     t0 = time.time()
     load_before = os.getloadavg()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    from edgekv.evaluation.report import provenance
-
-    # simulate.json gets the same provenance as every results file (the command it ran, its commit)
-    origin = {**provenance([sys.executable, *sys.argv]), "simulate_command": " ".join(shown)}
     report = OUT / "simulate.json"
     if report.is_file():
         report.write_text(json.dumps({**json.loads(report.read_text()), "provenance": origin}, indent=2))
