@@ -70,10 +70,14 @@ def cells(runs: list[dict]):
             if seen is not None and seen != ref["correct"]:
                 raise SystemExit(f"the full cache answers {pid} differently in two runs; rerun them")
             ceiling[(hay, lengths[pid], tokens)][pid] = ref["correct"]
+        settings = run["config"].get("policy_args") or {}
         for row in run["results"]:
             if row.get("error") or row["policy"] == "full":
                 continue
             uses_question = getattr(REGISTRY[base_policy(row["policy"])], "uses_question", False)
+            if settings.get(row["policy"]):  # a policy run with --policy-arg: its settings in its label
+                row = dict(row, policy=row["policy"] + " [" + ", ".join(
+                    f"{k}={v}" for k, v in sorted(settings[row["policy"]].items())) + "]")
             modes = [asked] if uses_question else [False, True]  # query-agnostic: the same run in both
             if asked and not uses_question and any(not r["config"].get("question")
                                                    and r["config"].get("haystack", "repeat") == hay
@@ -100,6 +104,7 @@ def summarize(runs: list[dict]) -> dict:
         out.append({"haystack": hay, "length": length, "new_tokens": tokens, "budget": budget, "policy": policy, "question": asked, "correct": k,
                     "prompts": n, "accuracy": k / n if n else None, "interval95": [lo, hi],
                     "needle_retention": sum(kept) / len(kept) if kept else None,
+                    "missed": sorted(r["prompt_id"] for r in rows if not r["correct"]),
                     "full_cache_correct": sum(full), "of_full_cache": (k / sum(full)) if sum(full) else None,
                     "question_unused": rows[0]["_shared"]})
     ceilings = [{"haystack": h, "length": L, "new_tokens": t, "correct": sum(v.values()), "prompts": len(v),
@@ -111,7 +116,7 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
     lines = [f"## {title} (`tools/results_question_sweep.py`)", "",
              "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (needle at depths 0.1–0.9, seeds 0 "
              "and 1; haystack `repeat`: the classic repeated filler, `text`: natural English from CPython's "
-             "`pydoc_data` topics), greedy, exact key among the answer's first *new tokens* (`--max-new-tokens`). `name#tag`: a variant of the policy, set by the run's `--policy-arg name#tag:key=value` (its command below). Without `--question` the question "
+             "`pydoc_data` topics), greedy, exact key among the answer's first *new tokens* (`--max-new-tokens`). A policy run with `--policy-arg` shows its settings in brackets (`name#tag`: a variant label of the run). Without `--question` the question "
              "ends the prompt and each block scores with its own rows; with it, query-aware policies score every block "
              "with the question's queries (KeyDiff and LagKV do not read it: one run stands for both columns, marked °). "
              "95 % Wilson intervals; retention: share of (layer, KV head) caches holding the key's digits after prefill; "
@@ -125,7 +130,7 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
         lines.append(f"| {c['haystack']} | {c['length']} | {c['new_tokens']} | {c['correct']}/{c['prompts']} "
                      f"({lo:.0%}–{hi:.0%}) |")
     lines += ["", "| haystack | length | new tokens | N | policy | without --question | with --question | "
-                  "retention without / with | of full (with) |", "|---|---:|---:|---:|---|---|---|---|---:|"]
+                  "retention without / with | of full (with) | missed with |", "|---|---:|---:|---:|---|---|---|---|---:|---|"]
     table = {(c["haystack"], c["length"], c["new_tokens"], c["budget"], c["policy"], c["question"]): c
              for c in data["cells"]}
     keys = sorted({(c["haystack"], c["length"], c["new_tokens"], c["budget"], c["policy"]) for c in data["cells"]})
@@ -142,7 +147,8 @@ def markdown(data: dict, title: str = "Passkey with and without `--question`", i
         ret = " / ".join("—" if c is None or c["needle_retention"] is None else f"{c['needle_retention']:.0%}"
                          for c in (a, b))
         share = "—" if b is None or b["of_full_cache"] is None else f"{b['of_full_cache']:.0%}"
-        lines.append(f"| {hay} | {length} | {tokens} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} |")
+        missed = "—" if b is None else ", ".join(m.split("-", 2)[-1] for m in b.get("missed", [])) or "none"
+        lines.append(f"| {hay} | {length} | {tokens} | {budget} | {policy} | {fmt(a)} | {fmt(b)} | {ret} | {share} | {missed} |")
     lines += ["", f"![accuracy against budget]({image})"]
     return "\n".join(lines) + "\n"
 
