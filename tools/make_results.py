@@ -35,8 +35,9 @@ section itself):
   dapq_ablation.md   tools/check_snapkv_pooling.py --study dapq  (DapQ's switches one at a time)
   question_sweep.md  tools/results_question_sweep.py (passkey at 4K/7K with and without --question; edgekv eval runs)
   question_demo.md   tools/question_demo.py --compiled  (the --question demo on a 7K-token document)
-  question_probe_7k/results.md  edgekv eval --policies snapkv++,dapq --policy-arg snapkv++:kernel=7 --budgets 512
-                     --lengths 7k --question --workers 2 (the 7K, N = 512 cell the sweep misses: other settings)
+  question_kappa_7k.md  tools/results_question_sweep.py --name question_kappa_7k (7K, N = 512, --question:
+                     pooling kernels of SnapKV++ and DapQ, edgekv eval runs with --policy-arg / variants)
+  question_misses.md tools/check_question_misses.py  (what the 7K, N = 512 misses are: forced needle, one block)
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ SECTIONS = [
     ("SnapKV against SnapKV++ on long passkeys: pooling and kernel", "snapkv_pooling.md"),
     ("Long passkeys with and without the question (`--question`)", "question_sweep.md"),
     ("The `--question` demo: a 7K-token document", "question_demo.md"),
-    ("7K prompts at N = 512 with the question: pooled DapQ and SnapKV++ at κ = 7", "question_probe_7k/results.md"),
+    ("7K prompts at N = 512 with the question: pooling kernels", "question_kappa_7k.md"),
+    ("What the 7K, N = 512 misses are", "question_misses.md"),
     ("DapQ's switches one at a time", "dapq_ablation.md"),
     ("Memory-limited simulation and device estimates", "simulate.md"),
 ]
