@@ -30,12 +30,21 @@ adds the question's column sums to the accumulated ones at scoring time (they ne
 state), DapQ's pseudo rows become the question. KeyDiff, LagKV, streaming, D2O and RocketKV do not
 read the question and run unchanged, so one reading serves every question; a query-aware policy
 reads the document once per question. Compiled: `edgekv compile --question-rows N` (questions of
-up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md). The effect on
-long passkeys: [results](results/question_sweep.md) (N = 512, 4K-token prompts: SnapKV++ 2 of 10
-without the question, 10 of 10 with it, as the full cache; at 7K tokens SnapKV reaches 6 of 10 and
-SnapKV++ 3 of 10 with it, both 10 of 10 at N = 1K; on the same 7K prompts at N = 512 pooled DapQ
-answers 8 of 10 with the question and SnapKV++ at κ = 7 answers 7 of 10 —
-[probe](results/question_probe_7k/results.md): SnapKV++'s κ = 63 is too wide there). Why the query-aware policies fail without it:
+up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md; the Android app
+uses them too). The effect on long passkeys: [results](results/question_sweep.md) (N = 512,
+4K-token prompts: SnapKV++ 2 of 10 without the question, 10 of 10 with it, as the full cache; at
+7K tokens SnapKV and SnapKV++ answer 10 of 10 with it at N = 1K). At 7K with N = 512 the
+answer takes longer to come: within the eval's 10 new tokens DapQ answers 8 of 10, SnapKV 6 and
+SnapKV++ 3 (7 at κ = 7, 15 or 31: its κ = 63 pools too coarsely for 480 free slots —
+[kernels](results/question_kappa_7k.md)); with 24 new tokens SnapKV and DapQ answer 10 of 10 and
+SnapKV++ 7. The prompts missed within 10 tokens (needle at depth 0.5–0.7) are the same for every
+policy and kernel, and they are not lost needles: the answer is " mentioned in the text as "The
+pass key is 17636"", the key at tokens 11–16. Forcing the needle's 40 tokens into every layer and
+KV head changes nothing, while the same document read as one block (its keys and values computed
+over the whole past, then cut to N = 512 once by the question) answers " 17636." at once
+([misses](results/question_misses.md)). So what block-wise reading costs there is not the choice of
+what to keep but how the kept entries were made: each later block's keys and values attend only to
+the N entries kept before it. Why the query-aware policies fail without it:
 each block's candidates are scored by that block's own last rows, which attend to their own
 neighbourhood and have not seen the question, so the needle leaves the cache in the block after it
 arrives, long before the question does; its retention shows it (SnapKV++ at 4K, N = 512: 59 % of
