@@ -32,8 +32,9 @@ read the question and run unchanged, so one reading serves every question; a que
 reads the document once per question. Compiled: `edgekv compile --question-rows N` (questions of
 up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md; the Android app
 uses them too). The effect on long passkeys: [results](results/question_sweep.md) (N = 512,
-4K-token prompts: SnapKV++ 2 of 10 without the question, 10 of 10 with it, as the full cache; at
-7K tokens SnapKV and SnapKV++ answer 10 of 10 with it at N = 1K). At 7K with N = 512 the
+4K-token prompts: SnapKV++ 2 of 10 without the question, 10 of 10 with it, as the full cache, and
+so do SnapKV and DapQ; at 2K every query-aware policy answers 10 of 10 with it; at 7K tokens
+SnapKV, SnapKV++ and DapQ answer 10 of 10 with it at N = 1K). At 7K with N = 512 the
 answer takes longer to come: within the eval's 10 new tokens DapQ answers 8 of 10, SnapKV 6 and
 SnapKV++ 3 (7 at κ = 7, 15 or 31: its κ = 63 pools too coarsely for 480 free slots —
 [kernels](results/question_kappa_7k.md)); with 24 new tokens SnapKV and DapQ answer 10 of 10 and
@@ -49,7 +50,12 @@ each block's candidates are scored by that block's own last rows, which attend t
 neighbourhood and have not seen the question, so the needle leaves the cache in the block after it
 arrives, long before the question does; its retention shows it (SnapKV++ at 4K, N = 512: 59 % of
 the layer × head caches keep the key without the question, 76 % with it). KeyDiff keeps diverse
-keys whatever is asked and holds at 4K (6 of 10 at N = 512, 9 of 10 at 1K) but not at 7K.
+keys whatever is asked and holds at 4K (6 of 10 at N = 512, 9 of 10 at 1K) but not at 7K. DapQ
+needs the question least: its pseudo rows are the prompt's last tokens, which are the question when
+the question ends the prompt, so without `--question` it answers 10 of 10 at 2K and 4K (N = 512
+and 1K); at 7K it drops to 0 of 10 at N = 512 and 4 of 10 at 1K, where the question's own rows
+give 8 and 10 of 10. On natural text as the haystack (2K, N = 512, with the question) the full
+cache itself finds 5 of 10; DapQ finds 5 too (not the same five), SnapKV++ 4, KeyDiff none.
 
 ## full
 
