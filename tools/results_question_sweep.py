@@ -58,12 +58,16 @@ def cells(runs: list[dict]):
     tokens) → {prompt: full-cache correct}. A policy label may be a variant (``dapq#k15``, ``base_policy``)."""
     from edgekv.policies import REGISTRY, base_policy
 
+    def prompts_of(run: dict) -> tuple[str, int]:  # what makes two runs' prompts comparable
+        return run["config"].get("haystack", "repeat"), int(run["config"].get("max_new_tokens", 10))
+
+    # grids with a run without the question: a query-agnostic policy's rows are taken from it
+    unasked = {prompts_of(r) for r in runs if not r["config"].get("question")}
     by_cell: dict[tuple, list[dict]] = defaultdict(list)
     ceiling: dict[tuple, dict[str, bool]] = defaultdict(dict)
     for run in runs:
         asked = bool(run["config"].get("question"))
-        hay = run["config"].get("haystack", "repeat")
-        tokens = int(run["config"].get("max_new_tokens", 10))
+        hay, tokens = prompts_of(run)
         lengths = {p["id"]: p["length_target"] for p in run["prompts"]}
         for pid, ref in run["references"].items():
             seen = ceiling[(hay, lengths[pid], tokens)].get(pid)
@@ -79,9 +83,7 @@ def cells(runs: list[dict]):
                 row = dict(row, policy=row["policy"] + " [" + ", ".join(
                     f"{k}={v}" for k, v in sorted(settings[row["policy"]].items())) + "]")
             modes = [asked] if uses_question else [False, True]  # query-agnostic: the same run in both
-            if asked and not uses_question and any(not r["config"].get("question")
-                                                   and r["config"].get("haystack", "repeat") == hay
-                                                   and int(r["config"].get("max_new_tokens", 10)) == tokens for r in runs):
+            if asked and not uses_question and (hay, tokens) in unasked:
                 continue  # taken from the run without the question
             for mode in modes:
                 cell = by_cell[(hay, row["length_target"], tokens, row["budget"], row["policy"], mode)]
