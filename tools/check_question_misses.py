@@ -65,10 +65,8 @@ def forcing(policy, needle: set[int], what: tuple[str, ...]):
 
 
 def run(model, prompt, policy_name: str, budget: int, block: int | str, what: tuple[str, ...], new_tokens: int) -> dict:
-    import torch
-
     from edgekv.engine import BlockEngine
-    from edgekv.evaluation.runner import needle_retention
+    from edgekv.evaluation.runner import read_and_answer
     from edgekv.evaluation.tasks import extract_key
     from edgekv.policies import make_policy
 
@@ -78,14 +76,7 @@ def run(model, prompt, policy_name: str, budget: int, block: int | str, what: tu
     policy = forcing(make_policy(policy_name), needle, what)
     engine = BlockEngine(model, policy, budget, split if block == "one" else block, question_rows=prompt.tokens - split)
     t0 = time.perf_counter()
-    engine.prefill(prompt.ids[:split], question=prompt.ids[split:])
-    logits = engine.prefill(prompt.ids[split:])
-    retention = needle_retention(engine, prompt, tok)
-    out: list[int] = []
-    for i in range(new_tokens):
-        out.append(int(torch.argmax(logits)))
-        if i < new_tokens - 1:
-            logits = engine.decode(out[-1])
+    out, retention = read_and_answer(engine, prompt, tok, split, new_tokens)  # no stop id: all new_tokens
     text = tok.decode(out, skip_special_tokens=True)
     return {"text": text, "predicted": extract_key(text), "correct": extract_key(text) == prompt.answer,
             "needle_retention": retention, "seconds": time.perf_counter() - t0}

@@ -111,6 +111,27 @@ def needle_retention(engine: BlockEngine, prompt: Prompt, tokenizer) -> float | 
     return float(torch.stack(held).mean())
 
 
+def read_and_answer(engine: BlockEngine, prompt: Prompt, tokenizer, split: int | None, max_new_tokens: int,
+                    eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None) -> tuple[list[int], float | None]:
+    """Prefill a passkey prompt — with ``split``, the document knowing the question (``prompt.ids[split:]``),
+    then the question itself — and answer greedily (up to ``max_new_tokens``, a stop id ends it).
+    Returns (generated ids, the needle's retention after prefill)."""
+    if split:
+        engine.prefill(prompt.ids[:split], progress=progress, question=prompt.ids[split:])
+        logits = engine.prefill(prompt.ids[split:], progress=progress)
+    else:
+        logits = engine.prefill(prompt.ids, progress=progress)
+    retention = needle_retention(engine, prompt, tokenizer)
+    generated: list[int] = []
+    for i in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        generated.append(token)
+        if token in eos or i == max_new_tokens - 1:
+            break
+        logits = engine.decode(token)
+    return generated, retention
+
+
 def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: dict, budget: int, block: int,
             spec: EvalSpec, progress: Callable[[int], None] | None = None, kv_dtype: str = "fp32") -> Outcome:
     policy = make_policy(policy_name, policy_args)
@@ -126,19 +147,7 @@ def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: d
     else:
         tok = model.tokenizer
         eos = tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
-        if split:  # the document knowing the question, then the question itself
-            engine.prefill(prompt.ids[:split], progress=progress, question=prompt.ids[split:])
-            logits = engine.prefill(prompt.ids[split:], progress=progress)
-        else:
-            logits = engine.prefill(prompt.ids, progress=progress)
-        retention = needle_retention(engine, prompt, tok)
-        generated: list[int] = []
-        for i in range(spec.max_new_tokens):
-            token = int(torch.argmax(logits))
-            generated.append(token)
-            if token in eos or i == spec.max_new_tokens - 1:
-                break
-            logits = engine.decode(token)
+        generated, retention = read_and_answer(engine, prompt, tok, split, spec.max_new_tokens, eos, progress)
         text = tok.decode(generated, skip_special_tokens=True)
         predicted = extract_key(text)
         out = Outcome(0.0, engine.stats.prefill_seconds, engine.stats.eviction_events, passkey={
