@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The accuracy sweeps behind docs/results/accuracy.md, exactly as run for it (SmolLM2-135M, every
 # policy, N = 128/256/512/1K, B = 128), then the section itself. One torch thread per run: this
-# box is a shared 2-core machine (two lanes in parallel are fine; more oversubscribe it).
+# box is a shared 2-core machine: two lanes of one worker each (more oversubscribe it; eval
+# would otherwise start cores / threads workers per lane).
 # An interrupted sweep resumes with the same command plus --resume (finished prompts are reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=build/eval
-E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1"
+E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1 --workers 1"
 (
   # passkey, block-wise: 1K and 2K prompts, needle at depths 0.1/0.5/0.9 (seed 0), and a 4K prompt (seed 1)
   $E --task passkey --block 128 --lengths 1k,2k --depths 0.1,0.5,0.9 --seeds 0 --out $OUT/passkey_block
