@@ -8,13 +8,16 @@ plots beside it (docs/results/accuracy_*.png). Every number comes from the JSON;
 machine, commit, command and runtime of each run are recorded. The observed orderings are
 computed here and set against the papers' orderings (research digests: KeyDiff ≥ SnapKV ≥
 TOVA ≥ Sink ≥ H2O under blocks; DapQ ≥ SnapKV); a hand-written discussion can be merged in
-with --notes.
+with --notes. The discussion quotes no number by hand: it writes ``{{task mode metric policy
+[L=length] [N=budget]}}`` (a mean over the matching runs, e.g. ``{{passkey block accuracy keydiff
+L=7168}}``) or ``{{task mode prompts [L=length]}}`` (how many prompts), filled in from the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -81,6 +84,42 @@ def ordering(means: dict, higher_better: bool) -> str:
 
 def fmt(v, kind):
     return "—" if v is None else (f"{100 * v:.0f}%" if kind == "pct" else f"{v:.3f}")
+
+
+# a row's field behind each metric name the notes may quote, and how it is printed
+NOTE_METRICS = {"accuracy": ("correct", "pct"), "needle_retention": ("needle_retention", "pct"),
+                "mean_kl": ("mean_kl", "kl"), "top1_agreement": ("top1_agreement", "pct"),
+                "greedy_prefix_match": ("greedy_prefix_match", "pct")}
+NOTE_FIELD = re.compile(r"\{\{([^{}]+)\}\}")
+
+
+def note_value(rows: list[dict], spec: str) -> str:
+    """One ``{{...}}`` of the notes, from the merged raw rows (see the module docstring)."""
+    words = spec.split()
+    filters = dict(w.split("=", 1) for w in words if "=" in w)
+    words = [w for w in words if "=" not in w]
+    if len(words) < 3 or set(filters) - {"L", "N"}:
+        raise SystemExit(f"notes: cannot read {{{{{spec}}}}}; write {{{{task mode metric policy [L=..] [N=..]}}}} "
+                         "or {{task mode prompts [L=..]}}")
+    task, mode = words[0], {"block": "block", "one": "one_block"}.get(words[1], words[1])
+    sel = [r for r in rows if r["task"] == task and r["mode"] == mode and r.get("error") is None
+           and ("L" not in filters or str(r["length_target"]) == filters["L"])
+           and ("N" not in filters or str(r["budget"]) == filters["N"])]
+    if words[2] == "prompts" and len(words) == 3:
+        found = {r["prompt_id"] for r in sel}
+    else:
+        if len(words) != 4 or words[2] not in NOTE_METRICS:
+            raise SystemExit(f"notes: {{{{{spec}}}}}: the metric is one of {', '.join(NOTE_METRICS)} (or 'prompts')")
+        field, kind = NOTE_METRICS[words[2]]
+        found = [float(r[field]) for r in sel if r["policy"] == words[3] and r.get(field) is not None]
+    if not found:
+        raise SystemExit(f"notes: {{{{{spec}}}}} matches no run in these results; fix the notes or add the run")
+    return str(len(found)) if words[2] == "prompts" else fmt(sum(found) / len(found), kind).replace("%", " %")
+
+
+def fill_notes(text: str, merged: dict) -> str:
+    """The notes with every ``{{...}}`` replaced by its value from the results."""
+    return NOTE_FIELD.sub(lambda m: note_value(merged["results"], m.group(1).strip()), text)
 
 
 def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[list[str], dict, dict]:
@@ -216,10 +255,9 @@ def main(argv=None) -> int:
         md += ["", "Pairwise claims, block-wise (B = 128), mean over budgets:", "",
                "| task · metric | claim | observed | verdict |", "|---|---|---|---|", *pairs]
     md.append("")
+    merged = merge(runs)  # the raw results of every run, for the notes, tables and plots
     if args.notes and args.notes.exists():
-        md += [args.notes.read_text().strip(), ""]
-    # tables and plots over the merged raw results of every run
-    merged = merge(runs)
+        md += [fill_notes(args.notes.read_text().strip(), merged), ""]
     md += by_length(merged)
     md += ["### Tables", "", report.markdown(merged, heading="####")]
     for p in report.plot(merged, out_dir, prefix="accuracy_"):
