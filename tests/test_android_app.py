@@ -17,7 +17,8 @@ Fast (default suite):
 
 The bridge itself (android/jni/edgekv_jni.c) and the app's Engine run on a desktop JVM against a
 host artifact (``test_bridge_on_a_desktop_jvm``), compared with ``edgekv-run`` on the same
-artifact. The aarch64 build of the same call sequence under qemu-user is slow (``-m slow``).
+artifact, and again with both libraries built with AddressSanitizer and UBSan
+(``test_bridge_is_clean_under_asan``). The aarch64 build of the same call sequence under qemu-user is slow (``-m slow``).
 
 Each test skips, naming the packages, when a tool is missing:
 ``apt-get install -y --no-install-recommends default-jdk-headless aapt zipalign apksigner zip
@@ -483,19 +484,19 @@ def _byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
 
-@pytest.fixture(scope="module")
-def host_bridge(tmp_path_factory):
+def _build_bridge(d: Path, sanitize: bool) -> dict:
     """The runtime built from runtime/src as the app builds it (with android/native/emutls.c and
     -femulated-tls, here for x86-64), the JNI library against it, the app's pure-Java classes
-    (compiled without the framework stubs: they must not touch android.*) and HostCheck."""
-    need = [t for t in ("clang", "javac", "java") if shutil.which(t) is None]
+    (compiled without the framework stubs: they must not touch android.*) and HostCheck.
+    ``sanitize``: both libraries with gcc's AddressSanitizer and UBSan instead (no emulated TLS:
+    that is clang's, and test_emulated_tls_keeps_each_threads_variables covers it)."""
+    need = [t for t in ("gcc" if sanitize else "clang", "javac", "java") if shutil.which(t) is None]
     if need or _jdk_include() is None:
-        pytest.skip(f"{' '.join(need) or 'the JDK headers'} missing: apt-get install -y clang default-jdk-headless")
+        pytest.skip(f"{' '.join(need) or 'the JDK headers'} missing: apt-get install -y clang gcc default-jdk-headless")
     try:
         import tvm_ffi.libinfo
     except ImportError as exc:
         pytest.skip(f"TVM-FFI headers not importable ({exc}): pip install -e .")
-    d = tmp_path_factory.mktemp("host-bridge")
     ffi = tvm_ffi.libinfo.find_include_path()
     cmake = (REPO / "runtime" / "CMakeLists.txt").read_text()
     sources = re.findall(r"src/\w+\.c", cmake.split("set(EDGEKV_SOURCES", 1)[1].split(")", 1)[0])
@@ -503,14 +504,16 @@ def host_bridge(tmp_path_factory):
     version = re.search(r"project\(edgekv_runtime VERSION ([0-9.]+)", cmake).group(1)
     lib = d / "lib"
     lib.mkdir()
-    flags = ["-std=c11", "-O1", "-fPIC", "-femulated-tls", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+    cc, tls = (["gcc", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                "-g"], []) if sanitize else (["clang"], ["-femulated-tls", ANDROID / "native" / "emutls.c"])
+    flags = [*cc, "-std=c11", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
              "-D_GNU_SOURCE", f'-DEDGEKV_VERSION="{version}"', f"-I{REPO / 'runtime' / 'include'}",
              f"-I{REPO / 'runtime' / 'src'}", f"-I{ffi}"]
-    r = run(["clang", *flags, "-shared", "-o", lib / "libedgekv_runtime.so", "-Wl,-soname,libedgekv_runtime.so",
-             *[REPO / "runtime" / s for s in sources], ANDROID / "native" / "emutls.c", "-lpthread", "-ldl", "-lm"])
+    r = run([*flags, "-shared", "-o", lib / "libedgekv_runtime.so", "-Wl,-soname,libedgekv_runtime.so",
+             *[REPO / "runtime" / s for s in sources], *tls, "-lpthread", "-ldl", "-lm"])
     assert r.returncode == 0, r.stderr[-3000:]
     jdk = _jdk_include()
-    r = run(["clang", "-std=c11", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", f"-I{jdk}", f"-I{jdk / 'linux'}",
+    r = run([*cc, "-std=c11", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", f"-I{jdk}", f"-I{jdk / 'linux'}",
              f"-I{REPO / 'runtime' / 'include'}", "-shared", "-o", lib / "libedgekv_jni.so",
              ANDROID / "jni" / "edgekv_jni.c", f"-L{lib}", "-ledgekv_runtime", "-Wl,-rpath,$ORIGIN",
              "-Wl,--no-undefined"])
@@ -520,7 +523,17 @@ def host_bridge(tmp_path_factory):
     r = run(["javac", "--release", "7", "-Xlint:all,-options", "-Werror", "-encoding", "UTF-8", "-d", classes, *srcs,
              ANDROID / "test" / "HostCheck.java"])
     assert r.returncode == 0, r.stdout + r.stderr
-    return {"lib": lib, "classes": classes}
+    return {"lib": lib, "classes": classes, "sanitize": sanitize}
+
+
+@pytest.fixture(scope="module")
+def host_bridge(tmp_path_factory):
+    return _build_bridge(tmp_path_factory.mktemp("host-bridge"), sanitize=False)
+
+
+@pytest.fixture(scope="module")
+def asan_bridge(tmp_path_factory):
+    return _build_bridge(tmp_path_factory.mktemp("asan-bridge"), sanitize=True)
 
 
 def _host_artifact(tmp_path_factory, policy: str, args: dict, question_rows: int = 0) -> Path:
@@ -554,10 +567,18 @@ def _host_check(host_bridge, artifact, tmp_path, questions) -> dict:
     # the runtime as edgekv-run (exporting it) and Python (RTLD_GLOBAL) do. Android artifacts carry
     # the symbol themselves (test_finish_defines_the_loader_symbol_inside_android_model_so).
     env["LD_PRELOAD"] = str(host_bridge["lib"] / "libedgekv_runtime.so")
+    if host_bridge["sanitize"]:
+        # the JVM is not instrumented: the sanitizer's runtime must come first; the JVM handles
+        # SIGSEGV itself (null checks, safepoints) and its own allocations are not ours to leak-check
+        asan = run(["gcc", "-print-file-name=libasan.so"]).stdout.strip()
+        env["LD_PRELOAD"] = f"{os.path.realpath(asan)} {env['LD_PRELOAD']}"
+        env["ASAN_OPTIONS"] = "handle_segv=0:allow_user_segv_handler=1:detect_leaks=0:abort_on_error=0:exitcode=99"
+        env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1:exitcode=98"
     r = run(["java", "-Xss4m", f"-Djava.library.path={host_bridge['lib']}", "-cp", host_bridge["classes"], "HostCheck",
              artifact, tmp_path / "doc.txt", tmp_path / "snapshots", NEW_TOKENS, tmp_path / "probe.txt",
              *questions], env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "Sanitizer" not in r.stderr and "runtime error:" not in r.stderr, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -645,6 +666,26 @@ def test_bridge_scores_the_document_with_the_question(host_bridge, tmp_path_fact
                                                       doc_tokens + answers[2]["question_tokens"]]
     assert got["error_long_question"].startswith("4 "), got["error_long_question"]
     assert "--question-rows" in got["error_long_question"], got["error_long_question"]
+
+
+def test_bridge_is_clean_under_asan(asan_bridge, host_artifact, tmp_path_factory, tmp_path):
+    """The JNI bridge and the runtime under it, built with AddressSanitizer and UBSan, through the
+    app's whole call sequence on a desktop JVM (HostCheck: answers from a read document and from
+    its saved cache, UTF-16 text in, a cancel, the refusals, and setQuestion on a question-rows
+    artifact): no sanitizer report, and the same answers as edgekv-run."""
+    for name, art, questions in [("plain", host_artifact, QUESTIONS),
+                                 ("question", _host_artifact(tmp_path_factory, "snapkv++", {"window": 4, "kernel": 3},
+                                                             question_rows=32), [QUESTIONS[0], QUESTIONS[1]])]:
+        work = tmp_path / name
+        work.mkdir()
+        got = _host_check(asan_bridge, art, work, questions)
+        want = _edgekv_run_answers(art, work, questions)
+        assert [a["generated_ids"] for a in got["answers"]] == [w["generated_ids"] for w in want], name
+        assert [a["text"] for a in got["answers"]] == [w["text"] for w in want], name
+        assert got["cancelled"].startswith("7 ") and got["error_empty"].startswith("4 "), got
+        if name == "question":
+            assert all(a["question_scoring"] for a in got["answers"])
+            assert "--question-rows" in got["error_long_question"], got["error_long_question"]
 
 
 @pytest.mark.slow
