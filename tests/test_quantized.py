@@ -109,8 +109,9 @@ def tied():
     return tiny_random_model(seed=2, tie_embeddings=True, intermediate=96)
 
 
-@pytest.mark.parametrize("weights", ["q4", "q8"])
-@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "own-head"])
+@pytest.mark.parametrize("tie,weights", [(True, "q4"), (False, "q8"), pytest.param(True, "q8", marks=pytest.mark.slow),
+                                         pytest.param(False, "q4", marks=pytest.mark.slow)],
+                         ids=["tied-head-q4", "own-head-q8", "tied-head-q8", "own-head-q4"])
 def test_quantised_artifact_equals_fp32_of_dequantised_model(weights, tie, tied):
     model = tied if tie else tiny_random_model(seed=2, intermediate=96)
     pol = make_policy("keydiff")
