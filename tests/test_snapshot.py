@@ -188,12 +188,12 @@ def test_compiled_snapshot_refusals(artifacts, tmp_path):
     with pytest.raises(sf.SnapshotError, match="eager engine"):
         HostRuntime(artifacts["keydiff"]).load_cache(tmp_path / "eager.ekv")
     with pytest.raises(sf.SnapshotError, match="policy"):
-        HostRuntime(artifacts["streaming"]).load_cache(path)
+        HostRuntime(artifacts["h2o"]).load_cache(path)
     if native.available():
         with pytest.raises(sf.SnapshotError, match="eager engine"):
             native.NativeRuntime(artifacts["keydiff"]).load_cache(tmp_path / "eager.ekv")
         with pytest.raises(sf.SnapshotError, match="policy"):
-            native.NativeRuntime(artifacts["streaming"]).load_cache(path)
+            native.NativeRuntime(artifacts["h2o"]).load_cache(path)
         corrupt = tmp_path / "corrupt.ekv"
         data = bytearray(path.read_bytes())
         head = struct.unpack_from("<I", data, 12)[0]

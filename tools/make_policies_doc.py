@@ -54,11 +54,12 @@ keys whatever is asked and holds at 4K (6 of 10 at N = 512, 9 of 10 at 1K) but n
 needs the question least: its pseudo rows are the prompt's last tokens, which are the question when
 the question ends the prompt, so without `--question` it answers 10 of 10 at 2K and 4K (N = 512
 and 1K); at 7K it drops to 0 of 10 at N = 512 and 4 of 10 at 1K, where the question's own rows
-give 8 and 10 of 10. Part of that drop is the cut after the last block: DapQ pins no recent
-window (the paper's default), so the question's own tokens, which sit in that block, compete for
-the N slots. Pinning the prompt's last 32 tokens (`keep_recent=32`) gives 4 of 10 at 7K, N = 512,
-and KeyDiff with `recent_window=32` goes from 0 to 2 of 10 (`7k_noq_recent` in the results); the
-rest of the gap to 8 of 10 is what the question's rows add while the document is read. On natural text as the haystack (2K, N = 512, with the question) the full
+give 8 and 10 of 10. A likely part of that drop is the cut after the last block: DapQ pins no
+recent window (the paper's default), so the question's own tokens, which sit in that block,
+compete for the N slots. Pinning the prompt's last 32 tokens (`keep_recent=32`) gives 4 of 10 at
+7K, N = 512, and KeyDiff with `recent_window=32` goes from 0 to 2 of 10 (`7k_noq_recent` in the
+results) — suggestive at 10 prompts (the intervals overlap), not shown; the question's rows while
+the document is read give 8 of 10. On natural text as the haystack (2K, N = 512, with the question) the full
 cache itself finds 5 of 10; DapQ finds 5 too (not the same five), SnapKV++ 4, KeyDiff none.
 
 ## full

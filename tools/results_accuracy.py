@@ -111,15 +111,26 @@ def note_value(rows: list[dict], spec: str) -> str:
         if len(words) != 4 or words[2] not in NOTE_METRICS:
             raise SystemExit(f"notes: {{{{{spec}}}}}: the metric is one of {', '.join(NOTE_METRICS)} (or 'prompts')")
         field, kind = NOTE_METRICS[words[2]]
-        found = [float(r[field]) for r in sel if r["policy"] == words[3] and r.get(field) is not None]
+        # as the tables average: the mean of each budget's mean, so a budget with fewer runs
+        # (an errored one) weighs as much as the others
+        per_budget = defaultdict(list)
+        for r in sel:
+            if r["policy"] == words[3] and r.get(field) is not None:
+                per_budget[r["budget"]].append(float(r[field]))
+        found = [sum(v) / len(v) for v in per_budget.values()]
     if not found:
         raise SystemExit(f"notes: {{{{{spec}}}}} matches no run in these results; fix the notes or add the run")
     return str(len(found)) if words[2] == "prompts" else fmt(sum(found) / len(found), kind).replace("%", " %")
 
 
 def fill_notes(text: str, merged: dict) -> str:
-    """The notes with every ``{{...}}`` replaced by its value from the results."""
-    return NOTE_FIELD.sub(lambda m: note_value(merged["results"], m.group(1).strip()), text)
+    """The notes with every ``{{...}}`` replaced by its value from the results; a brace pair
+    left over (a malformed field) stops the section rather than printing as text."""
+    out = NOTE_FIELD.sub(lambda m: note_value(merged["results"], m.group(1).strip()), text)
+    for i, line in enumerate(out.splitlines(), 1):
+        if "{{" in line or "}}" in line:
+            raise SystemExit(f"notes: line {i} has a malformed {{{{...}}}} field: {line.strip()!r}")
+    return out
 
 
 def block_vs_one(runs: list[dict], task: str, metric: str, kind: str) -> tuple[list[str], dict, dict]:

@@ -17,6 +17,7 @@ E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1 --workers 1"
   # and a 7K prompt (needle at depth 0.5, seed 0): the longest that fits the 8K context with the answer
   $E --task passkey --block 128 --lengths 7k --depths 0.5 --seeds 0 --out $OUT/passkey_block_7k
 ) &
+LANE_A=$!
 (
   # fidelity to the full cache (2K natural text, last 512 positions scored), the one-block
   # comparison on the same 2K passkey prompts, and the multi-key variant (pass key + a distractor)
@@ -24,7 +25,12 @@ E="edgekv eval --policies all --budgets 128,256,512,1k --threads 1 --workers 1"
   $E --task passkey --block one --lengths 2k --depths 0.1,0.5,0.9 --seeds 0 --out $OUT/passkey_one
   $E --task multikey --keys 2 --block 128 --lengths 2k --depths 0.5 --seeds 0 --out $OUT/multikey_block
 ) &
-wait
+LANE_B=$!
+# both lanes end, then a failed one stops the script before stale results are copied
+rc=0
+wait $LANE_A || rc=$?
+wait $LANE_B || rc=$?
+[ "$rc" = 0 ] || { echo "a sweep lane failed (exit $rc); nothing copied" >&2; exit "$rc"; }
 R=docs/results
 for d in passkey_block passkey_block_seed1 passkey_block_long passkey_block_7k passkey_one fidelity_block multikey_block; do
   cp $OUT/$d/results.json $R/accuracy_$d.json  # the raw results live beside the section
