@@ -17,8 +17,9 @@ def _tool():
 
 
 def _row(policy, budget, length, prompt, correct, retention):
-    return {"task": "passkey", "mode": "block", "policy": policy, "budget": budget, "length_target": length,
-            "prompt_id": prompt, "correct": correct, "needle_retention": retention, "error": None}
+    return {"task": "passkey", "mode": "block", "block": 128, "policy": policy, "budget": budget,
+            "length_target": length, "prompt_id": prompt, "correct": correct, "agrees_with_full": correct,
+            "needle_retention": retention, "no_eviction": False, "error": None}
 
 
 ROWS = [_row("keydiff", 512, 4096, "p1", True, 1.0), _row("keydiff", 512, 4096, "p2", False, 0.5),

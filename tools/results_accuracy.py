@@ -86,15 +86,15 @@ def fmt(v, kind):
     return "—" if v is None else (f"{100 * v:.0f}%" if kind == "pct" else f"{v:.3f}")
 
 
-# a row's field behind each metric name the notes may quote, and how it is printed
-NOTE_METRICS = {"accuracy": ("correct", "pct"), "needle_retention": ("needle_retention", "pct"),
-                "mean_kl": ("mean_kl", "kl"), "top1_agreement": ("top1_agreement", "pct"),
-                "greedy_prefix_match": ("greedy_prefix_match", "pct")}
+# the metrics the notes may quote, and how each is printed: the ones the orderings use
+NOTE_METRICS = {metric: kind for _, metric, kind, _ in ORDER_METRICS}
 NOTE_FIELD = re.compile(r"\{\{([^{}]+)\}\}")
 
 
 def note_value(rows: list[dict], spec: str) -> str:
-    """One ``{{...}}`` of the notes, from the merged raw rows (see the module docstring)."""
+    """One ``{{...}}`` of the notes, from the merged raw rows (see the module docstring): the rows
+    the filters select, averaged as the tables are (``policy_means``: each budget's mean, then
+    their mean)."""
     words = spec.split()
     filters = dict(w.split("=", 1) for w in words if "=" in w)
     words = [w for w in words if "=" not in w]
@@ -102,25 +102,20 @@ def note_value(rows: list[dict], spec: str) -> str:
         raise SystemExit(f"notes: cannot read {{{{{spec}}}}}; write {{{{task mode metric policy [L=..] [N=..]}}}} "
                          "or {{task mode prompts [L=..]}}")
     task, mode = words[0], {"block": "block", "one": "one_block"}.get(words[1], words[1])
-    sel = [r for r in rows if r["task"] == task and r["mode"] == mode and r.get("error") is None
+    sel = [r for r in rows if r["task"] == task and r["mode"] == mode
            and ("L" not in filters or str(r["length_target"]) == filters["L"])
            and ("N" not in filters or str(r["budget"]) == filters["N"])]
     if words[2] == "prompts" and len(words) == 3:
-        found = {r["prompt_id"] for r in sel}
+        prompts = {r["prompt_id"] for r in sel if r.get("error") is None}
+        value = str(len(prompts)) if prompts else None
     else:
         if len(words) != 4 or words[2] not in NOTE_METRICS:
             raise SystemExit(f"notes: {{{{{spec}}}}}: the metric is one of {', '.join(NOTE_METRICS)} (or 'prompts')")
-        field, kind = NOTE_METRICS[words[2]]
-        # as the tables average: the mean of each budget's mean, so a budget with fewer runs
-        # (an errored one) weighs as much as the others
-        per_budget = defaultdict(list)
-        for r in sel:
-            if r["policy"] == words[3] and r.get(field) is not None:
-                per_budget[r["budget"]].append(float(r[field]))
-        found = [sum(v) / len(v) for v in per_budget.values()]
-    if not found:
+        mean = policy_means(report.summarize(sel), task, mode, words[2]).get(words[3])
+        value = None if mean is None else fmt(mean, NOTE_METRICS[words[2]]).replace("%", " %")
+    if value is None:
         raise SystemExit(f"notes: {{{{{spec}}}}} matches no run in these results; fix the notes or add the run")
-    return str(len(found)) if words[2] == "prompts" else fmt(sum(found) / len(found), kind).replace("%", " %")
+    return value
 
 
 def fill_notes(text: str, merged: dict) -> str:
