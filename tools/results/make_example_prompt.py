@@ -4,10 +4,10 @@ question whose answer is in the text, far before the end.
 The text is the Python language reference's topic help that ships with every CPython
 (`pydoc_data.topics`), so it is available offline. A question is either about a section of the
 reference or about a fact in the short notes that open the prompt. Which document length and question the
-README uses is not chosen here but by measurement: ``tools/pick_demo.py`` runs the candidates
+README uses is not chosen here but by measurement: ``tools/results/pick_demo.py`` runs the candidates
 below on the real model (full cache, no document, and each policy × budget), writes what it
 tried and what answered right to docs/results/demo.json, and writes the chosen prompt with
-this module (``python tools/make_example_prompt.py --from-choice`` rewrites it from that file).
+this module (``python tools/results/make_example_prompt.py --from-choice`` rewrites it from that file).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydoc_data.topics import topics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "long_document.txt"
 CHOICE = ROOT / "docs" / "results" / "demo.json"
 

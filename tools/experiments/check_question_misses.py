@@ -16,7 +16,7 @@ every block, greedy, 16 new tokens, exact key):
 
 Writes ``docs/results/question_misses.{json,md}``.
 
-    python tools/check_question_misses.py [--prompts 0.7:0,0.5:0] [--budget 512] [--length 7168]
+    python tools/experiments/check_question_misses.py [--prompts 0.7:0,0.5:0] [--budget 512] [--length 7168]
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 NEEDLE_SPAN = 40   # tokens from the needle's start: "The pass key is NNNNN. Remember it. NNNNN is the pass key."
 RECENT = 64
@@ -84,7 +83,7 @@ def run(model, prompt, policy_name: str, budget: int, block: int | str, what: tu
 
 def markdown(data: dict) -> str:
     s = data["settings"]
-    lines = ["## Why some 7K passkeys are missed with `--question` at N = 512 (`tools/check_question_misses.py`)", "",
+    lines = ["## Why some 7K passkeys are missed with `--question` at N = 512 (`tools/experiments/check_question_misses.py`)", "",
              f"SmolLM2-135M-Instruct, {s['policy']} with the question scoring every block, N = {s['budget']}, "
              f"B = {s['block']}, {s['length']}-token passkey prompts (repeated filler), greedy, "
              f"{s['new_tokens']} new tokens, exact key. Forced positions are kept in every layer and KV head at "

@@ -6,7 +6,7 @@ every block compares, per layer and KV head, the kept positions; at the end it c
 the last-token logits. Records the run in docs/results/compiled_agreement.{json,md}, one entry
 per (policy, budget, block, tokens): runs of other policies already recorded there are kept.
 
-    python tools/check_compiled_vs_engine.py --policy keydiff --budget 512 --tokens 8000
+    python tools/experiments/check_compiled_vs_engine.py --policy keydiff --budget 512 --tokens 8000
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from edgekv.models import load_model
 from edgekv.policies import make_policy
 from edgekv.runtime import HostRuntime
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -120,7 +120,7 @@ def run_markdown(r: dict) -> str:
     return (
         f"Compiled `{r['policy']}` artifact vs the reference engine on SmolLM2-135M, {r['prompt_tokens']} "
         f"prompt tokens of natural text, N = {r['budget']}, B = {r['block']} "
-        f"(`python tools/check_compiled_vs_engine.py --policy {r['policy']} --budget {r['budget']} "
+        f"(`python tools/experiments/check_compiled_vs_engine.py --policy {r['policy']} --budget {r['budget']} "
         f"--tokens {tokens}`):\n\n"
         f"- kept entries identical after every block, every layer and KV head: {same:,} of {total:,} "
         f"({100 * same / total:.4f} %)\n"

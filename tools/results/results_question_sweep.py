@@ -7,12 +7,12 @@ from `edgekv eval` runs (one without the question, one with it, per length), int
         --lengths 4k --depths 0.1,0.3,0.5,0.7,0.9 --seeds 0,1 --no-question --threads 1 --out build/eval/sweep16/4k_noq
     edgekv eval ... --policies snapkv++,snapkv,tova --question ... --out build/eval/sweep16/4k_q
     (the same for 7k and 2k; dapq in runs of its own; 2k with --haystack text)
-    python tools/results_question_sweep.py --collect build/eval/sweep16   # copies results.json here, then tables
+    python tools/results/results_question_sweep.py --collect build/eval/sweep16   # copies results.json here, then tables
 
     # another grid, e.g. pooling kernels and recent windows at 7K, N = 512 (policy variants name#tag):
     edgekv eval --policies "dapq#k15,dapq#k31" --policy-arg dapq#k15:kernel=15 --policy-arg dapq#k31:kernel=31 \
         --budgets 512 --lengths 7k --question ... --out build/eval/kappa_7k_512/dapq_k
-    python tools/results_question_sweep.py --collect build/eval/kappa_7k_512 --name question_kappa_7k \
+    python tools/results/results_question_sweep.py --collect build/eval/kappa_7k_512 --name question_kappa_7k \
         --title "7K prompts at N = 512 with the question: pooling kernels and recent windows"
 
 Query-agnostic policies (KeyDiff, LagKV) do not read the question (`uses_question` False: the
@@ -31,8 +31,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
@@ -115,7 +114,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown(data: dict, title: str = "Passkey with and without `--question`", image: str = "question_sweep.png") -> str:
-    lines = [f"## {title} (`tools/results_question_sweep.py`)", "",
+    lines = [f"## {title} (`tools/results/results_question_sweep.py`)", "",
              "SmolLM2-135M-Instruct on the eager engine, B = 128, passkey prompts (needle at depths 0.1–0.9, seeds 0 "
              "and 1; haystack `repeat`: the classic repeated filler, `text`: natural English from CPython's "
              "`pydoc_data` topics), greedy, exact key among the answer's first *new tokens* (`--max-new-tokens`). A policy run with `--policy-arg` shows its settings in brackets (`name#tag`: a variant label of the run). Without `--question` the question "

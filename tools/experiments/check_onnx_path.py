@@ -11,7 +11,7 @@ attention_mask and past_key_values inputs):
      Runtime on the whole prompt, and after each decode step.
 Writes docs/results/onnx_agreement.{json,md}.
 
-    python tools/check_onnx_path.py --budget 512 --tokens 1024 --forms plain,past
+    python tools/experiments/check_onnx_path.py --budget 512 --tokens 1024 --forms plain,past
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from edgekv.models import load_model
 from edgekv.policies import make_policy
 from edgekv.runtime import HostRuntime
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DECODE = 3
 
 
@@ -131,7 +131,7 @@ def markdown(r: dict, args) -> str:
     lines = [
         "# ONNX input: SmolLM2-135M exported to ONNX, compiled from the ONNX file",
         "",
-        f"`python tools/check_onnx_path.py --policy {args.policy} --budget {args.budget} --block {args.block} "
+        f"`python tools/experiments/check_onnx_path.py --policy {args.policy} --budget {args.budget} --block {args.block} "
         f"--tokens {args.tokens} --forms {args.forms}` — {r['prompt_tokens']} prompt tokens of natural text, "
         f"{r['decode_steps']} greedy decode steps, fp32, target `host`, load average {r['load']} (shared 2-core box). "
         f"Commit `{r.get('commit', 'not recorded')}`.",

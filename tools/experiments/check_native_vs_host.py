@@ -1,7 +1,7 @@
 """The native runtime against HostRuntime (TVM's VM) and the eager engine on SmolLM2, for every
 compiled policy: the same artifact, the same prompt.
 
-    python tools/check_native_vs_host.py [--policies keydiff,lagkv] [--budget 256] [--block 128]
+    python tools/experiments/check_native_vs_host.py [--policies keydiff,lagkv] [--budget 256] [--block 128]
                                          [--prompt-tokens 2048] [--new-tokens 32] [--out docs/results]
 
 Per policy: kept positions of every layer after every block (native vs HostRuntime), last-token
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompt_ids(tok, n: int) -> list[int]:
@@ -152,11 +151,11 @@ def main() -> None:
         print(json.dumps(demo), flush=True)
     data = {"model": "smollm2-135m", "budget": args.budget, "block": args.block, "prompt_tokens": len(ids),
             "new_tokens": args.new_tokens, "rows": rows, "readme_demo": demo,
-            "command": "python tools/check_native_vs_host.py " + " ".join(sys.argv[1:]), "provenance": origin}
+            "command": "python tools/experiments/check_native_vs_host.py " + " ".join(sys.argv[1:]), "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "native_agreement.json").write_text(json.dumps(data, indent=2))
     lines = ["# Native runtime vs HostRuntime and the eager engine (SmolLM2)", "",
-             f"Regenerate: `python tools/check_native_vs_host.py --budget {args.budget} --block {args.block} "
+             f"Regenerate: `python tools/experiments/check_native_vs_host.py --budget {args.budget} --block {args.block} "
              f"--prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens}` (commit {origin['commit']}).", "",
              f"Native vs HostRuntime on the same artifact: a {len(ids)}-token prompt (CPython's pydoc text), "
              f"N = {args.budget}, B = {args.block}; kept positions of every layer after every block, last-token "

@@ -10,9 +10,9 @@ tokenizer) and compares prompt length, generated ids and text. The aarch64 run g
 Writes docs/results/native_aarch64.{json,md}.
 
     apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static cmake ninja-build
-    python tools/check_native_aarch64.py                       # SmolLM2, keydiff, N = 512, B = 128
-    python tools/check_native_aarch64.py --reuse               # keep the artifacts and runtimes of a previous run
-    python tools/check_native_aarch64.py --render              # only rewrite the .md from the recorded .json
+    python tools/experiments/check_native_aarch64.py                       # SmolLM2, keydiff, N = 512, B = 128
+    python tools/experiments/check_native_aarch64.py --reuse               # keep the artifacts and runtimes of a previous run
+    python tools/experiments/check_native_aarch64.py --render              # only rewrite the .md from the recorded .json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SYSROOT = "/usr/aarch64-linux-gnu"
 
 
@@ -164,7 +164,7 @@ def main() -> None:
                 "peak_rss_bytes": rep.get("memory", {}).get("peak_rss_bytes")}
 
     record = {
-        "command": " ".join(["python tools/check_native_aarch64.py", shlex.join(sys.argv[1:])]).strip(),
+        "command": " ".join(["python tools/experiments/check_native_aarch64.py", shlex.join(sys.argv[1:])]).strip(),
         "model": args.model, "policy": args.policy, "budget": args.budget, "block": args.block,
         "kv_dtype": args.kv_dtype,
         "prompt_chars": args.prompt_chars, "max_new_tokens": args.max_new_tokens,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edgekv.policies import REGISTRY
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = """# Eviction policies
 
 Every policy keeps at most N entries per layer and KV head after each block (B tokens)

@@ -1,6 +1,6 @@
 """int8 KV cache against fp32 KV on SmolLM2-135M-Instruct (eager engine, `--kv-dtype int8`).
 
-    python tools/check_kv_int8.py [--length 2048] [--window 512] [--seeds 0,1] [--budgets 256,512]
+    python tools/experiments/check_kv_int8.py [--length 2048] [--window 512] [--seeds 0,1] [--budgets 256,512]
                                   [--policies keydiff,snapkv] [--threads 2] [--out docs/results]
 
 Three measurements, on `edgekv eval`'s fidelity text (CPython's pydoc topics,
@@ -31,16 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "smollm2-135m"
 
 
 def git_commit() -> str:
-    from edgekv.evaluation.report import _git_commit
+    from edgekv.evaluation import report
 
-    return _git_commit(ROOT) or "unknown"
+    return report.git_commit(ROOT) or "unknown"
 
 
 def cpu_name() -> str:
@@ -279,7 +278,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_model(MODEL)
     prompts = [build_fidelity(model.tokenizer, args.length, seed, args.window) for seed in spec["seeds"]]
-    data = {"command": "python tools/check_kv_int8.py " + " ".join(sys.argv[1:]), "git_commit": git_commit(),
+    data = {"command": "python tools/experiments/check_kv_int8.py " + " ".join(sys.argv[1:]), "git_commit": git_commit(),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "model": model.model_id,
             "weight_sha256": model.weight_hash, "spec": spec,
             "load_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None, "provenance": origin}

@@ -16,8 +16,8 @@ pooling (none, the paper's silence; max or average at κ = 7 and 63) — next to
 and as one block. The GQA reduction is not a switch worth running: mean and sum over a group differ
 by the constant G, so each KV head keeps the same set. Writes ``docs/results/dapq_ablation.*``.
 
-    python tools/check_snapkv_pooling.py [--budget 512] [--lengths 4096,7168] [--threads 2]
-    python tools/check_snapkv_pooling.py --study dapq --lengths 2048,4096 --blocks one,128
+    python tools/experiments/check_snapkv_pooling.py [--budget 512] [--lengths 4096,7168] [--threads 2]
+    python tools/experiments/check_snapkv_pooling.py --study dapq --lengths 2048,4096 --blocks one,128
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANTS = [  # (label, policy, arguments)
     ("snapkv avg κ=7 (default)", "snapkv", {}),
     ("snapkv max κ=7", "snapkv", {"pooling": "max"}),

@@ -2,7 +2,7 @@
 file sizes, shared-library dependencies, and the peak RSS of loading and checking an artifact
 (`edgekv-run ARTIFACT --check`) with and without TVM's runtime libraries in the process.
 
-    python tools/native_footprint.py [--artifact DIR] [--out docs/results]
+    python tools/bench/native_footprint.py [--artifact DIR] [--out docs/results]
 
 Writes native_footprint.json and native_footprint.md (docs/RESULTS.md includes the table).
 Without --artifact it compiles a tiny random model (the numbers are then about the runtime,
@@ -18,8 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def peak_rss_kib(cmd: list[str], env: dict | None = None) -> int:
@@ -82,7 +81,7 @@ def main() -> None:
     (args.out / "native_footprint.json").write_text(json.dumps(data, indent=2))
     mib = lambda kib: f"{kib / 1024:.1f} MiB"  # noqa: E731
     lines = ["# Native runtime footprint", "",
-             "Regenerate: `python tools/native_footprint.py` (artifact: "
+             "Regenerate: `python tools/bench/native_footprint.py` (artifact: "
              f"{'a tiny random model' if args.artifact is None else args.artifact}; commit {origin['commit']}).", "",
              "| file | bytes | needs |", "|---|---:|---|"]
     for name, size in data["files_bytes"].items():

@@ -7,8 +7,8 @@ Candidates (needle depth, seed) are tried in order; each is recorded. The demo i
 whose answer is right with `--question` and wrong without; with ``--compiled`` the same document
 and question also run through a SmolLM2 artifact compiled with `--question-rows` (native runtime).
 
-    python tools/question_demo.py                      # docs/results/question_demo.{json,md}
-    python tools/question_demo.py --compiled           # + the compiled artifact (compiles ~2-5 min)
+    python tools/experiments/question_demo.py                      # docs/results/question_demo.{json,md}
+    python tools/experiments/question_demo.py --compiled           # + the compiled artifact (compiles ~2-5 min)
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from edgekv.evaluation.report import provenance
+from edgekv.evaluation.tasks import INTRO, build_passkey, extract_key
+from edgekv.evaluation.tasks import QUESTION as EVAL_QUESTION
+from edgekv.job import write_json_atomic
+from edgekv.models import load_model
+from edgekv.models.chat import QUESTION_SEPARATOR
 
-from edgekv.evaluation.report import provenance  # noqa: E402
-from edgekv.evaluation.tasks import INTRO, build_passkey, extract_key  # noqa: E402
-from edgekv.evaluation.tasks import QUESTION as EVAL_QUESTION  # noqa: E402
-from edgekv.job import write_json_atomic  # noqa: E402
-from edgekv.models import load_model  # noqa: E402
-from edgekv.models.chat import QUESTION_SEPARATOR  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # `edgekv eval` starts the assistant's turn with "The pass key is" for the model; a user of `edgekv run`
@@ -116,7 +115,7 @@ def main() -> None:
             "question": QUESTION, "candidates": rows, "demo": demo}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out.with_suffix(".json"), data)
-    md = ["## `--question` on a 7K-token document (`tools/question_demo.py`)", "",
+    md = ["## `--question` on a 7K-token document (`tools/experiments/question_demo.py`)", "",
           f"SmolLM2-135M-Instruct, {args.policy}, N = {args.budget}, B = {args.block}, a {args.length}-token pass-key "
           f"document, question \"{QUESTION}\". Without `--question` the question is appended to the document and "
           "the whole text is one prompt (each block scores with its own rows); with it, every block scores with "

@@ -6,7 +6,7 @@ shared memory and barriers), so this checks the GPU schedules' logic — work-gr
 barriers, reductions, in-place compaction — on a machine without an accelerator. It does not
 say anything about speed.
 
-    python tools/check_gpu_kernels_pocl.py            # every GPU score / observe / select kernel
+    python tools/experiments/check_gpu_kernels_pocl.py            # every GPU score / observe / select kernel
 
 ``run_on_pocl(prim_func, arrays)`` is the reusable part (also used by the tests when pyopencl
 with a PoCL device is installed).

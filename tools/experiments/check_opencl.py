@@ -3,7 +3,7 @@
 the native runtime — the OpenCL one on whatever OpenCL device is present (PoCL here: OpenCL on
 the CPU, `apt-get install pocl-opencl-icd`).
 
-    python tools/check_opencl.py [--policies keydiff,lagkv] [--budget 256] [--prompt-tokens 640]
+    python tools/experiments/check_opencl.py [--policies keydiff,lagkv] [--budget 256] [--prompt-tokens 640]
                                  [--new-tokens 32] [--out docs/results]
 
 1. The README's main job (`--prompt-file examples/long_document.txt --chat`, KeyDiff, N = 512):
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "long_document.txt"
 
 
@@ -138,7 +137,7 @@ def main() -> None:
         for name in names:
             rows.append(agree(model, name, args.budget, args.block, ids, args.new_tokens, work, args.weights))
             print(json.dumps(rows[-1]), flush=True)
-    command = "python tools/check_opencl.py " + " ".join(sys.argv[1:])
+    command = "python tools/experiments/check_opencl.py " + " ".join(sys.argv[1:])
     data = {"model": "smollm2-135m", "weights": args.weights, "budget": args.budget, "block": args.block,
             "prompt_tokens": len(ids),
             "new_tokens": args.new_tokens, "demo": demo_row, "rows": rows, "command": command.strip(),

@@ -5,7 +5,7 @@ same passkey prompts (``edgekv eval``'s ``build_passkey``: lengths × depths × 
 native runtime, greedily, as ``edgekv eval`` scores them (the first number in the answer). Writes
 ``docs/results/weights_passkey.{json,md,png}``.
 
-    python tools/check_weights_passkey.py [--q4 build/art-keydiff-q4] [--fp32 build/art-keydiff]
+    python tools/experiments/check_weights_passkey.py [--q4 build/art-keydiff-q4] [--fp32 build/art-keydiff]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     result = {"build": a, "model": manifests["q4"]["model"]["id"], "accuracy": acc, "same_answers": same,
               "prompts": len(rows), "rows": rows, "commit": commit + ("-dirty" if dirty else ""),
-              "command": "python tools/check_weights_passkey.py", "provenance": origin}
+              "command": "python tools/experiments/check_weights_passkey.py", "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "weights_passkey.json").write_text(json.dumps(result, indent=2))
     lines = ["# Passkey accuracy: q4 against fp32 weights", "",

@@ -15,7 +15,7 @@ N differ):
 
 Writes ``docs/results/kv_int8_compiled.{json,md}``.
 
-    python tools/bench_kv_int8_compiled.py [--build build/kv_int8] [--rebuild]
+    python tools/bench/bench_kv_int8_compiled.py [--build build/kv_int8] [--rebuild]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POLICY = "keydiff"
 
 def timed_run(art: Path, ids: list[int], decode: int) -> dict:

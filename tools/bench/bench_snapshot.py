@@ -1,6 +1,6 @@
 """Read a document once, ask many questions: what a saved cache costs and saves (issue 20).
 
-    python tools/bench_snapshot.py [--lengths 4k,7k] [--budget 512] [--block 128] [--seeds 0,1]
+    python tools/bench/bench_snapshot.py [--lengths 4k,7k] [--budget 512] [--block 128] [--seeds 0,1]
                                    [--agnostic keydiff,lagkv,streaming] [--aware snapkv++,snapkv,tova,h2o,dapq]
                                    [--out docs/results]
 
@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 KINDS = ("pass key", "door code", "room number")
 INTRO = ("There are three numbers hidden inside a lot of irrelevant text: a pass key, a door code and a room "
@@ -46,7 +45,7 @@ def parse_len(s: str) -> int:
 
 def make_document(tok, length: int, seed: int) -> tuple[str, list[tuple[str, str]]]:
     """~``length`` tokens of filler with the three facts at depths 0.2 / 0.5 / 0.8."""
-    from edgekv.evaluation.tasks import REPEAT_FILLER, _needle
+    from edgekv.evaluation.tasks import REPEAT_FILLER, needle_paragraph
 
     rng = random.Random(seed * 7919 + length)
     values = [str(rng.randrange(10000, 100000)) for _ in KINDS]
@@ -58,7 +57,7 @@ def make_document(tok, length: int, seed: int) -> tuple[str, list[tuple[str, str
     for depth, kind, value in zip((0.2, 0.5, 0.8), KINDS, values):
         cut = int(depth * n_sent)
         pieces.append(" ".join(sents[last:cut]))
-        pieces.append(_needle(value, kind).strip())
+        pieces.append(needle_paragraph(value, kind).strip())
         last = cut
     pieces.append(" ".join(sents[last:]))
     return INTRO + "\n\n".join(pieces), list(zip(KINDS, values))
@@ -293,7 +292,7 @@ def main() -> None:
         print(json.dumps(cli), flush=True)
         acc = accuracy(model, tok, docs, args, work)
     data = {"model": "smollm2-135m", "budget": args.budget, "block": args.block, "lengths": lengths, "seeds": seeds,
-            "timing": timing, "cli": cli, "accuracy": acc, "command": "python tools/bench_snapshot.py " + " ".join(sys.argv[1:]),
+            "timing": timing, "cli": cli, "accuracy": acc, "command": "python tools/bench/bench_snapshot.py " + " ".join(sys.argv[1:]),
             "load_before": os.getloadavg(), "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "snapshot.json").write_text(json.dumps(data, indent=2))

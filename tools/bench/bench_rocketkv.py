@@ -15,7 +15,7 @@ run in the native runtime on the same prompts:
 
 Writes ``docs/results/rocketkv.{json,md}``.
 
-    python tools/bench_rocketkv.py [--budget 2048] [--build build/rocketkv] [--rebuild]
+    python tools/bench/bench_rocketkv.py [--budget 2048] [--build build/rocketkv] [--rebuild]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("snapkv++", "rocketkv")
 
 

@@ -35,7 +35,7 @@ R=docs/results
 for d in passkey_block passkey_block_seed1 passkey_block_long passkey_block_7k passkey_one fidelity_block multikey_block; do
   cp $OUT/$d/results.json $R/accuracy_$d.json  # the raw results live beside the section
 done
-python tools/results_accuracy.py $R/accuracy_passkey_block.json $R/accuracy_passkey_block_seed1.json $R/accuracy_passkey_block_long.json \
+python tools/results/results_accuracy.py $R/accuracy_passkey_block.json $R/accuracy_passkey_block_seed1.json $R/accuracy_passkey_block_long.json \
   $R/accuracy_passkey_block_7k.json $R/accuracy_passkey_one.json $R/accuracy_fidelity_block.json $R/accuracy_multikey_block.json \
   --notes $R/accuracy_notes.md
-python tools/make_results.py
+python tools/results/make_results.py

@@ -9,7 +9,7 @@ bytes read next to the machine's read bandwidth.
 Bandwidth is measured with a streaming-read kernel built by the same TVM/LLVM (a parallel,
 vectorised sum over a 1 GiB fp32 array on the same threads; best of 5 runs).
 
-    python tools/bench_weight_kernels.py            # writes docs/results/weight_kernels.{json,md,png}
+    python tools/bench/bench_weight_kernels.py            # writes docs/results/weight_kernels.{json,md,png}
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # SmolLM2-135M: (name, K, N, calls per token)
 SHAPES = [("q/o proj", 576, 576, 60), ("k/v proj", 576, 192, 60), ("gate/up proj", 576, 1536, 60),
           ("down proj", 1536, 576, 30)]
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         totals[fmt_name] = {"gemv_ms_per_token": us / 1e3, "weight_MB_per_token": nbytes / 1e6,
                             "GBps": nbytes / us / 1e3}
     result = {"bandwidth_GBps": bw, "threads": args.threads, "prefill_rows": M, "rows": rows, "per_token": totals,
-              "cpu": cpu, "commit": commit + ("-dirty" if dirty else ""), "command": "python tools/bench_weight_kernels.py",
+              "cpu": cpu, "commit": commit + ("-dirty" if dirty else ""), "command": "python tools/bench/bench_weight_kernels.py",
               "provenance": origin}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "weight_kernels.json").write_text(json.dumps(result, indent=2))

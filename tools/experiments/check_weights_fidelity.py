@@ -1,7 +1,7 @@
 """Weights fidelity on SmolLM2: the q4 artifact's next-token distributions against the fp32
 artifact and against llama.cpp running the same GGUF.
 
-    python tools/check_weights_fidelity.py [--tokens 1000] [--fp32 build/art-keydiff]
+    python tools/experiments/check_weights_fidelity.py [--tokens 1000] [--fp32 build/art-keydiff]
                                            [--q4 build/art-keydiff-q4] [--threads 2] [--out docs/results]
 
 Teacher forcing on the first ``--tokens`` tokens of `edgekv eval`'s fidelity text (seed 0:
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "smollm2-135m"
 # (key, reference, test, label)
@@ -254,7 +253,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{k}: non-finite logits")
     comps = {key: {"reference": ref, "test": test, **compare(logits[ref], logits[test])}
              for key, ref, test, _label in COMPARISONS}
-    cmd = "python tools/check_weights_fidelity.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = "python tools/experiments/check_weights_fidelity.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     data = {"model": MODEL, "tokens": args.tokens, "text": "edgekv eval fidelity text, seed 0 (build_fidelity)",
             "ids_head": ids[:16], "threads": args.threads, "command": cmd, "git_commit": git_commit(),
             "cpu": cpu_name(), "load_before": list(load_before), "runs": runs, "comparisons": comps,
