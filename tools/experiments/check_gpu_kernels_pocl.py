@@ -14,6 +14,7 @@ with a PoCL device is installed).
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 
@@ -184,6 +185,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if opencl_device() is None:
         print("no PoCL OpenCL device: pip install pyopencl pocl-binary-distribution")
         return 2

@@ -3,6 +3,7 @@ in registry order, so each policy's text lives next to the others' but is writte
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from edgekv.policies import REGISTRY
@@ -75,6 +76,7 @@ block-wise and one-shot give the same set.
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     parts = [HEADER]
     for name in REGISTRY:
         section = ROOT / "docs" / "policies" / f"{name.replace('+', '_p').replace('_p_p', '_pp')}.md"

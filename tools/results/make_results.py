@@ -1,47 +1,20 @@
-"""Regenerate docs/RESULTS.md from the section files under docs/results/.
+"""Regenerate docs/RESULTS.md from the section files under docs/results/ (SECTIONS, in order).
 
-Each section is written by the command that measured it (the command is recorded in the
-section itself):
-  accuracy.md   tools/results/results_accuracy.py        (edgekv eval sweeps)
-  bench.md      edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
+Each section is written by the command that measured it, and names it: a tool under tools/
+(tools/README.md lists which tool writes which file) or an edgekv command:
+  bench/bench.md         edgekv bench --out docs/results/bench   (speed + memory, peers side by side)
   bench_native/bench.md  edgekv bench --systems edgekv-compiled,edgekv-native -o docs/results/bench_native
-  bench_q4/bench.md  edgekv bench --artifact <q4> --fp32-artifact <fp32> --systems edgekv-native,edgekv-native-fp32,edgekv-compiled,llamacpp
-  weight_kernels.md  tools/bench/bench_weight_kernels.py    (q4/q8/fp32 GEMV GB/s vs the measured bandwidth, GEMMs)
-  weights_fidelity.md  tools/experiments/check_weights_fidelity.py  (q4 vs fp32 artifact vs llama.cpp: top-1, KL)
-  weights_passkey.md   tools/experiments/check_weights_passkey.py   (passkey answers of the q4 and fp32 artifacts)
-  compiled.md   tools/bench/bench_compiled.py          (compiled kernels, per-kernel table)
-  compile_time.md  tools/bench/bench_compiled.py --skip profile,gemm,e2e --json/--md docs/results/compile_time.*
-  simulate.md   tools/results/results_simulate.py        (memory-limited runs, device estimates)
-  compiled_agreement*.md  tools/experiments/check_compiled_vs_engine.py (compiled artifact vs eager engine)
-  onnx_agreement.md       tools/experiments/check_onnx_path.py          (ONNX input vs torch.export, ONNX Runtime)
-  native_agreement.md     tools/experiments/check_native_vs_host.py     (native runtime vs HostRuntime and the eager engine)
-  native_footprint.md     tools/bench/native_footprint.py         (the runtime's size and RSS vs TVM's runtime)
-  native_aarch64.md       tools/experiments/check_native_aarch64.py     (the aarch64 build under qemu-user)
-  native_aarch64_int8.md  tools/experiments/check_native_aarch64.py --kv-dtype int8 --work build/native_aarch64_int8
-                          --out docs/results/native_aarch64_int8 (the same with an int8 KV cache)
-  opencl.md               tools/experiments/check_opencl.py             (OpenCL artifacts on PoCL vs CPU artifacts)
-  opencl_q4.md            tools/experiments/check_opencl.py --weights q4 --name opencl_q4 (the same with 4-bit weights)
-  snapshot.md             tools/bench/bench_snapshot.py           (saved document caches: size, time to first token, accuracy)
-  demo.md       tools/results/pick_demo.py               (how the README's main job was chosen)
-  threads.md    tools/bench/measure_threads.py         (the main job idle and loaded, thread defaults)
-  rocketkv.md   tools/bench/bench_rocketkv.py           (RocketKV vs SnapKV++ compiled: decode speed, bytes, passkey)
-  kv_int8.md    tools/experiments/check_kv_int8.py            (int8 vs fp32 KV cache: error, fidelity at equal N and bytes)
-  kv_int8_compiled.md  tools/bench/bench_kv_int8_compiled.py  (int8 vs fp32 KV compiled: plan, RSS, speed, passkey)
+  bench_q4/bench.md      edgekv bench --artifact <q4> --fp32-artifact <fp32>
+                         --systems edgekv-native,edgekv-native-fp32,edgekv-compiled,llamacpp
   eval_rocketkv/results.md  edgekv eval --task fidelity --policy snapkv++,rocketkv --budget 2k --fidelity-lengths 4k
   eval_kv_int8/{fp32,int8}/results.md  edgekv eval --task passkey --policy keydiff,snapkv++ --lengths 4k,7k
                 --budget 594 (fp32) / --budget 2535 --kv-dtype int8: the N that 32MiB buys in each format
   eval_kv_int8/fidelity_{fp32,int8}/results.md  the same pair, --task fidelity --fidelity-lengths 4k,7k
-  snapkv_pooling.md  tools/experiments/check_snapkv_pooling.py  (SnapKV's pooling x kernel against SnapKV++, one-block passkey)
-  dapq_ablation.md   tools/experiments/check_snapkv_pooling.py --study dapq  (DapQ's switches one at a time)
-  question_sweep.md  tools/results/results_question_sweep.py (passkey at 4K/7K with and without --question; edgekv eval runs)
-  question_demo.md   tools/experiments/question_demo.py --compiled  (the --question demo on a 7K-token document)
-  question_kappa_7k.md  tools/results/results_question_sweep.py --name question_kappa_7k (7K, N = 512, --question:
-                     pooling kernels of SnapKV++ and DapQ, edgekv eval runs with --policy-arg / variants)
-  question_misses.md tools/experiments/check_question_misses.py  (what the 7K, N = 512 misses are: forced needle, one block)
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -89,6 +62,7 @@ SECTIONS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     results = ROOT / "docs" / "results"
     parts = ["# edgekv results\n",
              "Every number below is produced by a command in this repository; each section names its "
