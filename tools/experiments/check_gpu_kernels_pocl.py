@@ -8,8 +8,8 @@ say anything about speed.
 
     python tools/experiments/check_gpu_kernels_pocl.py            # every GPU score / observe / select kernel
 
-``run_on_pocl(prim_func, arrays)`` is the reusable part (also used by the tests when pyopencl
-with a PoCL device is installed).
+``run_on_pocl(prim_func, arrays)`` is the reusable part
+(``from tools.experiments.check_gpu_kernels_pocl import run_on_pocl``).
 """
 
 from __future__ import annotations
