@@ -969,9 +969,9 @@ def machine_info() -> dict:
 
     import torch
 
-    from .evaluation.report import _git_commit
+    from .evaluation.report import git_commit
 
-    full = _git_commit(Path(__file__).resolve().parent) or ""  # "<hash>[-dirty]", as eval records it
+    full = git_commit(Path(__file__).resolve().parent) or ""  # "<hash>[-dirty]", as eval records it
     commit = full[:7] + ("-dirty" if full.endswith("-dirty") else "")
     cpu = platform.processor()
     try:

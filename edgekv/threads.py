@@ -5,7 +5,7 @@
     choice = choose_threads(None)     # None: the default; an int: what the user asked for
     apply_threads(choice.count)       # torch + TVM; a native runtime takes choice.count itself
 
-Why this default (measured by ``tools/measure_threads.py``, results in docs/results/threads.md):
+Why this default (measured by ``tools/bench/measure_threads.py``, results in docs/results/threads.md):
 
 - **As many threads as there are free cores**, not all cores. A thread that shares its core with
   another busy process is descheduled for whole time slices, and every parallel region waits

@@ -308,7 +308,7 @@ def test_kernel_inputs_and_entry_state_mechanism(model, imported, prompt, monkey
 def test_query_policies_match_engine_on_smollm2(smol, name):
     """SmolLM2-135M, N = 256, B = 128, 640 prompt tokens (3 evicting blocks) + 4 decode steps: the
     compiled kernels keep the engine's entries (≥ 99.9 %: a near tie of the reference scores may
-    flip one — see tools/check_kernel_near_ties.py) and, while the kept sets are identical, give its
+    flip one — see docs/results/kernel_near_ties.md) and, while the kept sets are identical, give its
     logits within 1e-3. The 2K-token runs are in docs/results/compiled_agreement.md."""
     from edgekv.corpus import natural_token_ids
     from edgekv.policies import make_policy

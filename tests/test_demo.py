@@ -1,4 +1,4 @@
-"""The README's first command (issue 18): it is the main job that tools/pick_demo.py chose by
+"""The README's first command (issue 18): it is the main job that tools/results/pick_demo.py chose by
 measurement, the example prompt is the one that tool wrote, and — on the real model — it
 prints a right answer under a budget that evicts, with what the budget saved."""
 
@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
 
+from tools.results import make_example_prompt as mep
+
 ROOT = Path(__file__).resolve().parent.parent
 CHOICE = json.loads((ROOT / "docs" / "results" / "demo.json").read_text())["choice"]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import make_example_prompt as mep  # noqa: E402
 
 
 def readme_first_command() -> str:

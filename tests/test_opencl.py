@@ -177,12 +177,8 @@ def test_smollm2_opencl_answers_the_readme_demo_like_the_cpu_artifact(need_openc
     """SmolLM2, the README's main job (KeyDiff N = 512): `edgekv-run` on the OpenCL artifact gives
     the CPU artifact's text and token ids, holding no more device memory than the plan; a second
     policy of another kind (D2O: attention-based scores, the per-prompt probe) keeps the same sets."""
-    import sys
-
     from edgekv.models import load_model
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
-    import check_opencl
+    from tools.experiments import check_opencl
 
     model = load_model("smollm2-135m")
     d = check_opencl.demo(model, tmp_path)

@@ -1,19 +1,17 @@
-"""tools/results_accuracy.py: the accuracy notes quote numbers only through {{...}} fields filled
+"""tools/results/results_accuracy.py: the accuracy notes quote numbers only through {{...}} fields filled
 from the eval JSON, and a field that matches nothing stops the regeneration."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "results_accuracy.py"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("results_accuracy", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools.results import results_accuracy
+
+    return results_accuracy
 
 
 def _row(policy, budget, length, prompt, correct, retention):
@@ -37,10 +35,10 @@ def test_a_field_averages_budgets_as_the_tables_do():
 
 def test_committed_accuracy_section_is_its_json_and_notes(tmp_path):
     """docs/results/accuracy.md is what the tool makes from the committed runs and notes (the
-    command in tools/run_accuracy_sweeps.sh): no hand edit, no stale figure."""
+    command in tools/results/run_accuracy_sweeps.sh): no hand edit, no stale figure."""
     pytest.importorskip("matplotlib")
     ra = _tool()
-    res = TOOL.parents[1] / "docs" / "results"
+    res = RESULTS
     runs = ["passkey_block", "passkey_block_seed1", "passkey_block_long", "passkey_block_7k", "passkey_one",
             "fidelity_block", "multikey_block"]
     out = tmp_path / "accuracy.md"

@@ -1,5 +1,5 @@
 """The thread choice (edgekv/threads.py): free cores by default, one count for torch and TVM.
-Speeds are measured by tools/measure_threads.py, never asserted here."""
+Speeds are measured by tools/bench/measure_threads.py, never asserted here."""
 
 from __future__ import annotations
 

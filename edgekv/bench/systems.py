@@ -120,7 +120,7 @@ def run_edgekv_native(ids, args):
             "startup_seconds": r["startup_seconds"], "threads": r["threads"]}
 
 
-def _hf_generate(model, ids, decode_tokens, press=None):
+def hf_generate(model, ids, decode_tokens, press=None):
     from contextlib import nullcontext
 
     from transformers import DynamicCache
@@ -148,8 +148,8 @@ def run_hf(ids, args):
     from ..models import load_model
 
     model = load_model(args["model"]).to_hf()
-    _hf_generate(model, ids[: args["block"]], 1)
-    prefill, dec = _hf_generate(model, ids, args["decode_tokens"])
+    hf_generate(model, ids[: args["block"]], 1)
+    prefill, dec = hf_generate(model, ids, args["decode_tokens"])
     return {"prefill_seconds": prefill, "decode_seconds": dec}
 
 
@@ -165,8 +165,8 @@ def run_kvpress(ids, args):
     model = load_model(args["model"]).to_hf()
     ratio = max(0.0, 1.0 - args["budget"] / ids.numel())
     press = BlockPress(KeyDiffPress(compression_ratio=ratio), block_size=args["block"])
-    _hf_generate(model, ids[: args["block"]], 1, press)
-    prefill, dec = _hf_generate(model, ids, args["decode_tokens"], press)
+    hf_generate(model, ids[: args["block"]], 1, press)
+    prefill, dec = hf_generate(model, ids, args["decode_tokens"], press)
     return {"prefill_seconds": prefill, "decode_seconds": dec, "compression_ratio": ratio}
 
 

@@ -14,7 +14,7 @@ in fp32 (``memory.kv_row_bytes``). A scale past float16's range (a group with ma
 saturates at 65504 and its codes clip at ±127; no LLM's K or V comes near that.
 
 Why per token, and why groups of 32 channels (measured on SmolLM2-135M-Instruct: K and V of all
-30 layers over the first 1,536 tokens of `edgekv eval`'s fidelity text, `tools/check_kv_int8.py`,
+30 layers over the first 1,536 tokens of `edgekv eval`'s fidelity text, `tools/experiments/check_kv_int8.py`,
 docs/results/kv_int8.md; relative error = ‖x − x̂‖ / ‖x‖ over all rows and layers):
 - Groups of 32 instead of one scale per whole row, because K has outlier channels (a few channels
   of much larger magnitude, the observation behind KIVI): with one scale per row the largest
@@ -68,7 +68,7 @@ def _grouped(x: torch.Tensor, groups: int, group: int) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, group: int = INT8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` [..., d] → (codes [..., d] int8, scales [..., ⌈d/group⌉] float16): the module's format
-    with its groups of 32 (another ``group`` only for measuring alternatives: tools/check_kv_int8.py)."""
+    with its groups of 32 (another ``group`` only for measuring alternatives: tools/experiments/check_kv_int8.py)."""
     d = x.shape[-1]
     groups = -(-d // group)
     grouped = _grouped(x.float(), groups, group)

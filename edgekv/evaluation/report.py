@@ -23,7 +23,7 @@ FIDELITY_FIELDS = ("positions", "top1_agreement", "mean_kl", "median_kl", "max_k
 TOP_FIELDS = ("schema", "meta", "config", "prompts", "references", "results", "summary", "complete", "runtime_seconds")
 
 
-def _git_commit(repo: Path) -> str | None:
+def git_commit(repo: Path) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if out.returncode != 0:
@@ -55,7 +55,7 @@ def provenance(command: list[str]) -> dict:
     """What a results file records of where it came from: the command, the commit (``-dirty`` when
     the tree differed from it), when, and the machine."""
     repo = Path(__file__).resolve().parents[2]
-    return {"command": " ".join(command), "commit": _git_commit(repo),
+    return {"command": " ".join(command), "commit": git_commit(repo),
             "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine()}
 
 

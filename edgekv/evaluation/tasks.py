@@ -131,7 +131,7 @@ INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it an
          "I will quiz you about the pass key.\n\n")
 
 
-def _needle(key: str, kind: str = ASKED_KIND) -> str:
+def needle_paragraph(key: str, kind: str = ASKED_KIND) -> str:
     # Set off as its own paragraph with "IMPORTANT:", which SmolLM2-135M needs to find it in natural text.
     return f"\n\nIMPORTANT: The {kind} is {key}. Remember it. {key} is the {kind}.\n\n"
 
@@ -180,7 +180,7 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
         if v not in values:
             values.append(v)
     fixed = _chat_ids(tokenizer, INTRO + "\n\n" + QUESTION, ANSWER_PREFIX)
-    needle_tokens = sum(len(tokenizer(" " + _needle(v, n), add_special_tokens=False)["input_ids"])
+    needle_tokens = sum(len(tokenizer(" " + needle_paragraph(v, n), add_special_tokens=False)["input_ids"])
                         for v, n in zip(values, kinds))
     room = max(length - len(fixed) - needle_tokens, 16)
     if haystack == "repeat":
@@ -216,7 +216,7 @@ def build_passkey(tokenizer, length: int, depth: float, seed: int, *, keys: int 
             i = int(piece[1:])
             body = body.rstrip() + ("\n\n" if body else "")
             starts[i] = len(body)
-            body += _needle(values[i], kinds[i]).strip() + "\n\n"
+            body += needle_paragraph(values[i], kinds[i]).strip() + "\n\n"
         else:
             body += ("" if not body or body.endswith("\n") else " ") + piece
     body = body.strip()

@@ -11,7 +11,7 @@ and the first output token comes from the last real prompt row (decoding starts 
 Defaults (paper §5.1, digest §2.9): ``window`` w = 32, ``prefix`` a = 4 (first 4 + last 28),
 ``softmax_over="prompt+pseudo"``, no protected recent window (``keep_recent=0``), final-aligned
 positions. Pooling, which the paper does not name, is ours, chosen by measurement (issue 16,
-``tools/check_snapkv_pooling.py --study dapq``, docs/policies.md): max pooling over κ = 63
+``tools/experiments/check_snapkv_pooling.py --study dapq``, docs/policies.md): max pooling over κ = 63
 candidates (SnapKV++'s), because without it DapQ keeps the needle's attended tokens but too few
 of their neighbours — long passkeys 1 of 12 without pooling, 12 of 12 with it, at N = 512 on
 2K/4K prompts, one block and block-wise; fidelity to the full cache stays SnapKV++'s (mean KL

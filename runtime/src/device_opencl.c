@@ -299,7 +299,7 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
 /* The program's kernels, built with the device's options. On PoCL, edgekv's eviction kernels come
  * from a second, unoptimised build: PoCL 3.1's optimiser miscompiles the barrier loops of the
  * select and observe kernels (wrong kept sets; each is exact with -cl-opt-disable, shown kernel by
- * kernel by tools/check_gpu_kernels_pocl.py and end to end by tests/test_opencl.py), while the
+ * kernel by tools/experiments/check_gpu_kernels_pocl.py and end to end by tests/test_opencl.py), while the
  * model's kernels need the optimiser (8x the prefill speed) and are correct with it. */
 static ekv_status build_program(ekv_error *err, ocl_device *d, const ekv_program *prog, const char *source_path) {
   EKV_TRY(build_one(err, d, prog, source_path, d->options, &d->program));

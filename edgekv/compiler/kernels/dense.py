@@ -72,7 +72,7 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
 
     ``packed_nr``: W arrives packed as [N / NR, K, NR] panels (``pack_weights.py``), so each task
     streams one contiguous block; unpacked, a panel is K rows of NR floats N·4 bytes apart, which
-    the hardware prefetchers do not follow across pages (``tools/bench_compiled.py`` times both
+    the hardware prefetchers do not follow across pages (``tools/bench/bench_compiled.py`` times both
     layouts with the weights streamed from memory, as in the model)."""
     *lead, M, K = a_shape
     K2, N = w_shape

@@ -1,0 +1,1 @@
+"""Benchmarks: speed, memory and footprint measurements written to docs/results."""

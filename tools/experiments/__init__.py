@@ -1,0 +1,1 @@
+"""Experiments: per-issue checks on the real model whose findings are docs/results sections."""
