@@ -5,36 +5,40 @@ device artifact gets a message saying where and how to run it instead of TVM's l
 
 from __future__ import annotations
 
+from .artifact.manifest import Keys, Manifest, ToolchainStatus
 
-def artifact_runs_here(manifest: dict) -> bool:
+_TVM = Keys.TvmTarget
+
+
+def artifact_runs_here(manifest: Manifest | dict) -> bool:
     """A host-built artifact (LLVM without a cross triple, no device) runs on this machine's CPU; an
     OpenCL one whose host code is this machine's (``--target opencl-host``) runs here through the
     native runtime's OpenCL device (``needs_native_device``)."""
-    tgt = (manifest.get("target") or {}).get("tvm") or {}
-    return (tgt.get("kind") == "llvm" and "mtriple" not in tgt and not (manifest.get("target") or {}).get("host")) \
+    target = Manifest.of(manifest).target
+    return (target.kind == "llvm" and _TVM.MTRIPLE not in target.tvm and not target.host) \
         or needs_native_device(manifest)
 
 
-def needs_native_device(manifest: dict) -> bool:
+def needs_native_device(manifest: Manifest | dict) -> bool:
     """An artifact the native runtime runs on a device here (OpenCL kernels, this machine as the host):
     TVM's Python runtime (HostRuntime) has no OpenCL, so only the native runtime runs it."""
-    target = manifest.get("target") or {}
-    host = target.get("host") or {}
-    return (target.get("tvm") or {}).get("kind") == "opencl" and host.get("kind") == "llvm" and "mtriple" not in host
+    target = Manifest.of(manifest).target
+    host = target.host or {}
+    return target.kind == "opencl" and host.get(_TVM.KIND) == "llvm" and _TVM.MTRIPLE not in host
 
 
-def device_artifact_message(path, manifest: dict) -> str:
+def device_artifact_message(path, manifest: Manifest | dict) -> str:
     """Why a device artifact does not run here, and how to run it where it belongs."""
-    target = manifest.get("target") or {}
-    tvm_target = target.get("tvm") or {}
-    name = target.get("profile") or tvm_target.get("kind", "another target")
-    where = tvm_target.get("mtriple") or tvm_target.get("kind")
-    tool = ((manifest.get("device") or {}).get("toolchain") or {})
+    m = Manifest.of(manifest)
+    name = m.target.profile or m.target.tvm.get(_TVM.KIND, "another target")
+    where = m.target.mtriple or m.target.kind
+    tool = m.toolchain
+    T = Keys.Toolchain
     steps = []
-    if tool.get("status") == "needs-toolchain" and tool.get("finish"):
-        steps.append("link it on a machine with " + str(tool.get("tool", "the device toolchain")) + ": "
-                     + str(tool["finish"]).replace("<artifact dir>", str(path)))
-    if tvm_target.get("kind") == "cuda":
+    if tool.get(T.STATUS) == ToolchainStatus.NEEDS_TOOLCHAIN and tool.get(T.FINISH):
+        steps.append("link it on a machine with " + str(tool.get(T.TOOL, "the device toolchain")) + ": "
+                     + str(tool[T.FINISH]).replace("<artifact dir>", str(path)))
+    if m.target.kind == "cuda":
         steps.append("run it on a machine with an NVIDIA GPU from Python: "
                      f"edgekv.runtime.HostRuntime('{path}', device=tvm.cuda())")
     else:

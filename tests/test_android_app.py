@@ -452,7 +452,8 @@ DOCUMENT = ("The lighthouse keeper wrote in the log every night. On Monday the f
 QUESTIONS = ["Which ship passed?", "What did the keeper like?", "When did the fog come?"]
 PROBE = "plain ASCII, é, 漢字, a parrot 🦜 outside the BMP, and a NUL \x00 byte"
 NEW_TOKENS = 12
-JVM_PURE = ["EdgeKv", "EdgeKvException", "ModelInfo", "Stats", "SnapshotInfo", "Json", "Artifact", "Engine"]
+JVM_PURE = ["EdgeKv", "EdgeKvException", "ModelInfo", "Stats", "SnapshotInfo", "Json", "ManifestKeys", "Artifact",
+            "Engine"]
 
 
 def _jdk_include() -> Path | None:

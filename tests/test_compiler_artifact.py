@@ -49,6 +49,10 @@ def test_manifest_contents(artifact):
     assert plan["cache_bytes"] == cfg.num_layers * (cfg.num_kv_heads * 12 * (2 * cfg.head_dim * 4 + 4) + 4)
     assert plan["total_bytes"] == plan["weights_bytes"] + plan["cache_bytes"] + plan["activation_bytes"]
     assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.so"}
+    # the writer writes only keys edgekv/artifact/manifest.py defines, with the types it gives them
+    from edgekv.artifact.manifest import Manifest, undefined_keys
+
+    assert undefined_keys(m) == [] and Manifest.from_json(m).num_layers == cfg.num_layers
 
 
 def test_load_and_run_matches_engine(artifact):

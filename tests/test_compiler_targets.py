@@ -82,6 +82,9 @@ def test_gpu_artifact_all_on_device(model, imported, tmp_path_factory, target):
     m = json.loads((out / "manifest.json").read_text())
     assert {p.name for p in out.iterdir()} >= {"manifest.json", "params.safetensors", "model.tar", "device"}
     assert m["files"]["library"]["name"] == "model.tar"
+    from edgekv.artifact.manifest import Manifest, undefined_keys
+
+    assert undefined_keys(m) == [] and Manifest.from_json(m).device  # device builds: manifest.py defines every key
     if target == "opencl":  # the native runtime's OpenCL device runs it: a program with its device kernels
         from edgekv.artifact import program_file as pf
 

@@ -14,21 +14,20 @@ compiler, so a runtime can check an artifact without them.
 from __future__ import annotations
 
 import hashlib
-import json
 import zlib
 from pathlib import Path
 
-ARTIFACT_FORMAT = "edgekv-artifact"
-ARTIFACT_VERSION = 2  # 2: aligned params, program.ekv, tokenizer.ekt
-MANIFEST = "manifest.json"
+from .errors import ArtifactError
+from .manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, Keys, Manifest
+
+__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_VERSION", "MANIFEST", "PARAMS_FILE", "PROGRAM_FILE", "TOKENIZER_DIR",
+           "TOKENIZER_FILE", "ArtifactError", "Keys", "Manifest", "check_runs_here", "crc32_file", "edgekv_version",
+           "is_artifact", "read_manifest", "sha256_file", "verify_artifact"]
+
 PARAMS_FILE = "params.safetensors"
 PROGRAM_FILE = "program.ekv"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILE = "tokenizer.ekt"
-
-
-class ArtifactError(RuntimeError):
-    """The artifact is missing, corrupt, or does not match this installation."""
 
 
 def sha256_file(path: str | Path) -> str:
@@ -67,59 +66,46 @@ def is_artifact(path: str | Path | None) -> bool:
 
 
 def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
-    mf = path / MANIFEST
-    if not path.is_dir():
-        raise ArtifactError(f"{path} is not an artifact directory (run `edgekv compile ... -o {path}` first)")
-    if not mf.exists():
-        raise ArtifactError(f"{path} has no {MANIFEST}; it is not an edgekv artifact or it is incomplete")
-    try:
-        manifest = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{mf} is corrupt ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != ARTIFACT_FORMAT:
-        fmt = manifest.get("format") if isinstance(manifest, dict) else None
-        raise ArtifactError(f"{mf} is not an edgekv artifact manifest (format={fmt!r})")
-    if manifest.get("format_version") != ARTIFACT_VERSION:
-        raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported by this "
-                            f"edgekv (expects {ARTIFACT_VERSION}); recompile it")
-    return manifest
+    """``path/manifest.json`` as its JSON object, checked (``Manifest.read``: format, version,
+    every field's type)."""
+    return Manifest.read(path).raw
 
 
-def verify_artifact(path: str | Path, manifest: dict, *, check_hashes: bool = True,
+def verify_artifact(path: str | Path, manifest: Manifest | dict, *, check_hashes: bool = True,
                     tvm_version: str | None = None) -> None:
     """Files present and (with ``check_hashes``) equal to their sha256; the artifact made by this
     edgekv version; ``tvm_version``: the TVM that will run it (HostRuntime) must be the one that
     built it."""
     path = Path(path)
-    files = manifest.get("files") or {}
-    tok = files.get("tokenizer")
-    if tok and isinstance(tok.get("sha256"), dict):  # the HF tokenizer directory, file by file
-        for name, digest in tok["sha256"].items():
-            f = path / tok["name"] / name
+    m = Manifest.of(manifest)
+    files = m.files
+    tok = files.get(Keys.Files.TOKENIZER)
+    if tok and isinstance(tok.sha256, dict):  # the HF tokenizer directory, file by file
+        for name, digest in tok.sha256.items():
+            f = path / tok.name / name
             if not f.is_file():
                 raise ArtifactError(f"artifact file missing: {f}")
             if check_hashes and sha256_file(f) != digest:
                 raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
-    for key in ("library", "params", "program", "tokenizer_file"):
+    for key in (Keys.Files.LIBRARY, Keys.Files.PARAMS, Keys.Files.PROGRAM, Keys.Files.TOKENIZER_FILE):
         entry = files.get(key)
         if not entry:
-            if key in ("library", "params"):
+            if key in (Keys.Files.LIBRARY, Keys.Files.PARAMS):
                 raise ArtifactError(f"{path / MANIFEST} lists no {key} file; recompile the artifact")
             continue
-        f = path / entry["name"]
+        f = path / entry.name
         if not f.exists():
             raise ArtifactError(f"artifact file missing: {f}")
-        if check_hashes and sha256_file(f) != entry["sha256"]:
+        if check_hashes and sha256_file(f) != entry.sha256:
             raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
-    built = manifest.get("versions", {})
-    if built.get("edgekv") != edgekv_version():
-        raise ArtifactError(f"artifact was built by edgekv {built.get('edgekv')}, this is edgekv {edgekv_version()}; "
+    built_edgekv, built_tvm = m.versions.get(Keys.Versions.EDGEKV), m.versions.get(Keys.Versions.TVM)
+    if built_edgekv != edgekv_version():
+        raise ArtifactError(f"artifact was built by edgekv {built_edgekv}, this is edgekv {edgekv_version()}; "
                             "recompile it with this installation")
-    if tvm_version is not None and built.get("tvm") != tvm_version:
-        raise ArtifactError(f"artifact was built with TVM {built.get('tvm')}, this runtime has TVM {tvm_version}; "
+    if tvm_version is not None and built_tvm != tvm_version:
+        raise ArtifactError(f"artifact was built with TVM {built_tvm}, this runtime has TVM {tvm_version}; "
                             "recompile it with this installation")
-    check_runs_here(path, files)
+    check_runs_here(path, m)
 
 
 # LLVM's feature names → the flags Linux lists in /proc/cpuinfo, where they differ
@@ -130,21 +116,21 @@ _CPUINFO_NAMES = {"sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx512vnni": "avx512_
                   "fma": "fma", "f16c": "f16c"}
 
 
-def check_runs_here(path: Path, files: dict) -> None:
+def check_runs_here(path: Path, manifest: Manifest) -> None:
     """Refuse an artifact whose code this machine cannot run: another architecture, or CPU
     features this CPU lacks (a library built for AVX-512 would die on an illegal instruction).
     Reads the program's settings; an artifact without a program (a GPU build) is not checked."""
     import platform
 
-    entry = files.get("program")
-    if not entry or not (path / entry["name"]).is_file():
+    entry = manifest.files.get(Keys.Files.PROGRAM)
+    if not entry or not (path / entry.name).is_file():
         return
     from . import program_file
 
     try:
-        settings = program_file.read(path / entry["name"]).settings
+        settings = program_file.read(path / entry.name).settings
     except program_file.ProgramFormatError as exc:
-        raise ArtifactError(f"{path / entry['name']}: {exc}") from None
+        raise ArtifactError(f"{path / entry.name}: {exc}") from None
     arch, here = str(settings.get("target_arch", "")), platform.machine()
     here = {"amd64": "x86_64", "arm64": "aarch64"}.get(here.lower(), here)
     if arch and arch != here:

@@ -89,10 +89,10 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
     target = describe(req.model)
     if target.kind == "artifact":
         m = target.manifest
-        policies = [m["policy"]["name"]]
-        policy_args = dict(m["policy"].get("params") or {})
-        block = int(m["block"])
-        err.print(f"artifact {target.artifact_dir}: policy {policies[0]}, N={m['budget']}, B={block} from its manifest")
+        policies = [m.policy_name]
+        policy_args = dict(m.policy_params)
+        block = m.block
+        err.print(f"artifact {target.artifact_dir}: policy {policies[0]}, N={m.budget}, B={block} from its manifest")
     else:
         policy_args, block = req.policy_args, req.block
     if req.prompt_ids is not None:
@@ -112,7 +112,7 @@ def simulate(req: SimRequest, console: Console | None = None, err: Console | Non
     for name in policies:
         args = policy_args if (len(policies) == 1 or target.kind == "artifact") else {}
         if target.kind == "artifact":
-            n_budget = int(target.manifest["budget"])
+            n_budget = target.manifest.budget
         elif name == "full":
             n_budget = len(ids) + req.max_new_tokens
         else:

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..artifact.manifest import Keys
 from ..artifact_target import artifact_runs_here
 from ..memory import MemoryPlan, plan_memory
 from ..policies import make_policy
@@ -136,7 +137,7 @@ def _signal_name(sig: int) -> str:
 def native_cli(t: Target) -> str | None:
     """``edgekv-run`` when it can run this target: an artifact with a flat program, and the native
     runtime built (else the artifact runs in the host runtime, inside Python)."""
-    if t.kind != "artifact" or "program" not in (t.manifest.get("files") or {}):
+    if t.kind != "artifact" or Keys.Files.PROGRAM not in t.manifest.files:
         return None
     if os.environ.get("EDGEKV_SIMULATE_HOST_RUNTIME"):  # the TVM VM path, kept reachable for comparison
         return None
@@ -151,9 +152,8 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
     pol = make_policy(job.policy, job.policy_args)
     plan = plan_for(t, job.policy, job.policy_args, job.budget, job.block, len(job.prompt_ids) + job.max_new_tokens)
     if t.kind == "artifact":  # the compiled module's own static plan decides the refusal
-        mp = t.manifest["memory_plan"]
-        plan = MemoryPlan(weights=int(mp["weights_bytes"]), kv_cache=int(mp["cache_bytes"]),
-                          activations=int(mp["activation_bytes"]))
+        mp = t.manifest.memory_plan
+        plan = MemoryPlan(weights=mp.weights_bytes, kv_cache=mp.cache_bytes, activations=mp.activation_bytes)
     field_name = limits.PEAK_FIELD[job.mechanism.name]
     cli = native_cli(t)  # the artifact runs in edgekv-run (None: the host runtime, or the eager engine)
     out = Outcome(policy=job.policy, policy_params=pol.params(), budget=job.budget, block=job.block,
@@ -171,7 +171,7 @@ def run_job(job: Job, on_progress=None, on_stage=None) -> Outcome:
 
     if t.kind == "artifact" and not artifact_runs_here(t.manifest):
         out.status = NOT_RUN
-        out.error = (f"the artifact is built for {t.manifest['target'].get('tvm')}, not this host: the plan fits "
+        out.error = (f"the artifact is built for {t.manifest.target.tvm or None}, not this host: the plan fits "
                      "the cap; nothing was measured (estimates only)")
         return out
     work = Path(tempfile.mkdtemp(prefix="edgekv-sim-"))

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..artifact.errors import ArtifactError
+from ..artifact.manifest import MANIFEST, Keys, Manifest
 from ..models.config import ModelConfig
 from ..models.errors import ModelError
-
-ARTIFACT_MANIFEST = "manifest.json"
 
 
 class ByteTokenizer:
@@ -68,7 +68,7 @@ class Target:
     weight_bytes: int
     tokenizer: Any = None
     artifact_dir: Path | None = None
-    manifest: dict = field(default_factory=dict)
+    manifest: Manifest | None = None  # an artifact's
 
     def as_loaded_like(self):
         """Enough of a LoadedModel for ``encode_prompt`` / ``check_context``."""
@@ -121,7 +121,7 @@ def describe(spec: str | None) -> Target:
         tok = ByteTokenizer() if model.config.vocab_size >= 256 else None
         return Target("model", spec, model.model_id, model.config, model.weight_bytes, tok)
     path = Path(spec).expanduser()
-    if path.is_dir() and (path / ARTIFACT_MANIFEST).is_file():
+    if path.is_dir() and (path / MANIFEST).is_file():
         return _describe_artifact(path)
     from transformers import AutoConfig, AutoTokenizer
 
@@ -139,15 +139,21 @@ def describe(spec: str | None) -> Target:
 
 
 def _describe_artifact(path: Path) -> Target:
+    """Described from its manifest alone, whatever its format version (``edgekv simulate`` reads
+    only the geometry, the plan and the work counts)."""
     try:
-        manifest = json.loads((path / ARTIFACT_MANIFEST).read_text())
+        data = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"cannot read {path / ARTIFACT_MANIFEST}: {exc}") from None
-    for key in ("model", "memory_plan", "budget", "block", "policy"):
-        if key not in manifest:
-            raise ModelError(f"{path / ARTIFACT_MANIFEST} has no '{key}'; rebuild the artifact with `edgekv compile`")
-    cfg = ModelConfig(**manifest["model"]["config"])
-    model_id = manifest["model"]["id"]
+        raise ModelError(f"cannot read {path / MANIFEST}: {exc}") from None
+    for key in (Keys.MODEL, Keys.MEMORY_PLAN, Keys.BUDGET, Keys.BLOCK, Keys.POLICY):
+        if not isinstance(data, dict) or key not in data:
+            raise ModelError(f"{path / MANIFEST} has no '{key}'; rebuild the artifact with `edgekv compile`")
+    try:
+        manifest = Manifest.from_json(data, str(path / MANIFEST))
+    except ArtifactError as exc:
+        raise ModelError(str(exc)) from None
+    cfg = ModelConfig(**manifest.model_config)
+    model_id = manifest.model_id
     inner = describe(model_id) if not model_id.startswith("tiny") else None
-    return Target("artifact", model_id, model_id, cfg, int(manifest["memory_plan"]["weights_bytes"]),
+    return Target("artifact", model_id, model_id, cfg, manifest.memory_plan.weights_bytes,
                   inner.tokenizer if inner else None, artifact_dir=path, manifest=manifest)

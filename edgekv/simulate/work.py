@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..artifact.manifest import Keys, Manifest
 from ..models.config import ModelConfig
 
 
@@ -124,29 +125,31 @@ class ManifestWork:
         return Work(self.decode_step.flops, self.decode_step.bytes * k)
 
 
-def work_from_manifest(manifest: dict, cfg: ModelConfig) -> WorkModel:
+def work_from_manifest(manifest: Manifest | dict, cfg: ModelConfig) -> WorkModel:
     """Counts the artifact recorded from its graph (``graph_work.count_module``), else geometry."""
-    n_static = int(manifest["budget"]) + int(manifest["block"])
-    w = manifest.get("work")
-    if isinstance(w, dict) and "prefill_block" in w and "decode" in w:
-        vb = {"float32": 4, "float16": 2, "int8": 1}.get(str(manifest.get("dtype", "float32")), 4)
-        pre, dec = w["prefill_block"], w["decode"]
+    manifest = Manifest.of(manifest)
+    W, C = Keys.Work, Keys.WorkCount
+    n_static = manifest.budget + manifest.block
+    w = manifest.work
+    if w is not None and W.PREFILL_BLOCK in w and W.DECODE in w:
+        vb = {"float32": 4, "float16": 2, "int8": 1}.get(manifest.dtype, 4)
+        pre, dec = w[W.PREFILL_BLOCK], w[W.DECODE]
         source = "artifact graph (manifest.json 'work')"
-        pre_f, dec_f = float(pre["flops"]), float(dec["flops"])
-        if pre.get("unestimated") or dec.get("unestimated"):
+        pre_f, dec_f = float(pre[C.FLOPS]), float(dec[C.FLOPS])
+        if pre.get(C.UNESTIMATED) or dec.get(C.UNESTIMATED):
             # TVM cannot estimate kernels with data-dependent loops (attention, top-k): add their
             # FLOPs from the geometry, and say so
             g = GeometryWork(cfg, static_keys=n_static)
-            b = int(manifest["block"])
-            if pre.get("unestimated"):
+            b = manifest.block
+            if pre.get(C.UNESTIMATED):
                 pre_f += g.attention_and_eviction_flops(b, n_static)
-            if dec.get("unestimated"):
+            if dec.get(C.UNESTIMATED):
                 dec_f += g.attention_and_eviction_flops(1, n_static)
             source += " + geometry FLOPs for kernels TVM cannot estimate (" + ", ".join(
-                sorted(set(pre.get("unestimated", []) + dec.get("unestimated", [])))[:4]) + ")"
-        return ManifestWork(Work(pre_f, float(pre["bytes"])), Work(dec_f, float(dec["bytes"])), vb, source)
-    weights = int(manifest["memory_plan"]["weights_bytes"])
-    fmt = (manifest.get("weights") or {}).get("format", "fp32")
+                sorted(set(pre.get(C.UNESTIMATED, []) + dec.get(C.UNESTIMATED, [])))[:4]) + ")"
+        return ManifestWork(Work(pre_f, float(pre[C.BYTES])), Work(dec_f, float(dec[C.BYTES])), vb, source)
+    weights = manifest.memory_plan.weights_bytes
+    fmt = (manifest.weights or {}).get(Keys.Weights.FORMAT, "fp32")
     return GeometryWork(cfg, static_keys=n_static, weight_bytes=weights,
                         source=f"geometry of the artifact's manifest (static N + B shapes; its {fmt} weights, "
                                f"{weights / 2**20:.1f} MiB read per step); the manifest has no 'work' counts")

@@ -1,5 +1,7 @@
 package com.edgekv.demo;
 
+import static com.edgekv.demo.ManifestKeys.*;
+
 import java.io.ByteArrayOutputStream;
 import java.io.File;
 import java.io.FileInputStream;
@@ -22,12 +24,15 @@ public final class Artifact {
         this.dir = dir;
     }
 
-    /** Reads dir/manifest.json; IOException with what is wrong (missing, unreadable, not an artifact). */
+    /**
+     * Reads dir/manifest.json (its keys: ManifestKeys, generated from edgekv/artifact/manifest.py); IOException with
+     * what is wrong (missing, unreadable, not an artifact).
+     */
     public static Artifact read(File dir) throws IOException {
-        File f = new File(dir, "manifest.json");
+        File f = new File(dir, FILE_NAME);
         if (!f.isFile()) {
-            throw new IOException(dir + " holds no manifest.json: push the whole artifact directory that "
-                    + "`edgekv compile` wrote (see android/README.md)");
+            throw new IOException(dir + " holds no " + FILE_NAME + ": push the whole artifact directory "
+                    + "that `edgekv compile` wrote (see android/README.md)");
         }
         Object m;
         try {
@@ -35,26 +40,28 @@ public final class Artifact {
         } catch (IllegalArgumentException e) {
             throw new IOException(f + ": " + e.getMessage());
         }
-        if (!"edgekv-artifact".equals(Json.str(m, "format"))) throw new IOException(f + " is not an edgekv artifact manifest");
+        if (!ARTIFACT_FORMAT.equals(Json.str(m, FORMAT))) {
+            throw new IOException(f + " is not an edgekv artifact manifest");
+        }
         Artifact a = new Artifact(dir);
-        a.modelId = or(Json.str(m, "model", "id"), "?");
-        a.policy = or(Json.str(m, "policy", "name"), "?");
-        a.dtype = or(Json.str(m, "dtype"), "?");
-        a.targetProfile = or(Json.str(m, "target", "profile"), "?");
-        a.targetKind = or(Json.str(m, "target", "tvm", "kind"), "?");
-        a.libraryName = or(Json.str(m, "files", "library", "name"), "?");
-        a.toolchainStatus = or(Json.str(m, "device", "toolchain", "status"), "");
-        a.budget = Json.num(m, 0, "budget");
-        a.block = Json.num(m, 0, "block");
-        a.weightsBytes = Json.num(m, 0, "memory_plan", "weights_bytes");
-        a.cacheBytes = Json.num(m, 0, "memory_plan", "cache_bytes");
-        a.activationBytes = Json.num(m, 0, "memory_plan", "activation_bytes");
-        a.planBytes = Json.num(m, 0, "memory_plan", "total_bytes");
-        if (Json.at(m, "files", "program") == null) {
+        a.modelId = or(Json.str(m, MODEL, Model.ID), "?");
+        a.policy = or(Json.str(m, POLICY, Policy.NAME), "?");
+        a.dtype = or(Json.str(m, DTYPE), "?");
+        a.targetProfile = or(Json.str(m, TARGET, Target.PROFILE), "?");
+        a.targetKind = or(Json.str(m, TARGET, Target.TVM, TvmTarget.KIND), "?");
+        a.libraryName = or(Json.str(m, FILES, Files.LIBRARY, FileEntry.NAME), "?");
+        a.toolchainStatus = or(Json.str(m, DEVICE, Device.TOOLCHAIN, Toolchain.STATUS), "");
+        a.budget = Json.num(m, 0, BUDGET);
+        a.block = Json.num(m, 0, BLOCK);
+        a.weightsBytes = Json.num(m, 0, MEMORY_PLAN, MemoryPlan.WEIGHTS_BYTES);
+        a.cacheBytes = Json.num(m, 0, MEMORY_PLAN, MemoryPlan.CACHE_BYTES);
+        a.activationBytes = Json.num(m, 0, MEMORY_PLAN, MemoryPlan.ACTIVATION_BYTES);
+        a.planBytes = Json.num(m, 0, MEMORY_PLAN, MemoryPlan.TOTAL_BYTES);
+        if (Json.at(m, FILES, Files.PROGRAM) == null) {
             throw new IOException(dir.getName() + " has no program.ekv: it was compiled for a runtime other than the "
                     + "native one (--target " + a.targetProfile + "); compile with --target android-cpu or opencl");
         }
-        if ("needs-toolchain".equals(a.toolchainStatus) || a.libraryName.endsWith(".tar")) {
+        if (ToolchainStatus.NEEDS_TOOLCHAIN.equals(a.toolchainStatus) || a.libraryName.endsWith(".tar")) {
             throw new IOException(dir.getName() + " is not linked yet (model.tar, no model.so): run `android/finish.sh "
                     + dir.getName() + "` (or `python -m edgekv.compiler.targets finish`) on the computer, then push it again");
         }
