@@ -23,8 +23,9 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from .budget import DEFAULT_BLOCK, DEFAULT_BUDGET, human_bytes  # noqa: E402
+from .budget import DEFAULT_BLOCK, DEFAULT_BUDGET  # noqa: E402
 from .errors import USER_ERRORS, InputError  # noqa: E402
+from .units import human_bytes  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="edgekv: long prompts under a hard KV-cache budget")
 err = Console(stderr=True)
@@ -116,7 +117,7 @@ def check_block(block: int | None) -> None:
 
 
 def parse_mem_limit(mem_limit: str | None) -> int | None:
-    from .budget import parse_size
+    from .units import parse_size
 
     return parse_size(mem_limit) if mem_limit else None
 

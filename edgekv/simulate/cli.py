@@ -73,7 +73,7 @@ def simulate_cmd(
         raise typer.Exit(2)
     runs = result["runs"]
     if all(r["status"] == REFUSED for r in runs):
-        from ..budget import human_bytes
+        from ..units import human_bytes
 
         need = ", ".join(f"{r['policy']} N={r['budget']:,} needs {human_bytes(r['plan']['total'])}" for r in runs)
         err.print(f"[bold red]error:[/] the memory plan is above the cap of {human_bytes(result['cap_bytes'])} "
