@@ -11,26 +11,17 @@ import re
 
 from .memory import DEFAULT_KV_DTYPE, kv_bytes_per_token
 from .models.config import ModelConfig
+from .units import human_bytes, is_size, parse_size
 
 # the defaults every command shares (`edgekv run`, `compile`, `simulate`, `bench`)
 DEFAULT_BUDGET = "1k"
 DEFAULT_BLOCK = 128
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*$", re.IGNORECASE)
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class BudgetError(ValueError):
     """The --budget the user gave cannot be used; the message says how to fix it."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "512MiB", "1.5GB", "100B" (used for budgets and memory limits)."""
-    m = _BYTES.match(str(text))
-    if not m:
-        raise BudgetError(f"cannot read {text!r} as a size; write e.g. 512MiB, 1.5GB or 1.5GiB")
-    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
 def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
@@ -48,7 +39,7 @@ def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
         tokens = int(value)
         if tokens <= 0:
             raise BudgetError(f"budget {raw!r} keeps no tokens; give at least one block, e.g. --budget {block}")
-    elif _BYTES.match(raw):
+    elif is_size(raw):
         if config is None:
             raise BudgetError("a byte budget needs the model geometry; give tokens (e.g. 2k) instead")
         per_token = kv_bytes_per_token(config, kv_dtype or DEFAULT_KV_DTYPE)
@@ -60,7 +51,7 @@ def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
             raise BudgetError(
                 f"budget {raw} holds only {total_tokens} tokens of KV cache ({per_token} bytes per token for "
                 f"this model{cache}), not enough for the cache plus one block of {block}; give at least "
-                f"{_human(need)} or a smaller --block"
+                f"{human_bytes(need)} or a smaller --block"
             )
     else:
         raise BudgetError(
@@ -72,14 +63,3 @@ def parse_budget(text: str, config: ModelConfig | None = None, block: int = 128,
             f"or a smaller --block"
         )
     return tokens
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:,.1f}{unit}"
-        n /= 1024
-    return f"{n}"
-
-
-human_bytes = _human

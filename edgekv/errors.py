@@ -6,10 +6,11 @@ from .budget import BudgetError
 from .memory import MemoryPlanError
 from .models.errors import ModelError
 from .policies.base import PolicyError
+from .units import SizeError
 
 
 class InputError(ValueError):
     """A prompt, path or option the user gave cannot be used."""
 
 
-USER_ERRORS = (BudgetError, ModelError, PolicyError, InputError, MemoryPlanError, SnapshotError)
+USER_ERRORS = (BudgetError, SizeError, ModelError, PolicyError, InputError, MemoryPlanError, SnapshotError)

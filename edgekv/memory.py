@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from .models.config import ModelConfig
+from .units import human_bytes
 
 
 # the element formats of the KV cache (`--kv-dtype`); the compiled path stores fp32 only (for now)
@@ -163,8 +164,7 @@ def check_plan(plan: MemoryPlan, *, mem_limit: int | None = None, resident: int 
     """Refuse a plan before anything of it is allocated: above ``mem_limit`` (the whole plan), or
     above what the machine can still give (the plan minus ``resident``: bytes of it already in
     memory, such as loaded weights)."""
-    from .budget import human_bytes as h
-
+    h = human_bytes  # the messages below name many sizes
     parts = (f"weights {h(plan.weights)} + KV cache {h(plan.kv_cache)} + activations {h(plan.activations)}")
     if mem_limit is not None and plan.weights > mem_limit:
         raise MemoryPlanError(f"the model's weights alone need {h(plan.weights)}, above --mem-limit {h(mem_limit)} "

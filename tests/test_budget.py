@@ -1,7 +1,8 @@
 import pytest
 
-from edgekv.budget import BudgetError, parse_budget, parse_size
+from edgekv.budget import BudgetError, parse_budget
 from edgekv.models import tiny_random_model
+from edgekv.units import SizeError, human_bytes, parse_size
 
 
 @pytest.mark.parametrize("text,tokens", [("8k", 8192), ("8192", 8192), ("0.5k", 512), ("2K", 2048), (" 1024 ", 1024)])
@@ -27,3 +28,10 @@ def test_byte_budgets_convert_from_model_geometry():
 def test_bad_budgets(text, message):
     with pytest.raises(BudgetError, match=message):
         parse_budget(text, tiny_random_model(0).config, block=128)
+
+
+def test_sizes_read_and_written():
+    assert parse_size("100B") == 100 and parse_size(" 2 kb ") == 2000
+    with pytest.raises(SizeError, match="cannot read 'lots' as a size"):
+        parse_size("lots")
+    assert [human_bytes(n) for n in (0, 1023, 1536, 3 * 2**30)] == ["0B", "1023B", "1.5KiB", "3.0GiB"]

@@ -75,7 +75,7 @@ def test_eval_takes_both_policy_arg_forms_and_the_model_either_way():
     spec = build_spec("passkey", "streaming,lagkv", "128", "128", False, "1k", "0.5", "0", 2, "repeat", 10, "2k", 512,
                       16, ["sinks=2", "lagkv:lag=32"])
     assert spec.policy_args == {"streaming": {"sinks": "2"}, "lagkv": {"sinks": "2", "lag": "32"}}
-    from edgekv.cli import merge_model
+    from edgekv.cli.common import merge_model
 
     assert merge_model("m", None, "eval") == merge_model(None, "m", "eval") == "m"
     with pytest.raises(InputError, match="MODEL given twice"):

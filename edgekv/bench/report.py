@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..budget import human_bytes
+from ..units import human_bytes
 
 
 def _row(results, system, length):

@@ -1,6 +1,6 @@
 """`edgekv eval`: parse the options, run the sweep with a progress bar, write the reports.
 
-The CLI command in edgekv/cli.py is a thin wrapper around ``run_eval``."""
+The CLI command in edgekv/cli/eval.py is a thin wrapper around ``run_eval``."""
 
 from __future__ import annotations
 

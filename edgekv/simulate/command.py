@@ -13,10 +13,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET, human_bytes, parse_budget, parse_size
+from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET, parse_budget
 from ..errors import InputError
 from ..memory import kv_bytes_per_token
 from ..policies import make_policy
+from ..units import human_bytes, parse_size
 from . import limits
 from .profiles import load_profiles
 from .report import run_table, summary_table

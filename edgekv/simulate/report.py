@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from ..budget import human_bytes
+from ..units import human_bytes
 from .roofline import Estimate
 from .runner import Outcome
 

@@ -241,7 +241,7 @@ def _cpu() -> str:
 
 
 def markdown(data: dict) -> str:
-    from edgekv.budget import human_bytes
+    from edgekv.units import human_bytes
 
     c = data["choice"]
     runs = data["runs"]

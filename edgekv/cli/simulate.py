@@ -1,4 +1,5 @@
-"""The typer command behind ``edgekv simulate`` (registered by ``edgekv/cli.py`` in one line)."""
+"""`edgekv simulate`: a run under an enforced memory cap in a child process, with roofline
+estimates on phone profiles; the flow is ``edgekv/simulate/command.py``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import typer
 from rich.console import Console
 
 from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET
+from ..errors import USER_ERRORS, InputError
+from .common import DEFAULT_POLICY, HELP, err, fail, read_prompt, say, setup_threads
 
-DEFAULT_POLICY = "keydiff"
-HELP = {
+# two help texts of its own: simulate passes --policy-arg to one policy only, and --budget matters to evicting ones
+SIMULATE_HELP = {
     "policy_arg": "policy parameter key=value, or policy:key=value (repeatable)",
     "budget": f"KV budget N per layer and KV head for evicting policies: tokens (1k, 512) or bytes (64MiB); default {DEFAULT_BUDGET}",
-    "block": f"prompt tokens per block B (default {DEFAULT_BLOCK})",
-    "threads": "threads for every runtime (torch, TVM); default: the free cores",
-    "beyond": "allow prompt + output past the model's trained context",
 }
 
 
@@ -28,8 +28,8 @@ def simulate_cmd(
     prompt_file: Annotated[Optional[Path], typer.Option(help="file holding the prompt")] = None,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
     policy: Annotated[Optional[list[str]], typer.Option(help=f"eviction policy; repeat or comma-list to compare (full = the whole cache, N = prompt + output); default {DEFAULT_POLICY}")] = None,
-    policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
-    budget: Annotated[str, typer.Option(help=HELP["budget"])] = DEFAULT_BUDGET,
+    policy_arg: Annotated[Optional[list[str]], typer.Option(help=SIMULATE_HELP["policy_arg"])] = None,
+    budget: Annotated[str, typer.Option(help=SIMULATE_HELP["budget"])] = DEFAULT_BUDGET,
     block: Annotated[int, typer.Option(help=HELP["block"])] = DEFAULT_BLOCK,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 16,
     allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
@@ -46,15 +46,12 @@ def simulate_cmd(
     memory and host time, with roofline estimates of prefill/decode time on phone profiles.
     Exit status: 0 when every run fits the cap; 1 when a run did not fit or failed (the report
     is written); 2 when nothing could run (every plan above the cap, or a bad option)."""
-    from ..cli import read_prompt, say, setup_threads
-    from ..errors import USER_ERRORS, InputError
     from ..policies import policy_arguments
-    from .command import SimRequest, simulate
-    from .limits import LimitError
-    from .profiles import ProfileError
-    from .runner import FITS, REFUSED
+    from ..simulate.command import SimRequest, simulate
+    from ..simulate.limits import LimitError
+    from ..simulate.profiles import ProfileError
+    from ..simulate.runner import FITS, REFUSED
 
-    err = Console(stderr=True)
     try:
         text = read_prompt(prompt, prompt_file)
         names = [p.strip() for x in (policy or [DEFAULT_POLICY]) for p in x.split(",") if p.strip()]
@@ -69,11 +66,10 @@ def simulate_cmd(
         req.threads = setup_threads(threads).count
         result = simulate(req, Console(width=max(Console().width, 120)), err, say=say)
     except (*USER_ERRORS, ProfileError, LimitError) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2)
+        fail(exc)
     runs = result["runs"]
     if all(r["status"] == REFUSED for r in runs):
-        from ..budget import human_bytes
+        from ..units import human_bytes
 
         need = ", ".join(f"{r['policy']} N={r['budget']:,} needs {human_bytes(r['plan']['total'])}" for r in runs)
         err.print(f"[bold red]error:[/] the memory plan is above the cap of {human_bytes(result['cap_bytes'])} "
