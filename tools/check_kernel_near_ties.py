@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     from edgekv.engine import BlockEngine
     from edgekv.models import load_model
     from edgekv.policies.base import topk_keep
-    from edgekv.policies.keydiff import KeyDiffPolicy, build_keydiff_evict_kernel, keydiff_scores
+    from edgekv.compiler.policy_kernels.keydiff import build_keydiff_evict_kernel
+    from edgekv.policies.keydiff import KeyDiffPolicy, keydiff_scores
 
     m = load_model(args.model)
     H, N, B, D = m.config.num_kv_heads, args.budget, args.block, m.config.head_dim
