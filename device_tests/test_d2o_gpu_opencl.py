@@ -9,8 +9,8 @@ import pytest
 
 from test_gpu_kernels_opencl import CTX, _state, run_cpu, run_opencl  # noqa: E402  (same folder)
 
-from edgekv.policies.d2o import (build_d2o_evict_kernel, build_d2o_evict_kernel_gpu, build_d2o_score_kernel,  # noqa: E402
-                                 build_d2o_score_kernel_gpu)
+from edgekv.compiler.policy_kernels.d2o import build_d2o_evict_kernel, build_d2o_score_kernel  # noqa: E402
+from edgekv.compiler.policy_kernels.d2o_gpu import build_d2o_evict_kernel_gpu, build_d2o_score_kernel_gpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif(CTX is None, reason="needs an OpenCL device")
 

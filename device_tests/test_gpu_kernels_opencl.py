@@ -22,9 +22,10 @@ cl = pytest.importorskip("pyopencl")
 from edgekv.compiler.kernels import attention, select  # noqa: E402
 from edgekv.compiler.kernels.attention import build_block_attention_kernel_gpu  # noqa: E402
 from edgekv.compiler.kernels.select import build_select_compact_kernel_gpu  # noqa: E402
-from edgekv.policies.keydiff import build_keydiff_evict_kernel, build_keydiff_evict_kernel_gpu  # noqa: E402
-from edgekv.policies.lagkv import build_lagkv_evict_kernel, build_lagkv_evict_kernel_gpu  # noqa: E402
-from edgekv.policies.streaming import build_streaming_evict_kernel, build_streaming_evict_kernel_gpu  # noqa: E402
+from edgekv.compiler.policy_kernels.keydiff import build_keydiff_evict_kernel, build_keydiff_evict_kernel_gpu  # noqa: E402
+from edgekv.compiler.policy_kernels.lagkv import build_lagkv_evict_kernel, build_lagkv_evict_kernel_gpu  # noqa: E402
+from edgekv.compiler.policy_kernels.streaming import (build_streaming_evict_kernel,  # noqa: E402
+                                                      build_streaming_evict_kernel_gpu)
 
 
 def _context():
@@ -212,7 +213,7 @@ DAPQ_CASES = [((2, 16, 8, 16), 16, 8), ((2, 16, 8, 16), 12, 5), ((2, 16, 8, 16),
 @pytest.mark.parametrize("rows", ["prefill", "decode"])
 @pytest.mark.parametrize("params", DAPQ, ids=[str(p) for p in DAPQ])
 def test_dapq_score(shape, nf, nv, rows, params):
-    from edgekv.policies.dapq import build_dapq_evict_kernel, build_dapq_evict_kernel_gpu
+    from edgekv.compiler.policy_kernels.dapq import build_dapq_evict_kernel, build_dapq_evict_kernel_gpu
 
     H, N, B, D = shape
     T_ = B + params["window"] if rows == "prefill" else 1

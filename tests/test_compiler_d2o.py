@@ -14,9 +14,10 @@ import torch
 tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
+from edgekv.compiler.policy_kernels.d2o import build_d2o_evict_kernel, build_d2o_score_kernel  # noqa: E402
 from edgekv.policies.attention_rows import attention_column_sums  # noqa: E402
 from edgekv.policies.base import EvictionContext, PolicyError  # noqa: E402
-from edgekv.policies.d2o import STATE, D2OPolicy, build_d2o_evict_kernel, build_d2o_score_kernel  # noqa: E402
+from edgekv.policies.d2o import STATE, D2OPolicy  # noqa: E402
 
 H, HQ, N, B, D = 2, 4, 24, 8, 16
 NB = N + B

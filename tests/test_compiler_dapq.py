@@ -12,7 +12,8 @@ tvm = pytest.importorskip("tvm")
 
 from edgekv.compiler import compile_model  # noqa: E402
 from edgekv.compiler.build import CompileError  # noqa: E402
-from edgekv.compiler.kernels import build_attention, build_score, build_select  # noqa: E402
+from edgekv.compiler.kernels import build_attention, build_select  # noqa: E402
+from edgekv.compiler.policy_kernels import build_score, kernel_params  # noqa: E402
 from edgekv.compiler.pipeline import import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
@@ -111,7 +112,7 @@ def _ctx(a, fill, n_valid, rows):
                          ids=["full_block", "short_block", "partial_cache", "decode"])
 def test_score_and_select_match_reference(name, rows, fill, n_valid):
     policy = POLICIES[name]
-    params = {**policy.kernel_params(N), "num_q_heads": HQ, "sm_scale": D ** -0.5}
+    params = {**kernel_params(policy, N), "num_q_heads": HQ, "sm_scale": D ** -0.5}
     score_fn = _compile_prim(build_score("dapq", H, N, rows, D, "float32", params))
     select_fn = _compile_prim(build_select(H, N, rows, D, "float32", True))
     rng = np.random.default_rng(fill * 7 + n_valid + rows)
@@ -136,7 +137,7 @@ def test_score_and_select_match_reference(name, rows, fill, n_valid):
 
 def test_kernel_refuses_missing_query_heads():
     with pytest.raises(ValueError, match="num_q_heads"):
-        build_score("dapq", H, N, T_ROWS, D, "float32", DapQPolicy(window=W).kernel_params(N))
+        build_score("dapq", H, N, T_ROWS, D, "float32", kernel_params(DapQPolicy(window=W), N))
 
 
 # ---- compiled block step vs the engine ----------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_caches_updated_in_place(model, imported, prompt):
     assert rt.cache_lengths() == [0, 0]
 
 
-# ---- the generic mechanism for kernel inputs + per-entry state (edgekv.policies.base) --------------
+# ---- the generic mechanism for kernel inputs + per-entry state (compiler/policy_kernels/face.py) ----
 # A test-only policy: state "age" (steps an entry has been in the cache ⊕ block, +1 per step) and
 # "qmass" (Σ of channel 0 of the group's first query head over each step's valid block rows) — it
 # needs the block's queries, keeps two state rows, observes every step and scores by age. The
@@ -242,12 +242,6 @@ def _probe_policy_class():
         needs_queries = True
         observes_every_step = True
         entry_state = ("age", "qmass")
-        kernel_inputs = ("queries",)
-        evict_kernel = staticmethod(_probe_score_kernel)
-        observe_kernel = staticmethod(_probe_observe_kernel)
-
-        def kernel_params(self, budget):
-            return {}
 
         def observe(self, ctx):
             G = ctx.queries.shape[0] // ctx.num_kv_heads
@@ -263,10 +257,15 @@ def _probe_policy_class():
 
 
 def test_kernel_inputs_and_entry_state_mechanism(model, imported, prompt, monkeypatch):
+    from edgekv.compiler.policy_kernels import KERNELS, PolicyKernels
     from edgekv.policies import REGISTRY
 
     cls = _probe_policy_class()
     monkeypatch.setitem(REGISTRY, "probe", cls)
+    # its compiled face: the queries as a kernel input, an observe kernel for the two state rows
+    monkeypatch.setitem(KERNELS, "probe", PolicyKernels(evict_kernel=_probe_score_kernel,
+                                                        observe_kernel=_probe_observe_kernel,
+                                                        kernel_inputs=("queries",)))
     budget = 13
     res = compile_model(model, cls(), budget, B, target=TEST_TARGET, imported=imported)
     m = res.manifest

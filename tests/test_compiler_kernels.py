@@ -10,7 +10,8 @@ import torch
 tvm = pytest.importorskip("tvm")
 from tvm import relax  # noqa: E402
 
-from edgekv.compiler.kernels import build_score, build_select  # noqa: E402
+from edgekv.compiler.kernels import build_select  # noqa: E402
+from edgekv.compiler.policy_kernels import build_score, kernel_params  # noqa: E402
 from edgekv.policies.base import EvictionContext, topk_keep  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
 from edgekv.policies.lagkv import LagKVPolicy  # noqa: E402
@@ -18,8 +19,8 @@ from edgekv.policies.streaming import StreamingPolicy  # noqa: E402
 
 H, N, B, D = 2, 24, 8, 16
 TARGET = tvm.target.Target({"kind": "llvm", "opt-level": 0, "num-cores": 2})
-# each policy's kernel gets its parameters from the policy itself (``kernel_params``)
-POLICIES = {name: (pol, pol.kernel_params(N)) for name, pol in {
+# each policy's kernel gets its parameters from its compiled face (``kernel_params``)
+POLICIES = {name: (pol, kernel_params(pol, N)) for name, pol in {
     "streaming": StreamingPolicy(sinks=3),
     "keydiff": KeyDiffPolicy(),
     "keydiff_recent": KeyDiffPolicy(recent_window=5),
@@ -114,28 +115,35 @@ def test_ties_go_to_the_lower_index(vm):
 
 
 def test_policy_files_hold_their_kernels_and_import_no_tvm(monkeypatch):
-    """One file per policy holds scorer + kernel builder; ``import edgekv.policies`` stays tvm-free."""
+    """One policy file holds the scorer, one compiler file its compiled face; ``edgekv.policies`` never
+    imports the compiler, and neither it nor the face registry imports tvm."""
+    import pathlib
+    import re
     import subprocess
     import sys
 
+    import edgekv.policies
+    from edgekv.compiler.policy_kernels import KERNELS, UnsupportedPolicyError, compiled_policy_names
     from edgekv.policies import REGISTRY
-    from edgekv.policies.base import UnsupportedPolicyError, compiled_policy_names
 
-    code = "import sys, edgekv.policies; assert 'tvm' not in sys.modules, 'tvm was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    for module in ("edgekv.policies", "edgekv.compiler.policy_kernels"):
+        code = f"import sys, {module}; assert 'tvm' not in sys.modules, 'tvm was imported'"
+        subprocess.run([sys.executable, "-c", code], check=True)
+    for path in pathlib.Path(edgekv.policies.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import)\s+\S*compiler", text, re.M), path
+        assert len(text.splitlines()) <= 500, path
     assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "rocketkv", "snapkv",
                                        "snapkv++", "streaming", "tova"]
-    assert sorted(REGISTRY) == compiled_policy_names()
-    for name in compiled_policy_names():
-        cls = REGISTRY[name]
-        assert cls.evict_kernel.__module__ == cls.__module__  # the builder sits beside the scorer
-        for gpu in (cls.gpu_evict_kernel, cls.gpu_observe_kernel):  # and so do its GPU versions
-            assert gpu is None or gpu.__module__ == cls.__module__
+    assert sorted(REGISTRY) == compiled_policy_names() == sorted(KERNELS)
+    for name in compiled_policy_names():  # each face's builders sit in its policy's compiler file
+        face = KERNELS[name]
+        module = f"edgekv.compiler.policy_kernels.{REGISTRY[name].__module__.rsplit('.', 1)[1]}"
+        for builder in (face.evict_kernel, face.observe_kernel, face.gpu_evict_kernel, face.gpu_observe_kernel,
+                        face.emit_site_eviction, face.emit_decode_attention, face.emit_after_select):
+            assert builder is None or builder.__module__ == module, (name, builder)
     assert POLICIES["keydiff_recent"][1]["recent"] == 5 and POLICIES["lagkv"][1]["lag"] == 5
-    for cls in REGISTRY.values():  # observe kernels sit beside the scorer too
-        if cls.observe_kernel is not None:
-            assert cls.observe_kernel.__module__ == cls.__module__
-    # the refusal of a policy without a compiled kernel, on a stand-in
+    # the refusal of a policy without a compiled face, on a stand-in
     from dataclasses import dataclass
 
     from edgekv.policies.base import Policy
@@ -146,7 +154,7 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm(monkeypatch):
 
     monkeypatch.setitem(REGISTRY, "uncompiled", Uncompiled)
     with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
-        Uncompiled().kernel_params(N)
+        kernel_params(Uncompiled(), N)
     with pytest.raises(UnsupportedPolicyError, match="no compiled kernel yet"):
         build_score("uncompiled", H, N, B, D)
 
@@ -400,7 +408,7 @@ def test_select_compacts_entry_state_with_kv(fill, n_valid, with_score):
 
 
 # ---- query-based policies (kernel inputs: the block's queries; H2O: per-entry state) -----------------
-from edgekv.compiler.kernels import build_observe, site_params  # noqa: E402
+from edgekv.compiler.policy_kernels import build_observe, site_params  # noqa: E402
 from edgekv.policies.h2o import H2OPolicy  # noqa: E402
 from edgekv.policies.snapkv import SnapKVPolicy  # noqa: E402
 from edgekv.policies.snapkv_pp import SnapKVPlusPlusPolicy  # noqa: E402
@@ -425,7 +433,7 @@ def qvm():
     common = [_ty((H, N, D)), _ty((H, N, D)), _ty((H, N), "int32"), _ty((1,), "int32"),
               _ty((1, H, B, D)), _ty((1, H, B, D)), _ty((B,), "int32"), _ty((1,), "int32"), _ty((1, HQ, B, D))]
     for name, pol in Q_POLICIES.items():
-        params = dict(pol.kernel_params(N), **site_params(pol.name, HQ, SCALE))
+        params = dict(kernel_params(pol, N), **site_params(pol.name, HQ, SCALE))
         state = [_ty((1, H, N + B))] if pol.entry_state else []
         vars_ = [relax.Var(f"a{i}", t) for i, t in enumerate(common + state)]
         with bb.function(f"score_{name}", vars_):

@@ -19,11 +19,12 @@ from edgekv.compiler import compile_model  # noqa: E402
 from edgekv.compiler.pipeline import import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
+from edgekv.compiler.policy_kernels import gpu_policy_names  # noqa: E402
+from edgekv.compiler.policy_kernels.rocketkv import (build_rocketkv_decode_attention_kernel,  # noqa: E402
+                                                     build_rocketkv_summaries_kernel, summary_pages)
 from edgekv.policies import make_policy  # noqa: E402
-from edgekv.policies.base import gpu_policy_names, topk_keep  # noqa: E402
-from edgekv.policies.rocketkv import (approximate_page_scores, build_rocketkv_decode_attention_kernel,  # noqa: E402
-                                      build_rocketkv_summaries_kernel, page_minmax, select_channels, summary_pages,
-                                      token_weights)
+from edgekv.policies.base import topk_keep  # noqa: E402
+from edgekv.policies.rocketkv import approximate_page_scores, page_minmax, select_channels, token_weights  # noqa: E402
 from edgekv.runtime import HostRuntime  # noqa: E402
 
 H, HQ, N, D = 2, 4, 40, 16

@@ -20,7 +20,7 @@ from edgekv.artifact import program_file as pf  # noqa: E402
 from edgekv.compiler import compile_model  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
-from edgekv.policies.base import compiled_policy_names  # noqa: E402
+from edgekv.compiler.policy_kernels import compiled_policy_names  # noqa: E402
 from edgekv.runtime import HostRuntime  # noqa: E402
 from edgekv.runtime import native  # noqa: E402
 

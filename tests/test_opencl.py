@@ -20,7 +20,7 @@ tvm = pytest.importorskip("tvm")
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
 # policies without GPU kernels (rocketkv) are refused for GPU targets (tests/test_compiler_rocketkv.py)
-from edgekv.policies.base import gpu_policy_names  # noqa: E402
+from edgekv.compiler.policy_kernels import gpu_policy_names  # noqa: E402
 from edgekv.runtime import native  # noqa: E402
 
 B, N = 8, 24

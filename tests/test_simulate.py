@@ -279,6 +279,7 @@ def test_compiled_artifact_runs_under_the_cap_with_graph_counted_work(tmp_path):
     pytest.importorskip("tvm")
     from edgekv.compiler import compile_model, lower
     from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.policy_kernels import kernel_params
     from edgekv.models import tiny_random_model
     from edgekv.policies.keydiff import KeyDiffPolicy
     from edgekv.simulate.command import SimRequest, simulate
@@ -287,7 +288,7 @@ def test_compiled_artifact_runs_under_the_cap_with_graph_counted_work(tmp_path):
     model, pol = tiny_random_model(0, layers=2), KeyDiffPolicy()
     out = tmp_path / "kd"
     compile_model(model, pol, 32, 8, target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=out)
-    lowered = lower(model, BlockCacheSpec(budget=32, policy="keydiff", policy_params=pol.kernel_params(32)), 8)
+    lowered = lower(model, BlockCacheSpec(budget=32, policy="keydiff", policy_params=kernel_params(pol, 32)), 8)
     work = count_module(lowered.mod)
     assert work["prefill_block"]["flops"] > work["decode"]["flops"] > 0
     # the geometry count agrees with TVM's own count of the graph (+ the kernels it cannot estimate)

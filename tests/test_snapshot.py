@@ -17,7 +17,7 @@ from edgekv.artifact import snapshot_file as sf
 from edgekv.engine import BlockEngine
 from edgekv.models import tiny_random_model
 from edgekv.policies import REGISTRY, make_policy
-from edgekv.policies.base import compiled_policy_names
+from edgekv.compiler.policy_kernels import compiled_policy_names
 
 B, N = 4, 12
 POLICY_SETUP = {"full": ({}, 160), "lagkv": ({"sinks": 2, "lag": 2}, N)}

@@ -152,7 +152,7 @@ def compiler_errors() -> tuple[type[Exception], ...]:
     try:
         from ..compiler.attention_sites import AttentionMatchError
         from ..compiler.build import CompileError
-        from ..compiler.kernels import UnsupportedPolicyError
+        from ..compiler.policy_kernels import UnsupportedPolicyError
 
         errors += [AttentionMatchError, CompileError, UnsupportedPolicyError]
     except ImportError:

@@ -8,8 +8,8 @@ Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights
 in graph order, ``k[H, N, d], v[H, N, d], pos[H, N] int32, fill[1] int32`` followed by the policy's
 state (``cache_layout``): for a policy with ``entry_state`` (S names) ``state[S, H, N] float32``,
 then the per-layer ``compiled_state`` of a policy that wires its own site kernels. For decode
-(``fixed_n_valid=1``) the ``n_valid`` input is dropped. A policy class with
-``emit_site_eviction`` (D2O) places its own kernels at each site instead of observe + score +
+(``fixed_n_valid=1``) the ``n_valid`` input is dropped. A policy whose compiled face
+has ``emit_site_eviction`` (D2O) places its own kernels at each site instead of observe + score +
 select, and may add per-site outputs (``extra``, after the caches).
 
 At every attention site (``attention_sites.find_attention_sites``) the pass:
@@ -22,8 +22,7 @@ At every attention site (``attention_sites.find_attention_sites``) the pass:
      the cache is updated without reallocation, then the policy's ``emit_after_select`` hook (if
      any) on its own ``compiled_state`` tensors. The policy's ``kernel_inputs`` (e.g. the block's
      post-RoPE queries) are passed to its observe and score kernels after the common eight
-     arguments — the contract is written down in ``edgekv.policies.base`` ("Compiled kernels
-     beyond K/V").
+     arguments — the contract is written down in ``compiler/policy_kernels/face.py``.
 The attention-probability subgraph (mask, softmax, matmuls) becomes dead and is removed by
 dead-code elimination (the next pass in ``pipeline.py``).
 
@@ -42,8 +41,8 @@ import tvm
 from tvm import relax
 
 from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
-from ..policies import REGISTRY
-from .kernels import build_attention, build_observe, build_score, build_select, kernel_spec, policy_tag, site_params
+from .kernels import build_attention, build_select
+from .policy_kernels import KERNELS, build_observe, build_score, kernel_spec, policy_tag, site_params
 from .pseudo_rows import attention_kernel_key, step_extra_rows
 from . import int8_cache
 from ..memory import check_kv_dtype, int8_scale_groups
@@ -103,21 +102,21 @@ def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dty
     H, N, D = num_kv_heads, budget, head_dim
     kv = "int8" if check_kv_dtype(kv_dtype, "kv_dtype") == "int8" else dtype
     fields = [("k", (H, N, D), kv), ("v", (H, N, D), kv), ("pos", (H, N), "int32"), ("fill", (1,), "int32")]
-    cls = REGISTRY.get(policy)
-    if cls is not None:
-        fields += _policy_fields(cls, policy, H, N, D, policy_params)
+    face = KERNELS.get(policy)
+    if face is not None:
+        fields += _policy_fields(face, policy, H, N, D, policy_params)
     if kv_dtype == "int8":
         fields += [(name, (H, N, int8_scale_groups(D)), "float16") for name in int8_cache.SCALE_FIELDS]
     return fields
 
 
-def _policy_fields(cls, policy: str, H: int, N: int, D: int, policy_params: dict | None):
+def _policy_fields(face, policy: str, H: int, N: int, D: int, policy_params: dict | None):
     """The policy's own cache tensors of ``cache_layout``: the entry state, then ``compiled_state``."""
     fields = []
     S = kernel_spec(policy).num_state
     if S:
         fields.append((STATE_FIELD, (S, H, N), "float32"))
-    for name, length, dt in cls.compiled_state:
+    for name, length, dt in face.compiled_state:
         if callable(length):
             if not policy_params:
                 raise ValueError(f"policy '{policy}': the shape of its '{name}' cache tensor depends on its settings; "
@@ -170,10 +169,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     S = kspec.num_state
     fields = [f for f, _, _ in cache_layout(1, 1, spec.budget, spec.policy, spec.dtype, spec.policy_params)]
     cache_vars = []
-    site_eviction = REGISTRY[spec.policy].emit_site_eviction
+    face = KERNELS[spec.policy]
+    site_eviction = face.emit_site_eviction
     # a policy that replaces decode's attention (RocketKV's sparse stage 2); prefill stays dense
-    decode_attention = REGISTRY[spec.policy].emit_decode_attention if fixed_n_valid is not None else None
-    after_select = REGISTRY[spec.policy].emit_after_select
+    decode_attention = face.emit_decode_attention if fixed_n_valid is not None else None
+    after_select = face.emit_after_select
     extra_outputs = []
     int8 = spec.kv_dtype == "int8"
     for s in sites:
@@ -229,7 +229,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                 if site.output_layout == "bthd":
                     out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
                 vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
-                # the policy's extra inputs (Policy.kernel_inputs), in its declared order
+                # the policy's extra inputs (PolicyKernels.kernel_inputs), in its declared order
                 inputs = [_kernel_input(name, site, q) for name in kspec.inputs]
                 if site_eviction is not None:  # a policy that wires its own kernels (D2O)
                     new, extra = site_eviction(bb, kernel, site, spec, T, caches, inputs, kb, vb, pos32, nv)
@@ -287,7 +287,7 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
 
 
 def _kernel_input(name: str, site: AttentionSite, q):
-    """The graph tensor behind a ``Policy.kernel_inputs`` name at one attention site."""
+    """The graph tensor behind a ``PolicyKernels.kernel_inputs`` name at one attention site."""
     if name == "queries":
         return q  # [1, Hq, T, D] post-RoPE, as the block-attention kernel takes it
     raise AttentionMatchError(f"no kernel input named {name!r} at attention site {site.index}")

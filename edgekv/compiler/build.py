@@ -88,9 +88,11 @@ def resolve_target(target: str | dict = "host") -> tuple[dict, dict]:
 
 
 def policy_kernel_params(policy: Any, budget: int) -> dict[str, Any]:
-    """The policy's parameters as its kernel builder takes them: ``policy.kernel_params(budget)``
-    (defined in the policy's file; raises ``UnsupportedPolicyError`` without a compiled kernel)."""
-    return policy.kernel_params(budget)
+    """The policy's parameters as its kernel builders take them (its compiled face's
+    ``kernel_params``, ``compiler/policy_kernels``; raises ``UnsupportedPolicyError`` without one)."""
+    from .policy_kernels import kernel_params
+
+    return kernel_params(policy, budget)
 
 
 def entry_state_names(lowered) -> list[str]:
@@ -309,6 +311,7 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
     kv_dtype = getattr(spec, "kv_dtype", "fp32")
     fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params, kv_dtype)]
     rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo / question rows last
+    from .policy_kernels import compiled_state_init, prepare_min_prompt
     from .pseudo_rows import extra_rows as policy_pseudo_rows
 
     pseudo_window = policy_pseudo_rows(policy)
@@ -354,9 +357,9 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
         },
         "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
         # cache fields that start a prompt with contents other than zeros (one layer's values)
-        "cache_init": {k: np.asarray(v).tolist() for k, v in policy.compiled_state_init(budget).items()},
+        "cache_init": {k: np.asarray(v).tolist() for k, v in compiled_state_init(policy, budget).items()},
         # the compiled per-prompt function (compiler/prepare.py): run for prompts longer than this
-        "prepare": ({"min_prompt": int(policy.prepare_min_prompt(budget))}
+        "prepare": ({"min_prompt": int(prepare_min_prompt(policy, budget))}
                     if "prepare" in [gv.name_hint for gv in lowered.mod.get_global_vars()] else None),
         "memory_plan": plan,
         "versions": versions(),

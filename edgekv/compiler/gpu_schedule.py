@@ -11,7 +11,7 @@ the CPU. So for GPU targets:
    ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<tag>_h{H}_d{D}``,
    ``<fn>_score_<tag>_h{Hq}_{H}_d{D}`` and ``<fn>_observe_<tag>_h{Hq}_{H}_d{D}`` for policies with
    kernel inputs / per-entry state, ``<fn>_select_h{H}_d{D}_{score|append}[_s{S}]``; ``<tag>`` is
-   ``kernels.policy_tag(policy)``) and checked against their buffer shapes;
+   ``policy_kernels.policy_tag(policy)``) and checked against their buffer shapes;
 2. ``gpu_pipeline(target)`` is TVM's Relax GPU pipeline for the target kind (CUDA's or the
    generic one) with LegalizeOps → fusion → ``dl.ApplyDefaultSchedule(Matmul, GEMV, Reduction,
    GeneralReduction, Fallback)`` for the graph's own operators (GEMMs, norms, RoPE, ...);
@@ -27,9 +27,8 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
-from ..policies import REGISTRY
 from .build import CompileError
-from .kernels import kernel_spec, policy_tag, site_params
+from .policy_kernels import KERNELS, kernel_spec, policy_tag, site_params
 from .kernels.attention import build_block_attention_kernel_gpu
 from .kernels.select import build_select_compact_kernel_gpu
 
@@ -74,9 +73,9 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         B = _shape(func, 4)[2]
         if m.group(1) != policy_tag(policy):
             raise GPUKernelError(f"{name}: {what} kernel of '{m.group(1)}' but the build is for '{policy}'")
-        builder = getattr(REGISTRY[policy], attr) if policy in REGISTRY else None
+        builder = getattr(KERNELS[policy], attr) if policy in KERNELS else None
         if builder is None:
-            have = sorted(n for n, cls in REGISTRY.items() if getattr(cls, attr) is not None)
+            have = sorted(n for n, face in KERNELS.items() if getattr(face, attr) is not None)
             raise GPUKernelError(f"policy '{policy}' has no GPU {what} kernel yet (GPU {what} kernels: "
                                  f"{', '.join(have) or 'none'}); compile it for an llvm target")
         params = dict(policy_params)
@@ -113,7 +112,7 @@ class ReplaceKernels:
         self.policy_params = dict(policy_params or {})
         self.sm_scales = dict(sm_scales or {})
         self.replaced: dict[str, str] = {}
-        self.policy_kernel = REGISTRY[policy].gpu_kernel if policy in REGISTRY else None
+        self.policy_kernel = KERNELS[policy].gpu_kernel if policy in KERNELS else None
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         updates = {}

@@ -1,13 +1,13 @@
 """The per-prompt ``prepare`` function: what a policy computes once per prompt before its first
 block, compiled like everything else (no policy code in the runtimes).
 
-A policy that declares ``emit_prepare`` (D2O: per-layer budgets from the first block's
-attention) gets a third entry function, added after the weight-layout passes so that it passes
+A policy whose compiled face (``compiler/policy_kernels``) declares ``emit_prepare`` (D2O:
+per-layer budgets from the first block's attention) gets a third entry function, added after the weight-layout passes so that it passes
 the weights to ``prefill_block`` exactly as that function takes them::
 
     prepare(tokens, positions, n_valid, prompt_len[1] int64, caches..., weights...)
         probe = prefill_block(tokens, positions, n_valid, caches..., weights...)   # the first block
-        caches = policy.emit_prepare(probe, ...)        # e.g. writes d2o_budget, empties the cache
+        caches = emit_prepare(probe, ...)               # e.g. writes d2o_budget, empties the cache
         return (probe logits, caches...)
 
 The runtimes run it after a reset when the prompt is longer than ``prepare_min_prompt`` (the
@@ -27,8 +27,11 @@ def add_prepare_function(mod, policy: Any, budget: int):
     import tvm
     from tvm import relax
 
-    emit = getattr(type(policy), "emit_prepare", None)
-    if emit is None or policy.prepare_min_prompt(budget) is None:
+    from .policy_kernels import KERNELS, prepare_min_prompt
+
+    face = KERNELS.get(policy.name)
+    emit = face.emit_prepare if face is not None else None
+    if emit is None or prepare_min_prompt(policy, budget) is None:
         return mod
     prefill_gv = mod.get_global_var("prefill_block")
     prefill = mod[prefill_gv]

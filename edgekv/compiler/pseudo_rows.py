@@ -13,8 +13,8 @@ run through every layer like real ones. Three kernels know about them:
   rows (causal: they come last); pseudo rows see the valid cache, the real rows [0, n_valid) —
   never the padding — and the pseudo rows up to their own;
 * the policy's score kernel reads the step's post-RoPE queries ``q`` — the generic
-  ``Policy.kernel_inputs = ("queries",)`` of ``edgekv.policies.base`` — and uses only the pseudo
-  rows' (``edgekv/policies/dapq.py``);
+  ``kernel_inputs = ("queries",)`` of its compiled face — and uses only the pseudo rows'
+  (``compiler/policy_kernels/dapq.py``);
 * select + compaction reads block rows < n_valid only, so pseudo K/V never enter the cache.
 
 Question rows (``edgekv compile --question-rows Q``, issue 16): the same rows carry a document's
@@ -51,14 +51,14 @@ def check_question_rows(policy: Any, question_rows: int) -> None:
         raise CompileError("--question-rows must be ≥ 0 (the longest question in tokens; 0: none)")
     if not question_rows:
         return
-    from ..policies import REGISTRY
+    from .policy_kernels import KERNELS, question_policy_names
 
-    takes = ", ".join(n for n, c in REGISTRY.items() if getattr(c, "question_kernels", False))
+    takes = ", ".join(question_policy_names())
     if not getattr(policy, "uses_question", False):
         raise CompileError(
             f"policy '{policy.name}' does not score blocks with a question (only {takes} do), so question rows "
             "would change nothing; compile it without --question-rows")
-    if not getattr(policy, "question_kernels", False):
+    if policy.name not in KERNELS or not KERNELS[policy.name].question_kernels:
         raise CompileError(
             f"policy '{policy.name}' scores with the question in the eager engine (`edgekv run MODEL --question`), "
             f"but its compiled kernels do not take question rows yet; compile it without --question-rows, or use "

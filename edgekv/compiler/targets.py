@@ -78,8 +78,8 @@ def _tvm_target(tgt: dict, host: dict | None):
 def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32", question_rows: int = 0) -> None:
     """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2),
     of an int8 KV cache or of question rows (their kernels are CPU loops)."""
-    from ..policies.base import gpu_policy_names
     from .gpu_schedule import is_gpu_target
+    from .policy_kernels import gpu_policy_names
     from .pseudo_rows import check_question_rows
 
     check_question_rows(policy, question_rows)

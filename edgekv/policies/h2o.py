@@ -48,55 +48,14 @@ def pin_most_recent(score: torch.Tensor, positions: torch.Tensor, count: int) ->
     return score.masked_fill(positions >= threshold, float("inf"))
 
 
-def build_h2o_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                           *, recent: int, num_q_heads: int, sm_scale: float, question_rows: int = 0):
-    """TIR score kernel (common eight + queries + the observed candidate state): ``H2OPolicy.score``
-    — the accumulated attention (plus, on a step carrying a question, the question rows' column
-    sums: ``question_rows``), the ``recent`` newest candidates pinned to +inf."""
-    from ..compiler.kernels.attention_scores import build_state_score_kernel  # lazy: tvm is optional
-
-    return build_state_score_kernel(num_kv_heads, budget, block, head_dim, num_q_heads, sm_scale, recent=recent,
-                                    question_rows=question_rows, dtype=dtype)
-
-
-def build_h2o_observe_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                             *, recent: int = 0, num_q_heads: int, sm_scale: float, question_rows: int = 0):
-    """TIR observe kernel (every step): ``H2OPolicy.observe`` — each candidate's ``h2o_acc`` (old
-    entries' sums, 0 for the block's) plus this step's column sums over all n_valid block rows,
-    group-averaged; the rows' softmax is made one row at a time (no [b, n] matrix). Question rows
-    (``question_rows``: the step's last rows) are never observed: they read rows < n_valid only."""
-    from ..compiler.kernels.attention_scores import build_colsum_observe_kernel  # lazy: tvm is optional
-
-    return build_colsum_observe_kernel(num_kv_heads, budget, block, head_dim, num_q_heads, sm_scale,
-                                       heads="group_mean", dtype=dtype)
-
-
-def build_h2o_evict_kernel_gpu(H, N, B, D, dtype="float32", *, recent, num_q_heads, sm_scale):
-    from ..compiler.kernels.attention_scores import build_state_score_kernel_gpu
-
-    return build_state_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, recent=recent, dtype=dtype)
-
-
-def build_h2o_observe_kernel_gpu(H, N, B, D, dtype="float32", *, recent=0, num_q_heads, sm_scale):
-    from ..compiler.kernels.attention_scores import build_colsum_observe_kernel_gpu
-
-    return build_colsum_observe_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, heads="group_mean", dtype=dtype)
-
-
 @dataclass
 class H2OPolicy(Policy):
     name = "h2o"
     summary = "H2O: keeps the recent tokens and the heavy hitters (most attention accumulated so far)"
     needs_queries = True
     uses_question = True
-    question_kernels = True
     observes_every_step = True
     entry_state = (STATE,)
-    kernel_inputs = ("queries",)
-    evict_kernel = staticmethod(build_h2o_evict_kernel)
-    gpu_evict_kernel = staticmethod(build_h2o_evict_kernel_gpu)
-    observe_kernel = staticmethod(build_h2o_observe_kernel)
-    gpu_observe_kernel = staticmethod(build_h2o_observe_kernel_gpu)
     recent_ratio: float = 0.5
 
     def check_budget(self, budget: int, block: int) -> None:
@@ -104,9 +63,6 @@ class H2OPolicy(Policy):
             raise PolicyError(f"h2o: recent_ratio must be within [0, 1] (got {self.recent_ratio})")
         if budget < 1:
             raise PolicyError("h2o: the budget must be at least 1 token")
-
-    def kernel_params(self, budget: int) -> dict:
-        return {"recent": self.recent_size(budget)}
 
     def recent_size(self, budget: int) -> int:
         """Entries reserved for the most recent tokens: ⌊N · recent_ratio⌋."""

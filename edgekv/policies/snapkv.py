@@ -86,40 +86,11 @@ def check_window_args(policy: str, window: int, kernel: int, pooling: str, budge
         )
 
 
-def build_snapkv_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                              *, window: int, kernel: int, pooling: str, group: str = "mean",
-                              kernel_long: int | None = None, long_threshold: int = 1 << 30,
-                              num_q_heads: int, sm_scale: float, question_rows: int = 0):
-    """TIR score kernel (args: the common eight + the block's queries): the same definition as
-    ``SnapKVPolicy.score`` — window votes of the last min(w, n_valid) block rows (softmax rows
-    over cache ⊕ block, one row at a time), group mean (``group="sum"``: SnapKV++), pooling of the
-    non-window candidates, the window pinned to +inf. ``kernel_long`` / ``long_threshold``: the
-    length-adaptive κ of SnapKV++ (κ = ``kernel`` below the threshold). ``question_rows``: the step's
-    last rows are a question's (``--question-rows``), whose last w rows vote when present, as
-    ``window_votes`` with ``scoring_rows``. Shared with ``snapkv++``;
-    the stages live in ``edgekv/compiler/kernels/attention_scores.py``."""
-    from ..compiler.kernels.attention_scores import build_window_score_kernel  # lazy: tvm is optional
-
-    return build_window_score_kernel(
-        num_kv_heads, budget, block, head_dim, num_q_heads, sm_scale, window=window,
-        heads={"mean": "group_mean", "sum": "group_sum"}[group], pin_window=True, pooling=pooling,
-        kernel_short=kernel, kernel_long=kernel if kernel_long is None else kernel_long,
-        long_threshold=long_threshold, question_rows=question_rows, dtype=dtype)
-
-
 def window_select(ctx: EvictionContext, score: torch.Tensor, window: int, policy: str) -> Selection:
     w = window_size(ctx, window)
     if ctx.budget < w:
         raise PolicyError(f"{policy}: budget {ctx.budget} cannot hold the {w}-token observation window")
     return Selection(kept=topk_keep(score, ctx.budget))
-
-
-def build_snapkv_evict_kernel_gpu(H, N, B, D, dtype="float32", *, window, kernel, pooling, num_q_heads, sm_scale):
-    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
-
-    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_mean",
-                                         pin_window=True, pooling=pooling, kernel_short=kernel, kernel_long=kernel,
-                                         dtype=dtype)
 
 
 @dataclass
@@ -128,19 +99,12 @@ class SnapKVPolicy(Policy):
     summary = "SnapKV: keeps what the last `window` queries attend to most (pooled scores)"
     needs_queries = True
     uses_question = True
-    question_kernels = True
-    kernel_inputs = ("queries",)
-    evict_kernel = staticmethod(build_snapkv_evict_kernel)
-    gpu_evict_kernel = staticmethod(build_snapkv_evict_kernel_gpu)
     window: int = 32
     kernel: int = 7
     pooling: str = "avg"
 
     def check_budget(self, budget: int, block: int) -> None:
         check_window_args(self.name, self.window, self.kernel, self.pooling, budget, block)
-
-    def kernel_params(self, budget: int) -> dict:
-        return {"window": int(self.window), "kernel": int(self.kernel), "pooling": str(self.pooling)}
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: pooled group-mean window attention; the window itself +inf."""

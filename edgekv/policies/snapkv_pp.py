@@ -30,29 +30,7 @@ import torch
 
 from .attention_rows import group_reduce
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all
-from .snapkv import (build_snapkv_evict_kernel, check_window_args, pool_scores, protect_window, window_select,
-                     window_size, window_votes)
-
-
-def build_snapkvpp_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                                *, window: int, kernel_short: int, kernel_long: int, long_threshold: int,
-                                pooling: str, num_q_heads: int, sm_scale: float, question_rows: int = 0):
-    """TIR score kernel (common eight + queries): ``SnapKVPlusPlusPolicy.score`` — group *sum*,
-    max pooling with κ(L) chosen in the kernel from the newest block position (L = position + 1),
-    the window pinned. The SnapKV kernel with those settings."""
-    return build_snapkv_evict_kernel(num_kv_heads, budget, block, head_dim, dtype, window=window,
-                                     kernel=kernel_short, kernel_long=kernel_long, long_threshold=long_threshold,
-                                     pooling=pooling, group="sum", num_q_heads=num_q_heads, sm_scale=sm_scale,
-                                     question_rows=question_rows)
-
-
-def build_snapkvpp_evict_kernel_gpu(H, N, B, D, dtype="float32", *, window, kernel_short, kernel_long, long_threshold,
-                                    pooling, num_q_heads, sm_scale):
-    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
-
-    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=window, heads="group_sum",
-                                         pin_window=True, pooling=pooling, kernel_short=kernel_short,
-                                         kernel_long=kernel_long, long_threshold=long_threshold, dtype=dtype)
+from .snapkv import check_window_args, pool_scores, protect_window, window_select, window_size, window_votes
 
 
 @dataclass
@@ -61,10 +39,6 @@ class SnapKVPlusPlusPolicy(Policy):
     summary = "SnapKV++ (RocketKV stage 1): SnapKV with group-summed scores and wide max pooling"
     needs_queries = True
     uses_question = True
-    question_kernels = True
-    kernel_inputs = ("queries",)
-    evict_kernel = staticmethod(build_snapkvpp_evict_kernel)
-    gpu_evict_kernel = staticmethod(build_snapkvpp_evict_kernel_gpu)
     window: int = 32
     kernel_short: int = 63
     kernel_long: int = 511
@@ -84,12 +58,6 @@ class SnapKVPlusPlusPolicy(Policy):
         if self.kernel > 0:
             return self.kernel
         return self.kernel_short if length < self.long_threshold else self.kernel_long
-
-    def kernel_params(self, budget: int) -> dict:
-        short = self.kernel if self.kernel > 0 else self.kernel_short
-        long = self.kernel if self.kernel > 0 else self.kernel_long
-        return {"window": int(self.window), "kernel_short": int(short), "kernel_long": int(long),
-                "long_threshold": int(self.long_threshold), "pooling": str(self.pooling)}
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: max-pooled group-summed window attention; the window itself +inf."""

@@ -31,37 +31,12 @@ from .attention_rows import attention_rows, group_reduce, scoring_rows
 from .base import EvictionContext, Policy, PolicyError, Selection, keep_all, topk_keep
 
 
-def build_tova_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                            *, heads: str = "group", num_q_heads: int, sm_scale: float, question_rows: int = 0):
-    """TIR score kernel (common eight + queries): ``TOVAPolicy.score`` — the last valid block row's
-    attention over cache ⊕ block, averaged over the group's query heads (``heads="layer"``: over all
-    query heads, the same score for every KV head). No pooling, nothing pinned. ``question_rows``:
-    a question's last row scores instead when the step carries one (``scoring_rows``)."""
-    from ..compiler.kernels.attention_scores import build_window_score_kernel  # lazy: tvm is optional
-
-    return build_window_score_kernel(num_kv_heads, budget, block, head_dim, num_q_heads, sm_scale, window=1,
-                                     heads={"group": "group_mean", "layer": "layer_mean"}[heads], pin_window=False,
-                                     pooling="none", question_rows=question_rows, dtype=dtype)
-
-
-def build_tova_evict_kernel_gpu(H, N, B, D, dtype="float32", *, heads="group", num_q_heads, sm_scale):
-    from ..compiler.kernels.attention_scores import build_window_score_kernel_gpu
-
-    return build_window_score_kernel_gpu(H, N, B, D, num_q_heads, sm_scale, window=1,
-                                         heads={"group": "group_mean", "layer": "layer_mean"}[heads], pin_window=False,
-                                         dtype=dtype)
-
-
 @dataclass
 class TOVAPolicy(Policy):
     name = "tova"
     summary = "TOVA: keeps what the last query attends to most"
     needs_queries = True
     uses_question = True
-    question_kernels = True
-    kernel_inputs = ("queries",)
-    evict_kernel = staticmethod(build_tova_evict_kernel)
-    gpu_evict_kernel = staticmethod(build_tova_evict_kernel_gpu)
     heads: str = "group"
 
     def check_budget(self, budget: int, block: int) -> None:
@@ -69,10 +44,6 @@ class TOVAPolicy(Policy):
             raise PolicyError(f"tova: heads must be group or layer (got {self.heads!r})")
         if budget < 1:
             raise PolicyError("tova: the budget must be at least 1 token")
-
-    def kernel_params(self, budget: int) -> dict:
-        self.check_budget(budget, 1)
-        return {"heads": str(self.heads)}
 
     def score(self, ctx: EvictionContext) -> torch.Tensor:
         """[H, n] fp32: the last block query's attention, averaged over the group (or all) query heads."""

@@ -124,9 +124,10 @@ def _run_cpu(func, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (200, 1), (20, 16))) -> list[str]:
-    from edgekv.compiler.kernels import build_observe, build_score, build_select, site_params
+    from edgekv.compiler.kernels import build_select
     from edgekv.compiler.kernels.select import build_select_compact_kernel_gpu
-    from edgekv.policies import REGISTRY, make_policy
+    from edgekv.compiler.policy_kernels import KERNELS, build_observe, build_score, kernel_params, site_params
+    from edgekv.policies import make_policy
 
     problems = []
     policies = {"snapkv": {"window": "8", "kernel": "5"}, "snapkv++": {"window": "4", "kernel_short": "3",
@@ -136,7 +137,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
     for label, args in policies.items():
         name = label.split("_")[0]
         pol = make_policy(name, args)
-        params = dict(pol.kernel_params(N), **site_params(name, Hq, D ** -0.5))
+        params = dict(kernel_params(pol, N), **site_params(name, Hq, D ** -0.5))
         for fill, nv in cases:
             rng = np.random.default_rng(fill * 7 + nv)
             a = _inputs(rng, H, Hq, N, B, D, fill, nv)
@@ -144,7 +145,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
             if pol.entry_state:
                 a["state"] = rng.random((1, H, N)).astype("float32")
                 cpu = _run_cpu(build_observe(name, H, N, B, D, "float32", params), dict(a, cand_state=np.zeros((1, H, N + B), "float32")))
-                gpu = run_on_pocl(REGISTRY[name].gpu_observe_kernel(H, N, B, D, "float32", **params),
+                gpu = run_on_pocl(KERNELS[name].gpu_observe_kernel(H, N, B, D, "float32", **params),
                                   dict(a, cand_state=np.zeros((1, H, N + B), "float32")))
                 if not np.allclose(gpu["cand_state"][..., :n], cpu["cand_state"][..., :n], rtol=1e-5, atol=1e-6):
                     problems.append(f"{label} observe fill={fill} n_valid={nv}: GPU state differs")
@@ -153,7 +154,7 @@ def check(H=2, Hq=4, N=200, B=16, D=32, cases=((200, 16), (190, 7), (150, 16), (
                 continue
             score0 = np.zeros((H, N + B), "float32")
             cpu = _run_cpu(build_score(name, H, N, B, D, "float32", params), dict(a, score=score0))
-            gpu = run_on_pocl(REGISTRY[name].gpu_evict_kernel(H, N, B, D, "float32", **params), dict(a, score=score0))
+            gpu = run_on_pocl(KERNELS[name].gpu_evict_kernel(H, N, B, D, "float32", **params), dict(a, score=score0))
             c, g = cpu["score"][:, :n], gpu["score"][:, :n]
             fin = np.isfinite(c)
             if not (np.array_equal(fin, np.isfinite(g)) and np.array_equal(c[~fin], g[~fin])

@@ -134,7 +134,7 @@ def main() -> None:
 
     from edgekv.evaluation.report import provenance
     from edgekv.models import load_model
-    from edgekv.policies.base import compiled_policy_names
+    from edgekv.compiler.policy_kernels import compiled_policy_names
 
     origin = provenance([sys.executable, *sys.argv])  # before the long work: the commit that ran
     model = load_model("smollm2-135m")

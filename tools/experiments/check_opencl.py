@@ -118,7 +118,7 @@ def main() -> None:
     from edgekv.corpus import natural_text
     from edgekv.evaluation.report import provenance
     from edgekv.models import load_model
-    from edgekv.policies.base import gpu_policy_names
+    from edgekv.compiler.policy_kernels import gpu_policy_names
     from edgekv.runtime import native
 
     reason = native.opencl_unavailable_reason()

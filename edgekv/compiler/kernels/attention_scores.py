@@ -2,7 +2,7 @@
 TIR counterparts of ``edgekv.policies.attention_rows``, CPU and GPU (the ``_gpu`` builders at
 the end of this file; same signatures, ``signature.py``).
 
-Arguments (``edgekv.policies.base``, "Compiled kernels beyond K/V"): the common eight, then the
+Arguments (``compiler/policy_kernels/face.py``): the common eight, then the
 block's queries ``q [1, Hq, B, d]`` (post-RoPE), then — for H2O — the state.
 
 Definition (as ``attention_rows``): for query head ``hq`` (KV head ``hq // G``) and block row

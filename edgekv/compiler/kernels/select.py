@@ -15,7 +15,7 @@ Selection cost is O(33 · n) per head (the first version picked the minimum E ti
 O(E · n)). NaN scores are never evicted (torch's
 descending sort puts NaN first, i.e. keeps it).
 
-Per-entry state (policies with ``entry_state``, see ``edgekv.policies.base``): the kernel also
+Per-entry state (policies with ``entry_state``, see ``compiler/policy_kernels/face.py``): the kernel also
 takes the layer's state cache ``state [S, H, N]`` (in place) and this step's candidate state
 ``cand_state [S, H, N + B]`` (from the policy's observe kernel), and writes the candidate state
 of every surviving row next to its K/V/pos — appended rows and, when nothing is evicted, the

@@ -1,0 +1,231 @@
+"""KeyDiff's compiled face (``edgekv/policies/keydiff.py``): its score kernel, CPU and GPU."""
+
+from __future__ import annotations
+
+from ...policies.keydiff import recent_count
+from .face import PolicyKernels
+
+
+def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                               dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
+    """TIR score kernel: the same definition as ``keydiff_scores``, in three parallel phases —
+    (1) every candidate's clamped norm, parallel over (head, chunk of rows); (2) the anchor per
+    head (mean of k_i / ‖k_i‖, normalised); (3) the scores, parallel over (head, chunk). With
+    only H = 3 KV heads a per-head split leaves a core idle; the chunks keep two or more busy.
+    Norms and dot products are 16-lane partial sums folded by a halving tree (vector ops, not
+    a chain of 16 dependent scalar adds per row). The summation order differs from torch's, so
+    scores differ in the last bits: on SmolLM2 (2K prompt, N = 1K, 240 eviction events, 737,280
+    kept entries) one kept entry differed from ``topk_keep`` on the reference scores, a pair
+    whose fp64 scores differ by 2.2e-7 relative — a near tie, allowed (< 1e-5 relative;
+    docs/COMPILER.md)."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..kernels.common import check_dtype, lane_tree_sum
+    from ..kernels.signature import StepShapes, score_kernel
+
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    EPS = float(eps)
+    W = int(recent)
+    LANES = 16 if D % 16 == 0 else (8 if D % 8 == 0 else 1)
+    CH = D // LANES
+    RC = 64  # candidate rows per parallel task
+    NCH = (NB + RC - 1) // RC
+    lane_sum = lane_tree_sum(LANES)
+
+    @T.macro
+    def candidate(k_cache, k_blk, h, i, nf, kv):
+        # candidate i: cache row i (i < fill) or block row i − fill
+        for c in T.vectorized(D):
+            kv[c] = T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.max(i - nf, 0), c])
+
+    @T.macro
+    def dot(x, y, part):
+        for l in T.vectorized(LANES):
+            part[l] = T.float32(0)
+        for c0 in T.serial(CH):
+            for l in T.vectorized(LANES):
+                part[l] = part[l] + x[c0 * LANES + l] * y[c0 * LANES + l]
+        lane_sum(part)
+
+    @T.macro
+    def keydiff_score(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
+        norm = T.alloc_buffer((H, NB), "float32")
+        anchor = T.alloc_buffer((H, D), "float32")
+        if fill[0] + n_valid[0] > N:
+            for task in T.parallel(H * NCH):
+                with T.sblock("keydiff_norms"):
+                    T.reads(k_cache[0:H, 0:N, 0:D], k_blk[0, 0:H, 0:B, 0:D], fill[0:1], n_valid[0:1])
+                    T.writes(norm[0:H, 0:NB])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    h: T.let[T.int32] = task // NCH
+                    for r in T.serial(RC):
+                        if (task % NCH) * RC + r < fill[0] + n_valid[0]:
+                            candidate(k_cache, k_blk, h, (task % NCH) * RC + r, fill[0], kv)
+                            dot(kv, kv, part)
+                            norm[h, (task % NCH) * RC + r] = T.max(T.sqrt(part[0]), T.float32(EPS))
+            for h in T.parallel(H):
+                with T.sblock("keydiff_anchor"):
+                    T.reads(k_cache[h, 0:N, 0:D], k_blk[0, h, 0:B, 0:D], norm[h, 0:NB], fill[0:1], n_valid[0:1])
+                    T.writes(anchor[h, 0:D])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    for c in T.vectorized(D):
+                        anchor[h, c] = T.float32(0)
+                    for i in T.serial(NB):
+                        if i < fill[0] + n_valid[0]:
+                            candidate(k_cache, k_blk, h, i, fill[0], kv)
+                            for c in T.vectorized(D):
+                                anchor[h, c] = anchor[h, c] + kv[c] / norm[h, i]
+                    for c in T.vectorized(D):
+                        kv[c] = anchor[h, c] / T.Cast("float32", fill[0] + n_valid[0])
+                    dot(kv, kv, part)
+                    for c in T.vectorized(D):
+                        anchor[h, c] = kv[c] / T.max(T.sqrt(part[0]), T.float32(EPS))
+            for task in T.parallel(H * NCH):
+                with T.sblock("keydiff_scores"):
+                    T.reads(k_cache[0:H, 0:N, 0:D], k_blk[0, 0:H, 0:B, 0:D], norm[0:H, 0:NB], anchor[0:H, 0:D],
+                            pos_cache[0:H, 0:N], pos_blk[0:B], fill[0:1], n_valid[0:1])
+                    T.writes(score[0:H, 0:NB])
+                    kv = T.sblock_alloc_buffer((D,), "float32")
+                    av = T.sblock_alloc_buffer((D,), "float32")
+                    part = T.sblock_alloc_buffer((LANES,), "float32")
+                    h: T.let[T.int32] = task // NCH
+                    nf: T.let[T.int32] = fill[0]
+                    newest: T.let[T.int32] = pos_blk[T.max(n_valid[0] - 1, 0)]
+                    for c in T.vectorized(D):
+                        av[c] = anchor[h, c]
+                    for r in T.serial(RC):
+                        i: T.let[T.int32] = (task % NCH) * RC + r
+                        if i < NB:
+                            score[h, i] = T.float32("-inf")
+                            if i < nf + n_valid[0]:
+                                candidate(k_cache, k_blk, h, i, nf, kv)
+                                for c in T.vectorized(D):
+                                    kv[c] = kv[c] / norm[h, i]
+                                dot(kv, av, part)
+                                score[h, i] = T.float32(0) - part[0]
+                                if W > 0:
+                                    if T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)],
+                                                      pos_blk[T.max(i - nf, 0)]) > newest - W:
+                                        score[h, i] = T.float32("inf")
+
+    return score_kernel(StepShapes(H, N, B, D), keydiff_score)
+
+
+def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
+                                   dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
+    """One thread block per KV head, NT threads. Pass 1: per tile of NT candidates each thread
+    computes one row's norm (into shared memory), then thread (group, channel) pairs
+    accumulate the normalised keys column-wise (coalesced); the per-group partial anchors are
+    summed in shared memory and normalised. Pass 2: one thread per candidate, −k̂ · μ̂."""
+    from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
+
+    from ..kernels.common import check_dtype
+    from ..kernels.signature import StepShapes, score_kernel
+
+    check_dtype(dtype)
+    H, N, B, D = num_kv_heads, budget, block, head_dim
+    NB = N + B
+    EPS = float(eps)
+    W = int(recent)
+    NT = 128 if D <= 128 else D
+    GR = max(1, NT // D)  # row groups in the column pass
+    TILES = (NB + NT - 1) // NT
+
+    @T.macro
+    def keydiff_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("keydiff"):
+                    T.reads()
+                    T.writes()
+                    inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+                    part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
+                    anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+                    red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    n: T.let[T.int32] = nf + nv
+                    grp: T.let[T.int32] = tx // D
+                    ch: T.let[T.int32] = tx % D
+                    if n > N:
+                        red[1] = T.float32(0)  # this thread's partial anchor for channel ch
+                        for it in T.serial((n + NT - 1) // NT):
+                            # norm of candidate it*NT + tx
+                            red[0] = T.float32(0)
+                            if it * NT + tx < n:
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                            inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                            T.tvm_storage_sync("shared")
+                            if grp < GR:
+                                for r in T.serial((NT + GR - 1) // GR):
+                                    if r * GR + grp < NT:
+                                        if it * NT + r * GR + grp < n:
+                                            red[1] = red[1] + T.if_then_else(
+                                                it * NT + r * GR + grp < nf,
+                                                k_cache[h, T.min(it * NT + r * GR + grp, N - 1), ch],
+                                                k_blk[0, h, T.min(T.max(it * NT + r * GR + grp - nf, 0), B - 1), ch]
+                                            ) / inv_sh[r * GR + grp]
+                            T.tvm_storage_sync("shared")
+                        if grp < GR:
+                            part_sh[grp, ch] = red[1]
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            red[1] = T.float32(0)
+                            for gg in T.serial(GR):
+                                red[1] = red[1] + part_sh[gg, tx]
+                            anchor_sh[tx] = red[1] / T.Cast("float32", n)
+                        T.tvm_storage_sync("shared")
+                        red[0] = T.float32(0)
+                        for c in T.serial(D):
+                            red[0] = red[0] + anchor_sh[c] * anchor_sh[c]
+                        red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                        T.tvm_storage_sync("shared")
+                        if tx < D:
+                            anchor_sh[tx] = anchor_sh[tx] / red[0]
+                        T.tvm_storage_sync("shared")
+                        for it in T.serial(TILES):
+                            if it * NT + tx < n:
+                                red[0] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[0] = red[0] + T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                red[1] = T.float32(0)
+                                for c in T.serial(D):
+                                    red[1] = red[1] - (T.if_then_else(
+                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
+                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) / red[0]) * anchor_sh[c]
+                                if W > 0:
+                                    if T.if_then_else(it * NT + tx < nf, pos_cache[h, T.min(it * NT + tx, N - 1)],
+                                                      pos_blk[T.min(T.max(it * NT + tx - nf, 0), B - 1)]) > pos_blk[
+                                                          T.max(nv - 1, 0)] - W:
+                                        red[1] = T.float32("inf")
+                                score[h, it * NT + tx] = red[1]
+                            elif it * NT + tx < NB:
+                                score[h, it * NT + tx] = T.float32("-inf")
+
+    return score_kernel(StepShapes(H, N, B, D), keydiff_score_gpu, gpu=True)
+
+
+
+def keydiff_kernel_params(policy, budget: int) -> dict:
+    return {"recent": recent_count(float(policy.recent_window), budget), "eps": float(policy.EPS)}
+
+
+KERNELS = PolicyKernels(
+    evict_kernel=build_keydiff_evict_kernel,
+    gpu_evict_kernel=build_keydiff_evict_kernel_gpu,
+    kernel_params=keydiff_kernel_params,
+)
