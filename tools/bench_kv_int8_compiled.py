@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     from edgekv.engine import BlockEngine
     from edgekv.evaluation.report import meta, provenance
-    from edgekv.compiler.build import compile_or_reuse
+    from edgekv.compiler.driver import compile_or_reuse
     from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.memory import kv_bytes_per_token
     from edgekv.models import load_model
