@@ -17,9 +17,9 @@ from .frontend.export import import_model
 from .passes.attention_sites import AttentionMatchError, AttentionSite, find_attention_sites
 from .passes.hoist_last_token import HoistLastTokenGather
 from .passes.rewrite_block_cache import BlockCacheSpec, RewriteBlockCache
-from .pipeline import lower, passes
+from .pipeline import lower
 
 __all__ = [
     "AttentionMatchError", "AttentionSite", "BlockCacheSpec", "BuildResult", "CompileError", "HoistLastTokenGather",
-    "RewriteBlockCache", "compile_model", "find_attention_sites", "import_model", "lower", "passes", "resolve_target",
+    "RewriteBlockCache", "compile_model", "find_attention_sites", "import_model", "lower", "resolve_target",
 ]

@@ -80,7 +80,7 @@ def block_cache_spec(policy: Any, budget: int, *, cores: int = 1, kv_dtype: str 
                           cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
 
 
-def passes(spec: BlockCacheSpec) -> list:
+def relax_passes(spec: BlockCacheSpec) -> list:
     """Steps 1–4: the target-independent Relax passes, in order."""
     rewrite = RewriteBlockCache(spec, [("prefill_src", "prefill_block", None), ("decode_src", "decode", 1)])
     return [rewrite, HoistLastTokenGather(list(FUNCTIONS)), relax.transform.DeadCodeElimination(list(FUNCTIONS)),
@@ -90,7 +90,7 @@ def passes(spec: BlockCacheSpec) -> list:
 def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite], set[str]]:
     """Run steps 1–4; returns the module, the attention sites and the names of the weights the
     module now takes transposed (see ``param_layout``)."""
-    seq = passes(spec)
+    seq = relax_passes(spec)
     for p in seq:
         mod = p(mod)
     return mod, seq[0].sites["prefill_block"], seq[-1].transposed

@@ -5,8 +5,8 @@ then materialises Wᵀ on every call (≈0.5 s per SmolLM2 block with the defaul
 weight-sized temporary). When *every* use of a weight input, in every function of the
 module, is that transpose, the pass replaces the input by one of the transposed shape (named
 ``<name>.T``) and drops the transposes. ``transposed`` records which stored arrays the
-artifact writer must transpose (``compiler/pipeline.py``: ``param_layout``). Weights used otherwise (e.g. a tied embedding,
-also read by ``take``) are left alone.
+pipeline must transpose (``compiler/pipeline.py``: ``param_layout``). Weights used otherwise
+(e.g. a tied embedding, also read by ``take``) are left alone.
 """
 
 from __future__ import annotations
