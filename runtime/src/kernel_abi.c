@@ -253,7 +253,7 @@ ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_device *device
       {"__TVMBackendParallelBarrier", (void (*)(void))parallel_barrier},
       {"__TVMFFIErrorSetRaisedFromCStr", (void (*)(void))TVMFFIErrorSetRaisedFromCStr},
       /* an Android model.so defines the function it imports as a forwarder through this slot
-       * (edgekv/compiler/targets.py, ERROR_SHIM_SOURCE: an app loads the runtime RTLD_LOCAL) */
+       * (edgekv/compiler/backend/finish.py, ERROR_SHIM_SOURCE: an app loads the runtime RTLD_LOCAL) */
       {"__TVMFFIErrorSetRaisedFromCStrParts", (void (*)(void))TVMFFIErrorSetRaisedFromCStrParts},
       {"__TVMFFIEnvModLookupFromImports", (void (*)(void))no_imports},
       {"__TVMFFIFunctionCall", (void (*)(void))no_function_call},
