@@ -5,8 +5,8 @@
 # With ANDROID_NDK_HOME set the NDK's clang links it; without an NDK, Debian's clang/lld link it
 # freestanding against the same bionic link stubs as the app's libraries (android/native/stubs.sh),
 # with -Wl,--no-undefined: every function the kernels import must be one bionic exports. Either
-# way `python -m edgekv.compiler.targets finish` does the linking; for Android targets it also
-# links in the small error shim the app needs (edgekv/compiler/targets.py, ERROR_SHIM_SOURCE).
+# way `python -m edgekv.compiler.backend.finish` does the linking; for Android targets it also
+# links in the small error shim the app needs (edgekv/compiler/backend/finish.py, ERROR_SHIM_SOURCE).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(dirname "$HERE")
@@ -24,7 +24,7 @@ else
   "$HERE/native/stubs.sh" "$STUBS" $MIN_SDK
   CC="clang --target=aarch64-linux-android$MIN_SDK -nostdlib -fuse-ld=lld -Wl,-z,max-page-size=16384 -Wl,--hash-style=both -Wl,--no-undefined -L$STUBS -lc -lm"
 fi
-TVM_NDK_CC="$CC" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m edgekv.compiler.targets finish "$ART"
+TVM_NDK_CC="$CC" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m edgekv.compiler.backend.finish "$ART"
 if command -v llvm-readelf >/dev/null 2>&1; then
   echo "model.so needs: $(llvm-readelf -d "$ART/model.so" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
 fi

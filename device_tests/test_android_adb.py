@@ -26,8 +26,8 @@ import torch
 tvm = pytest.importorskip("tvm")
 
 from device_runtime import DeviceRuntime  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
-from edgekv.compiler.targets import build_for_target, finish  # noqa: E402
+from edgekv.compiler import compile_model, import_model  # noqa: E402
+from edgekv.compiler.backend.finish import finish  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
@@ -61,7 +61,7 @@ def test_android_matches_engine(tmp_path, target):
     model = tiny_random_model(seed=0, layers=2)
     policy, budget = KeyDiffPolicy(), 16
     art = tmp_path / target
-    build_for_target(model, policy, budget, B, target, art, imported=import_model(model, B))
+    compile_model(model, policy, budget, B, target, art, imported=import_model(model, B))
     so = finish(art)
     subprocess.run(["adb", "shell", "mkdir", "-p", f"/data/local/tmp/edgekv/{target}"], check=True)
     subprocess.run(["adb", "push", str(art) + "/.", f"/data/local/tmp/edgekv/{target}/"], check=True)

@@ -121,14 +121,15 @@ def _host_answers(model_dir: Path, tmp: Path) -> list[dict]:
 
 
 def _phone_artifact(model_dir: Path, target: str, tmp: Path) -> Path:
-    from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target
+    from edgekv.compiler import compile_model
+    from edgekv.compiler.errors import ToolchainNeededWarning
     from edgekv.models import load_model
     from edgekv.policies import make_policy
 
     art = tmp / f"tiny-{target}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ToolchainNeededWarning)
-        build_for_target(load_model(str(model_dir)), make_policy("keydiff", {}), N, B, target, art)
+        compile_model(load_model(str(model_dir)), make_policy("keydiff", {}), N, B, target, art)
     r = subprocess.run(["bash", REPO / "android" / "finish.sh", art], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return art

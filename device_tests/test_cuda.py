@@ -17,8 +17,7 @@ import torch
 tvm = pytest.importorskip("tvm")
 
 from device_runtime import DeviceRuntime  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
-from edgekv.compiler.targets import build_for_target  # noqa: E402
+from edgekv.compiler import compile_model, import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
@@ -63,7 +62,7 @@ def imported(model):
     (LagKVPolicy(sinks=2, lag=4), 16),
 ])
 def test_cuda_matches_engine(model, imported, tmp_path, policy, budget):
-    build_for_target(model, policy, budget, B, "cuda", tmp_path / "art", imported=imported)
+    compile_model(model, policy, budget, B, "cuda", tmp_path / "art", imported=imported)
     rt = DeviceRuntime.load(tmp_path / "art", tvm.cuda(0))
     eng = BlockEngine(model, policy, budget, B)
     prompt = torch.randint(0, 256, (PROMPT,), generator=torch.Generator().manual_seed(1))

@@ -403,7 +403,7 @@ def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, prof
     unoptimised kernels call from a constructor). Linked with -Wl,--no-undefined against the bionic stubs
     the link proves model.so imports nothing but bionic's functions; a glibc aarch64 build
     (aarch64-linux, loaded by edgekv-run, which exports the symbol) gets no shim and still imports it."""
-    from edgekv.compiler.targets import ERROR_SHIM_SLOT, finish
+    from edgekv.compiler.backend.finish import ERROR_SHIM_SLOT, finish
 
     stubs = tmp_path / "stubs"
     assert run(["bash", ANDROID / "native" / "stubs.sh", stubs, "24"]).returncode == 0
@@ -426,7 +426,7 @@ def test_finish_defines_the_loader_symbol_inside_android_model_so(tmp_path, prof
                                     f"-L{stubs} -lc")
     try:
         if profile == "aarch64-linux":
-            from edgekv.compiler.build import CompileError
+            from edgekv.compiler import CompileError
 
             with pytest.raises(CompileError, match="TVMFFIErrorSetRaisedFromCStrParts"):
                 finish(art)
@@ -714,7 +714,7 @@ def test_bridge_runs_an_opencl_artifact(host_bridge, tmp_path):
         pytest.skip("the bridge's runtime was built without OpenCL headers: apt-get install -y opencl-c-headers")
     import warnings
 
-    from edgekv.compiler.targets import build_for_target
+    from edgekv.compiler import compile_model
     from edgekv.models import load_model, tiny_random_model
     from edgekv.policies import make_policy
 
@@ -724,7 +724,7 @@ def test_bridge_runs_an_opencl_artifact(host_bridge, tmp_path):
     art = tmp_path / "ocl"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_for_target(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, "opencl-host", art)
+        compile_model(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, "opencl-host", art)
     (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")
     (tmp_path / "probe.txt").write_text(PROBE, encoding="utf-8")
     env = {**os.environ, "LD_PRELOAD": str(host_bridge["lib"] / "libedgekv_runtime.so")}
@@ -770,8 +770,9 @@ def test_bridge_on_aarch64_under_qemu(tmp_path):
     pytest.importorskip("tvm")
     import tvm_ffi.libinfo
 
-    import edgekv.compiler.targets as targets
-    from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target
+    import edgekv.compiler.backend.finish as finish_step
+    from edgekv.compiler import compile_model
+    from edgekv.compiler.errors import ToolchainNeededWarning
     from edgekv.models import load_model, tiny_random_model
     from edgekv.policies import make_policy
 
@@ -795,25 +796,25 @@ def test_bridge_on_aarch64_under_qemu(tmp_path):
     hf = tmp_path / "hf"
     tiny_random_model(0, layers=2).to_hf().save_pretrained(hf)
     _byte_level_tokenizer().save_pretrained(hf)
-    profile = json.loads((REPO / "compile" / "android-cpu.json").read_text())
+    profile = json.loads((REPO / "edgekv" / "profiles" / "targets" / "android-cpu.json").read_text())
     profile["target"]["opt-level"] = 0  # agreement, not speed
     art = tmp_path / "android-cpu"
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ToolchainNeededWarning)
-        build_for_target(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, profile, art)
+        compile_model(load_model(str(hf)), make_policy("keydiff", {}), 16, 4, profile, art)
     os.environ["TVM_NDK_CC"] = "aarch64-linux-gnu-gcc"  # glibc's linker: runs under qemu with the Linux runtime
     try:
-        targets.finish(art)
+        finish_step.finish(art)
         bare = tmp_path / "no-shim"
         shutil.copytree(art, bare)
-        real = targets.needs_error_shim
-        targets.needs_error_shim = lambda manifest: False
+        real = finish_step.needs_error_shim
+        finish_step.needs_error_shim = lambda manifest: False
         try:
-            targets.finish(bare)
+            finish_step.finish(bare)
         finally:
-            targets.needs_error_shim = real
+            finish_step.needs_error_shim = real
     finally:
         os.environ.pop("TVM_NDK_CC", None)
     (tmp_path / "doc.txt").write_text(DOCUMENT, encoding="utf-8")

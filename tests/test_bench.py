@@ -38,7 +38,7 @@ def tiny_dirs(tmp_path_factory):
     tiny.to_hf().save_pretrained(root / "hf")
     onnx = None
     try:
-        from edgekv.compiler.onnx_export import export_onnx
+        from edgekv.compiler.frontend.onnx_export import export_onnx
 
         onnx = export_onnx(tiny, root / "onnx", form="past")
     except ImportError:

@@ -21,7 +21,7 @@ ANDROID_FAST = {"name": "android-cpu", "description": "test copy at opt-level 0"
                 "library": "tar", "device_source": "obj", "elf_machine": 183,
                 "toolchain": {"needed_for": "linking model.tar into model.so", "tool": "Android NDK clang",
                               "env": "TVM_NDK_CC",
-                              "finish": "TVM_NDK_CC=... python -m edgekv.compiler.targets finish <artifact dir>"}}
+                              "finish": "TVM_NDK_CC=... python -m edgekv.compiler.backend.finish <artifact dir>"}}
 
 
 def cli(*args):

@@ -10,11 +10,9 @@ import torch
 
 tvm = pytest.importorskip("tvm")
 
-from edgekv.compiler import compile_model  # noqa: E402
-from edgekv.compiler.build import CompileError  # noqa: E402
+from edgekv.compiler import CompileError, compile_model, import_model  # noqa: E402
 from edgekv.compiler.kernels import build_attention, build_select  # noqa: E402
 from edgekv.compiler.policy_kernels import build_score, kernel_params  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.base import EvictionContext, PolicyError, topk_keep  # noqa: E402

@@ -8,9 +8,8 @@ import torch
 
 tvm = pytest.importorskip("tvm")
 
-from edgekv.compiler import compile_model  # noqa: E402
-from edgekv.compiler.export import plain_module  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
+from edgekv.compiler import compile_model, import_model  # noqa: E402
+from edgekv.compiler.frontend.export import plain_module  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402

@@ -218,7 +218,7 @@ def _scheduled_vs_default(mod, inputs, pre=()):
     the pipeline runs before legalization (FuseTransposeMatmul)."""
     from tvm.relax.backend.cpu_generic import pipeline as P
 
-    from edgekv.compiler.cpu_schedule import ScheduleCPU, cpu_pipeline
+    from edgekv.compiler.backend.cpu_schedule import ScheduleCPU, cpu_pipeline
 
     tgt = tvm.target.Target({"kind": "llvm", "num-cores": 2})
     with tgt:
@@ -301,8 +301,8 @@ def test_packed_dense_and_gemv_equal_the_matmul(case):
 def test_pack_weights_packs_only_weights_used_by_matmuls_alone():
     """In a tiny Llama: every projection (and its untied LM head) is packed, its matmuls become
     the packed kernels; the embedding table — also read by ``take`` — keeps its layout."""
-    from edgekv.compiler.block_cache import BlockCacheSpec
-    from edgekv.compiler.pack_weights import PackWeights, packed_name
+    from edgekv.compiler import BlockCacheSpec
+    from edgekv.compiler.passes.pack_weights import PackWeights, packed_name
     from edgekv.compiler.pipeline import FUNCTIONS, import_model, lower_module
     from edgekv.models.tiny import tiny_random_model
 
@@ -541,7 +541,7 @@ def test_elementwise_rule_equals_unscheduled(case):
 def test_sigmoid_lowering_matches_numpy_at_extremes():
     """``T.sigmoid`` lowered through the polynomial exp (cpu_schedule registers it for llvm):
     vectorised and scalar, over the whole float range including ±inf."""
-    import edgekv.compiler.cpu_schedule  # noqa: F401 - registers the lowering
+    import edgekv.compiler.backend.cpu_schedule  # noqa: F401 - registers the lowering
     from tvm.script import tirx as T
 
     n = 4096

@@ -13,7 +13,7 @@ import torch
 tvm = pytest.importorskip("tvm")
 
 from edgekv.compiler import compile_model  # noqa: E402
-from edgekv.compiler.build import CompileError  # noqa: E402
+from edgekv.compiler import CompileError  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.engine.kv_quant import dequantize_rows  # noqa: E402
 from edgekv.memory import kv_row_bytes  # noqa: E402

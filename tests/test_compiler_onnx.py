@@ -16,10 +16,9 @@ tvm = pytest.importorskip("tvm")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from edgekv.compiler import AttentionMatchError, CompileError, compile_model  # noqa: E402
-from edgekv.compiler.onnx_export import export_onnx, onnxruntime_logits  # noqa: E402
-from edgekv.compiler.onnx_model import load_onnx_model  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
+from edgekv.compiler import AttentionMatchError, CompileError, compile_model, import_model  # noqa: E402
+from edgekv.compiler.frontend.onnx_export import export_onnx, onnxruntime_logits  # noqa: E402
+from edgekv.compiler.frontend.onnx_model import load_onnx_model  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
 from edgekv.policies.keydiff import KeyDiffPolicy  # noqa: E402
@@ -129,8 +128,8 @@ def test_artifact_weights_come_from_the_onnx_file(model, onnx_dirs):
 
 def test_lm_head_runs_on_the_last_row_only(onnx_dirs):
     """HoistLastTokenGather also takes the ONNX frontend's 3-D LM-head matmul."""
-    from edgekv.compiler.attention_sites import Graph, op_name, shape_of
-    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler.passes.attention_sites import Graph, op_name, shape_of
+    from edgekv.compiler import BlockCacheSpec
     from edgekv.compiler.pipeline import lower_module
 
     mod, _, _ = load_onnx_model(onnx_dirs["plain"]).import_graph(B)

@@ -15,9 +15,8 @@ import torch
 
 tvm = pytest.importorskip("tvm")
 
-from edgekv.compiler import compile_model  # noqa: E402
-from edgekv.compiler.build import CompileError  # noqa: E402
-from edgekv.compiler.targets import check_policy_builds_for  # noqa: E402
+from edgekv.compiler import CompileError, compile_model  # noqa: E402
+from edgekv.compiler.driver import check_policy_builds_for  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 tvm = pytest.importorskip("tvm")
 
-from edgekv.compiler import compile_model  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
+from edgekv.compiler import compile_model, import_model  # noqa: E402
 from edgekv.engine import BlockEngine  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.compiler.policy_kernels import gpu_policy_names  # noqa: E402
@@ -147,7 +146,7 @@ def test_compiled_rocketkv_matches_the_engine(model, imported, budget, args):
 
 
 def test_gpu_targets_are_refused_with_the_reason(model, imported):
-    from edgekv.compiler.build import CompileError
+    from edgekv.compiler import CompileError
 
     assert "rocketkv" not in gpu_policy_names() and "snapkv++" in gpu_policy_names()
     with pytest.raises(CompileError, match="policy .rocketkv. has no GPU kernels yet.*compile it for a CPU target"):

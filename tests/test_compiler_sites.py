@@ -9,7 +9,7 @@ import torch.nn.functional as F
 tvm = pytest.importorskip("tvm")
 
 from edgekv.compiler import AttentionMatchError, find_attention_sites  # noqa: E402
-from edgekv.compiler.export import import_to_relax  # noqa: E402
+from edgekv.compiler.frontend.export import import_to_relax  # noqa: E402
 
 
 def _import(module, seq=8):

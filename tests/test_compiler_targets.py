@@ -14,10 +14,10 @@ import torch
 
 tvm = pytest.importorskip("tvm")
 
-from edgekv.compiler.build import PROFILE_DIR  # noqa: E402
-from edgekv.compiler.gpu_schedule import GPUKernelError, ReplaceKernels, demote_float64, unbound_functions  # noqa: E402
-from edgekv.compiler.pipeline import import_model  # noqa: E402
-from edgekv.compiler.targets import build_for_target, device_target, elf_machine, host_functions_on_host  # noqa: E402
+from edgekv.compiler import compile_model, import_model, resolve_target  # noqa: E402
+from edgekv.compiler.backend.device_code import elf_machine, host_functions_on_host  # noqa: E402
+from edgekv.compiler.backend.gpu_schedule import GPUKernelError, ReplaceKernels, demote_float64, unbound_functions  # noqa: E402
+from edgekv.compiler.backend.target import PROFILE_DIR  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies.dapq import DapQPolicy  # noqa: E402
 from edgekv.policies.full import FullPolicy  # noqa: E402
@@ -63,13 +63,14 @@ def _build(model, imported, tmp_path_factory, target, policy=None, budget=N):
     key = (target, repr(policy), budget)
     if key not in _BUILDS:
         out = tmp_path_factory.mktemp(f"{target}_{policy.name}")
-        _BUILDS[key] = (build_for_target(model, policy, budget, B, _fast(target), out, imported=imported), out)
+        _BUILDS[key] = (compile_model(model, policy, budget, B, _fast(target), out, imported=imported), out)
     return _BUILDS[key]
 
 
 @pytest.mark.parametrize("target", ["cuda", "opencl", "metal", "hexagon", "android-cpu", "aarch64-linux"])
 def test_profiles_resolve(target):
-    profile, tgt, host = device_target(target)
+    profile, tgt = resolve_target(target)
+    host = profile.get("host")
     assert profile["name"] == target
     t = tvm.target.Target(tgt, host=host) if host else tvm.target.Target(tgt)
     assert t.kind.name == tgt["kind"]
@@ -240,7 +241,7 @@ def test_query_policy_on_hexagon(model, imported, tmp_path_factory):
 
 def test_unbound_kernels_are_refused(model, imported):
     """Without the replacement the CPU kernels have no thread binding: the check names them."""
-    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler import BlockCacheSpec
     from edgekv.compiler.pipeline import lower_module
 
     mod, _, _ = lower_module(imported[0], BlockCacheSpec(budget=N, policy="streaming", policy_params={"sinks": 2}))
@@ -258,8 +259,11 @@ def test_float64_demotion_keeps_results(model, imported):
     from edgekv.runtime import HostRuntime
 
     policy = KeyDiffPolicy()
-    profile = {"name": "host-fp32-rope", "target": {"kind": "llvm", "opt-level": 0}, "demote_float64": True}
-    res = build_for_target(model, policy, N, B, profile, imported=imported)
+    # built as a device build for this CPU (a profile with its own host target): its manifest
+    # has the device section that records the demotion
+    profile = {"name": "host-fp32-rope", "target": {"kind": "llvm", "opt-level": 0}, "host": {"kind": "llvm"},
+               "demote_float64": True}
+    res = compile_model(model, policy, N, B, profile, imported=imported)
     assert res.manifest["device"]["float64_demoted"]
     rt = HostRuntime.from_executable(res.executable, res.manifest, res.params)
     eng = BlockEngine(model, policy, N, B)
@@ -279,7 +283,7 @@ def test_cuda_source_compiles_with_nvcc(model, imported, imported_dapq, tmp_path
     """The generated CUDA C is valid for sm_80 (nvcc, no GPU needed)."""
     import shutil
 
-    from edgekv.compiler.targets import check_cuda_source
+    from edgekv.compiler.backend.device_code import check_cuda_source
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
@@ -292,13 +296,13 @@ def test_cuda_source_compiles_with_nvcc(model, imported, imported_dapq, tmp_path
 
 
 def test_finish_links_with_the_named_toolchain(model, imported, tmp_path_factory, tmp_path, monkeypatch):
-    """``targets.finish`` hands the tar's objects to the compiler named by the profile's env
+    """``backend.finish.finish`` hands the tar's objects to the compiler named by the profile's env
     variable (a stand-in that records its arguments) and records model.so in the manifest."""
     import shutil
     import sys
 
-    from edgekv.compiler.build import CompileError
-    from edgekv.compiler.targets import finish
+    from edgekv.compiler import CompileError
+    from edgekv.compiler.backend.finish import finish
 
     _, out = _build(model, imported, tmp_path_factory, "android-cpu")
     art = tmp_path / "art"

@@ -1,6 +1,6 @@
 """The native runtime on another CPU: ``edgekv-run`` cross-built for aarch64 Linux
 (``runtime/cmake/aarch64-linux-gnu.cmake``) runs an ``--target aarch64-linux`` artifact, linked
-by ``targets.finish`` with the cross gcc, under qemu-user, and generates the same token ids as
+by ``backend.finish.finish`` with the cross gcc, under qemu-user, and generates the same token ids as
 the host ``edgekv-run`` on a host artifact of the same model, policy, budget and block. Each
 runtime refuses the other's artifact with a message naming the architectures.
 
@@ -64,7 +64,7 @@ def _run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProc
 
 
 def _elf_machine(path: Path) -> int | None:
-    from edgekv.compiler.targets import elf_machine
+    from edgekv.compiler.backend.device_code import elf_machine
 
     return elf_machine(Path(path).read_bytes()[:64])
 
@@ -104,7 +104,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def imported(model):
-    from edgekv.compiler.pipeline import import_model
+    from edgekv.compiler import import_model
 
     return import_model(model, B)
 
@@ -127,8 +127,9 @@ def _artifacts(name: str, model, imported, tmp_path_factory) -> dict[str, Path]:
     if name not in _ARTIFACTS:
         import warnings
 
-        from edgekv.compiler.build import compile_model
-        from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target, finish
+        from edgekv.compiler import compile_model
+        from edgekv.compiler.backend.finish import finish
+        from edgekv.compiler.errors import ToolchainNeededWarning
 
         policy, _, weights = name.partition("-")  # "keydiff-q4": 4-bit weights (the quantised CPU kernels)
         weights = weights or "fp32"
@@ -136,8 +137,8 @@ def _artifacts(name: str, model, imported, tmp_path_factory) -> dict[str, Path]:
         compile_model(model, _policy(policy), N, B, "host", base / "host", imported=imported, weights=weights)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ToolchainNeededWarning)
-            build_for_target(model, _policy(policy), N, B, "aarch64-linux", base / "aarch64", imported=imported,
-                             weights=weights)
+            compile_model(model, _policy(policy), N, B, "aarch64-linux", base / "aarch64", imported=imported,
+                          weights=weights)
         m = json.loads((base / "aarch64" / "manifest.json").read_text())
         assert m["files"]["library"]["name"] == "model.tar" and m["files"]["program"]["name"] == "program.ekv"
         env = m["device"]["toolchain"]["env"]

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgekv.compiler.tokenizer_file import (
+from edgekv.compiler.backend.tokenizer_file import (
     UnsupportedTokenizer,
     build_tokenizer_file,
     byte_to_char,
@@ -791,7 +791,7 @@ def test_bytes_without_a_token_as_hf(native_lib, unk, fuse):
 def test_document_and_question_parts_match_python(native_lib, toy_tok, tmp_path):
     """The native tokenizer's document / question parts are exactly edgekv.models.chat's, with
     and without the chat template (the two halves a saved document cache is split at)."""
-    from edgekv.compiler.tokenizer_file import write_tokenizer_file
+    from edgekv.compiler.backend.tokenizer_file import write_tokenizer_file
     from edgekv.models.chat import encode_document, encode_question
     from edgekv.runtime.native_tokenizer import NativeTokenizer
 

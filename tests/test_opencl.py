@@ -53,7 +53,6 @@ def need_opencl():
 def pairs(model, tmp_path_factory):
     """policy → (CPU artifact, OpenCL artifact) of the tiny model, each built once per module."""
     from edgekv.compiler import compile_model
-    from edgekv.compiler.targets import build_for_target
 
     built: dict = {}
 
@@ -64,7 +63,7 @@ def pairs(model, tmp_path_factory):
             cpu, ocl = root / "cpu", root / "opencl"
             compile_model(model, make_policy(name, args), budget, B,
                           target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=cpu)
-            build_for_target(model, make_policy(name, args), budget, B, target="opencl-host", out_dir=ocl)
+            compile_model(model, make_policy(name, args), budget, B, target="opencl-host", out_dir=ocl)
             built[name] = (cpu, ocl)
         return built[name]
 

@@ -14,9 +14,8 @@ tvm = pytest.importorskip("tvm")
 
 from edgekv.artifact import PARAMS_FILE  # noqa: E402
 from edgekv.artifact.params_file import map_params  # noqa: E402
-from edgekv.compiler import compile_model  # noqa: E402
+from edgekv.compiler import CompileError, compile_model  # noqa: E402
 from edgekv.compiler import quant_formats as qf  # noqa: E402
-from edgekv.compiler.build import CompileError  # noqa: E402
 from edgekv.compiler.kernels.quant_dense import (build_q8_gemv_nt_kernel, build_q8_take_kernel,  # noqa: E402
                                                  build_quant_gemm_kernel, build_quant_gemv_kernel)
 from edgekv.models import tiny_random_model  # noqa: E402
@@ -234,10 +233,8 @@ def test_gpu_q4_build_is_scheduled_on_device(tied):
     """GPU builds keep the blocks row by row (float32 scales) and dlight schedules the dequantising
     matmuls and the lookup: every kernel is bound to GPU threads (CheckAllOnDevice), for each GPU
     code generator."""
-    from edgekv.compiler.targets import build_for_target
-
     for target in ("opencl-host", "cuda", "metal"):
-        res = build_for_target(tied, make_policy("keydiff"), 24, 8, target, weights="q4")
+        res = compile_model(tied, make_policy("keydiff"), 24, 8, target, weights="q4")
         w = res.manifest["weights"]
         assert w["layout"] == "rows" and w["scale_dtype"] == "float32" and w["tensors"]["Q4_1"] >= 14, target
         names = [n for n, _ in res.params]
@@ -250,12 +247,10 @@ def test_gpu_q4_build_is_scheduled_on_device(tied):
 def test_opencl_q4_artifact_agrees_with_cpu_q4(tied, tmp_path):
     """The q4 artifact for OpenCL (PoCL here) against the q4 CPU artifact: the same quantised
     weights, so the same kept positions and logits up to summation order."""
-    from edgekv.compiler.targets import build_for_target
-
     pol = make_policy("keydiff")
     cpu, gpu = tmp_path / "cpu", tmp_path / "ocl"
     compile_model(tied, pol, 24, 8, TARGET, out_dir=cpu, weights="q4")
-    build_for_target(tied, pol, 24, 8, "opencl-host", gpu, weights="q4")
+    compile_model(tied, pol, 24, 8, "opencl-host", gpu, weights="q4")
     ids = np.random.default_rng(6).integers(0, 256, 61).tolist()
     a, b = native.NativeRuntime(cpu), native.NativeRuntime(gpu)
     la, lb = a.prefill(ids), b.prefill(ids)

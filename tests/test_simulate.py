@@ -278,7 +278,7 @@ def test_compiled_artifact_runs_under_the_cap_with_graph_counted_work(tmp_path):
     """Compile a tiny KeyDiff artifact, record its graph-counted work in the manifest, simulate it."""
     pytest.importorskip("tvm")
     from edgekv.compiler import compile_model, lower
-    from edgekv.compiler.block_cache import BlockCacheSpec
+    from edgekv.compiler import BlockCacheSpec
     from edgekv.compiler.policy_kernels import kernel_params
     from edgekv.models import tiny_random_model
     from edgekv.policies.keydiff import KeyDiffPolicy

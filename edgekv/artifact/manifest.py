@@ -246,7 +246,7 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.FUNCTIONS, OBJECT, "the entry functions' inputs and outputs, for people", keys=K.Functions),
         Field(K.PARAMS, LIST, "the weights in argument order", keys=K.Param),
         Field(K.CACHE_INIT, OBJECT, "cache fields that start a prompt with contents other than zeros (one layer)"),
-        Field(K.PREPARE, OBJECT, "the compiled per-prompt function (compiler/prepare.py); null: none",
+        Field(K.PREPARE, OBJECT, "the compiled per-prompt function (compiler/passes/add_prepare_function.py); null: none",
               nullable=True, keys=K.Prepare),
         Field(K.MEMORY_PLAN, OBJECT, "the static memory plan in bytes", keys=K.MemoryPlan),
         Field(K.VERSIONS, OBJECT, "the versions that built the artifact", keys=K.Versions),

@@ -150,8 +150,8 @@ def compiler_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         pass
     try:
-        from ..compiler.attention_sites import AttentionMatchError
-        from ..compiler.build import CompileError
+        from ..compiler.passes.attention_sites import AttentionMatchError
+        from ..compiler.errors import CompileError
         from ..compiler.policy_kernels import UnsupportedPolicyError
 
         errors += [AttentionMatchError, CompileError, UnsupportedPolicyError]

@@ -23,7 +23,7 @@ def compile_cmd(
     block: Annotated[int, typer.Option(help=HELP["block"])] = DEFAULT_BLOCK,
     policy: Annotated[str, typer.Option(help="eviction policy compiled into the model (`edgekv policies`)")] = DEFAULT_POLICY,
     policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
-    target: Annotated[str, typer.Option(help="target profile in compile/ (host, ...) or a JSON file")] = "host",
+    target: Annotated[str, typer.Option(help="target profile in edgekv/profiles/targets/ (host, ...) or a JSON file")] = "host",
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write (replaced as a whole when it holds an artifact)")] = Path("build/edgekv"),
     mem_limit: Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="for an .onnx model: HF folder with its config.json and tokenizer (default: the .onnx file's folder)")] = None,
@@ -143,11 +143,11 @@ def check_output_dir(output: Path) -> None:
 
 def load_compile_input(model: str | None, tokenizer: Path | None):
     """What `edgekv compile` compiles: an ONNX file (graph and weights from the file) or a model."""
-    from ..compiler.onnx_import import is_onnx_path
+    from ..compiler.frontend.onnx_import import is_onnx_path
     from ..models import load_model
 
     if is_onnx_path(model):
-        from ..compiler.onnx_model import load_onnx_model
+        from ..compiler.frontend.onnx_model import load_onnx_model
 
         return load_onnx_model(model, tokenizer)
     if tokenizer is not None:
@@ -164,7 +164,7 @@ def export_onnx_cmd(
     from ..models import load_model
 
     try:
-        from ..compiler.onnx_export import FORMS, export_onnx
+        from ..compiler.frontend.onnx_export import FORMS, export_onnx
 
         if form not in FORMS:
             raise InputError(f"unknown --form {form!r}; one of {', '.join(FORMS)}")

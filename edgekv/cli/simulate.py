@@ -22,7 +22,7 @@ SIMULATE_HELP = {
 
 def simulate_cmd(
     model: Annotated[Optional[str], typer.Argument(help="MODEL (smollm2-135m, GGUF file, HF directory, tiny:SEED) or an ARTIFACT directory (manifest.json)")] = None,
-    device: Annotated[Optional[list[str]], typer.Option(help="device profile(s) from compile/devices (name or .json path; repeatable or comma list; default: all)")] = None,
+    device: Annotated[Optional[list[str]], typer.Option(help="device profile(s) from edgekv/profiles/devices (name or .json path; repeatable or comma list; default: all)")] = None,
     mem_limit: Annotated[Optional[str], typer.Option(help="memory cap for the child, e.g. 1.5GiB (default: the smallest chosen device's app-usable RAM); a plan above it is refused")] = None,
     prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="file holding the prompt")] = None,

@@ -1,7 +1,10 @@
-"""The compiler: export → Relax → block-cache pass → TVM build → artifact.
+"""The compiler: frontend (export / ONNX → Relax) → passes (block cache, weight layout, ...) →
+backend (schedules, codegen, artifact). ``pipeline.py`` lists every step in order; ``driver.py``
+checks a request once and runs it for any target.
 
 Public entry points:
     compile_model(model, policy, budget, block=128, target="host", out_dir=None) -> BuildResult
+    import_model(model, block, extra_rows=0)        (the exported module: several compiles share it)
     lower(model, spec, block) -> Lowered            (IRModule after the passes, no codegen)
     find_attention_sites(relax_function)            (raises AttentionMatchError)
 
@@ -13,10 +16,11 @@ not import tvm.
 import importlib
 
 _EXPORTS = {
-    "AttentionMatchError": "attention_sites", "AttentionSite": "attention_sites",
-    "find_attention_sites": "attention_sites", "BlockCacheSpec": "block_cache", "RewriteBlockCache": "block_cache",
-    "BuildResult": "build", "CompileError": "build", "compile_model": "build", "resolve_target": "build",
-    "HoistLastTokenGather": "last_token", "lower": "pipeline", "passes": "pipeline",
+    "BuildResult": "backend.artifact_writer", "resolve_target": "backend.target", "compile_model": "driver",
+    "CompileError": "errors", "import_model": "frontend.export", "AttentionMatchError": "passes.attention_sites",
+    "AttentionSite": "passes.attention_sites", "find_attention_sites": "passes.attention_sites",
+    "HoistLastTokenGather": "passes.hoist_last_token", "BlockCacheSpec": "passes.rewrite_block_cache",
+    "RewriteBlockCache": "passes.rewrite_block_cache", "lower": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

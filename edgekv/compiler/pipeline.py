@@ -1,39 +1,48 @@
-"""The compiler pipeline, in order:
+"""The compiler pipeline: every step of a compile, in order, with the target's choices inline.
 
-  0. ``export.py``            torch.export the plain forward at T = B and T = 1, import both
-                              with ``relax.frontend.torch`` (functions ``prefill_src``, ``decode_src``)
-  1. ``block_cache.py``       RewriteBlockCache: attention sites → block attention + eviction
-                              kernels over explicit caches; ``prefill_block`` and ``decode``
-  2. ``last_token.py``        HoistLastTokenGather: LM head on the last valid row only
-  3. (TVM) DeadCodeElimination: drops the dead softmax/mask subgraphs and the full LM head
-  3b. ``pretranspose.py``     PretransposeWeights: linear weights stored as Wᵀ (no per-call transposes)
-  3c. ``pack_weights.py``    PackWeights (host CPU builds, run by ``build.py``): each linear weight
-                              as [N/NR, K, NR] column panels, its matmuls as the packed GEMM/GEMV;
-      ``quantize_weights.py`` or, for ``--weights q4|q8``, QuantizeWeights: the same weights as
-                              Q4_1/Q8_0 block panels (the embedding / tied head as Q8_0 rows) and
-                              kernels that dequantise as they read
-  4. ``build.py``             tvm.compile: TVM's Relax CPU pipeline with ``cpu_schedule.py``
-                              (ScheduleCPU: one rule per kernel kind — register-blocked dense
-                              GEMM/GEMV, generic matmul, NT matmul, fused elementwise) after FuseTIR, LLVM codegen,
-                              and the artifact
+``compile_pipeline`` runs, for one policy, budget N, block B and target:
 
-``lower(model, ...)`` runs 0–3 and returns the IRModule plus what the artifact records.
+  0. frontend           ``frontend/export.py``: torch.export the plain forward at T = B (+ extra
+                        rows) and T = 1 and import both into Relax (``prefill_src``, ``decode_src``);
+                        an ONNX file's graph comes from ``frontend/onnx_model.py`` instead
+  1. block cache        ``passes/rewrite_block_cache.py``: attention sites → block attention and
+                        eviction kernels over explicit caches; functions ``prefill_block``, ``decode``.
+                        Inside it: an int8 cache (``passes/int8_cache.py``, ``--kv-dtype int8``) and
+                        pseudo / question rows (``passes/pseudo_rows.py``, DapQ and ``--question-rows``)
+  2. last token         ``passes/hoist_last_token.py``: the LM head on the last valid row only
+  3. dead code          TVM's DeadCodeElimination: drops the dead softmax/mask subgraphs, the full head
+  4. pretranspose       ``passes/pretranspose_weights.py``: linear weights stored as Wᵀ
+  5. weight layout      this CPU, fp32: ``passes/pack_weights.py`` (column panels, packed GEMM/GEMV);
+                        q4 / q8: ``passes/quantize_weights.py`` (block panels on CPUs, rows on GPUs);
+                        otherwise fp32 as TVM lays it out
+  6. memory plan        ``backend/memory_plan.py``; refused above ``--mem-limit``
+  7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
+                        builds the native runtime runs (CPU targets and OpenCL)
+  8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
+                        edgekv's GPU kernels in place (ReplaceKernels), dlight for the rest, nothing
+                        left on the host (CheckAllOnDevice); CPUs: ``backend/cpu_schedule.py``; then
+                        ``tvm.compile``, keeping the final Relax module for ``program.ekv``
+
+``lower(model, spec, block)`` runs steps 0–4 only (the target-independent part).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import tvm
 from tvm import relax
 
-from .attention_sites import AttentionSite
-from .block_cache import BlockCacheSpec, RewriteBlockCache
-from .export import export_plain_forward, import_to_relax
-from .last_token import HoistLastTokenGather
-from .pretranspose import SUFFIX, PretransposeWeights
+from .errors import CompileError
+from .frontend.export import check_imported_rows, import_model
+from .passes.attention_sites import AttentionSite
+from .passes.hoist_last_token import HoistLastTokenGather
+from .passes.pretranspose_weights import SUFFIX, PretransposeWeights
+from .passes.pseudo_rows import extra_rows
+from .passes.rewrite_block_cache import BlockCacheSpec, RewriteBlockCache
+from .policy_kernels import kernel_params
 
 FUNCTIONS = ("prefill_block", "decode")
 
@@ -46,40 +55,43 @@ class Lowered:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def passes(spec: BlockCacheSpec) -> list:
+@dataclass
+class Compiled:
+    """What ``compile_pipeline`` hands the driver to check and write."""
+
+    lowered: Lowered
+    spec: BlockCacheSpec
+    plan: dict  # the static memory plan (manifest "memory_plan")
+    weights: dict  # the manifest's "weights" entry
+    executable: Any  # tvm.relax.VMExecutable
+    final_module: Any  # the Relax module after TVM's pipeline (program.ekv); None for CUDA / Metal
+    device: dict  # what scheduling did (a device build's manifest "device" section starts from it)
+    device_kernels: dict | None  # a native GPU build's {name: DeviceKernel}
+
+
+def block_cache_spec(policy: Any, budget: int, *, cores: int = 1, kv_dtype: str = "fp32",
+                     question_rows: int = 0) -> BlockCacheSpec:
+    """What the block-cache pass needs: the policy's kernel parameters, the extra rows of the
+    prefill step (the policy's pseudo rows or a question, whichever is more), the CPU's threads
+    (the attention kernel's row tiles) and the cache's K/V format."""
+    from ..memory import check_kv_dtype
+
+    return BlockCacheSpec(budget=budget, policy=policy.name, policy_params=kernel_params(policy, budget),
+                          extra_rows=max(extra_rows(policy), int(question_rows)), question_rows=int(question_rows),
+                          cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
+
+
+def relax_passes(spec: BlockCacheSpec) -> list:
+    """Steps 1–4: the target-independent Relax passes, in order."""
     rewrite = RewriteBlockCache(spec, [("prefill_src", "prefill_block", None), ("decode_src", "decode", 1)])
     return [rewrite, HoistLastTokenGather(list(FUNCTIONS)), relax.transform.DeadCodeElimination(list(FUNCTIONS)),
             PretransposeWeights(list(FUNCTIONS))]
 
 
-def import_model(model: Any, block: int, extra_rows: int = 0) -> tuple[tvm.IRModule, list[tuple[str, Any]], dict[str, float]]:
-    """Export the prefill step at T = ``block`` + ``extra_rows`` (pseudo rows, ``pseudo_rows.py``)
-    and decode at T = 1, and import both."""
-    t0 = time.perf_counter()
-    mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows))
-    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1))
-    t1 = time.perf_counter()
-    if [n for n, _ in params] != [n for n, _ in params_1]:
-        raise RuntimeError("the block and decode exports disagree on their weight inputs")
-    mod = tvm.IRModule({"prefill_src": mod_b["main"], "decode_src": mod_1["main"]})
-    return mod, params, {"export_import_s": t1 - t0}
-
-
-def check_imported_rows(mod: tvm.IRModule, block: int, extra: int) -> None:
-    """Refuse an ``imported`` module exported at another step size than this build needs."""
-    from .build import CompileError
-
-    rows = int(mod["prefill_src"].params[0].ty.shape[1])
-    if rows != block + extra:
-        need = f"B + {extra} pseudo rows = {block + extra}" if extra else f"B = {block}"
-        raise CompileError(f"the imported module's prefill step has {rows} rows, this build needs {need}; "
-                           f"import it with pipeline.import_model(model, {block}, extra_rows={extra})")
-
-
 def lower_module(mod: tvm.IRModule, spec: BlockCacheSpec) -> tuple[tvm.IRModule, list[AttentionSite], set[str]]:
-    """Run the passes; returns the module, the attention sites and the names of the weights
-    the module now takes transposed (see ``param_layout``)."""
-    seq = passes(spec)
+    """Run steps 1–4; returns the module, the attention sites and the names of the weights the
+    module now takes transposed (see ``param_layout``)."""
+    seq = relax_passes(spec)
     for p in seq:
         mod = p(mod)
     return mod, seq[0].sites["prefill_block"], seq[-1].transposed
@@ -92,9 +104,123 @@ def param_layout(params: list[tuple[str, Any]], transposed: set[str]) -> list[tu
     return [(n + SUFFIX, np.ascontiguousarray(a.T)) if n in transposed else (n, a) for n, a in params]
 
 
-def lower(model: Any, spec: BlockCacheSpec, block: int) -> Lowered:
-    mod, params, timings = import_model(model, block)
+def lower(model: Any, spec: BlockCacheSpec, block: int, imported=None) -> Lowered:
+    """Steps 0–4: the module and weights before any target's choices."""
+    mod, params, timings = imported if imported is not None else import_model(model, block, spec.extra_rows)
+    check_imported_rows(mod, block, spec.extra_rows)
+    timings = dict(timings)
     t0 = time.perf_counter()
     mod, sites, transposed = lower_module(mod, spec)
     timings["passes_s"] = time.perf_counter() - t0
     return Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
+
+
+def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None) -> dict[str, Any]:
+    """Step 5: the weights as the target's kernels read them (``layout``: ``target.weight_layout``)
+    — fp32 column panels on this CPU (``pack_weights.py``; elsewhere fp32 stays as TVM lays it
+    out) or quantised blocks (``quantize_weights.py``) — rewriting ``lowered.mod`` and
+    ``lowered.params`` in place. Returns the manifest's ``weights`` entry."""
+    if weights == "fp32" and layout != "host":
+        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+    if weights == "fp32":
+        from .passes.pack_weights import PackWeights, pack_params
+
+        packer = PackWeights(list(FUNCTIONS), cores)
+        lowered.mod = packer(lowered.mod)
+        lowered.params = pack_params(lowered.params, packer.packed)
+        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+    from .passes.quantize_weights import QuantizeWeights, quantize_params
+    from .quant_formats import GROUP, open_source_blocks
+
+    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu")
+    lowered.mod = quantizer(lowered.mod)
+    lowered.params, origin = quantize_params(lowered.params, quantizer.plan, open_source_blocks(model))
+    kinds: dict[str, int] = {}
+    for q in quantizer.plan.values():
+        kinds[q.fmt.ggml] = kinds.get(q.fmt.ggml, 0) + 1
+    kinds["fp32"] = len([n for n, a in lowered.params if str(getattr(a, "dtype", "")) == "float32"])
+    return {"format": weights, "group": GROUP, "scale_dtype": "float32" if layout == "gpu" else "float16",
+            "layout": "rows" if layout == "gpu" else "panels", "tensors": kinds,
+            # blocks taken from the source GGUF as they are, and tensors quantised here from fp32
+            "blocks_from_source": origin["gguf"], "quantized_here": origin["quantized"],
+            "bytes": int(sum(int(a.nbytes) for _, a in lowered.params))}
+
+
+def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *, weights: str,
+                     kv_dtype: str = "fp32", question_rows: int = 0, imported=None, mem_limit: int | None = None,
+                     say: Callable[[str], None] = lambda msg: None) -> Compiled:
+    """Steps 0–8 for a resolved ``target`` (``backend.target.CompileTarget``) and weight format;
+    the driver (``driver.py``) has checked the request."""
+    from .backend.memory_plan import memory_plan
+    from .passes.add_prepare_function import add_prepare_function
+
+    # 0–4: frontend and the target-independent passes; the spec carries the int8 cache and the
+    # pseudo / question rows into the block-cache pass
+    say("exporting and lowering")
+    spec = block_cache_spec(policy, budget, cores=target.cores, kv_dtype=kv_dtype, question_rows=question_rows)
+    lowered = lower(model, spec, block, imported)
+
+    # 5: weight layout
+    say(f"laying out the weights ({weights})")
+    weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
+
+    # 6: memory plan
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
+    if mem_limit is not None and plan["total_bytes"] > mem_limit:
+        q4 = weights == "q4" or target.weight_layout is None
+        raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
+                           f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
+                           f"{mem_limit}; lower --budget or --block" + ("" if q4 else ", or use --weights q4"))
+
+    # 7: the policy's per-prompt function (D2O's probe → layer budgets), over the final weight
+    # layout; builds without a runtime for it (CUDA, Metal) leave it out
+    if target.native_runtime:
+        lowered.mod = add_prepare_function(lowered.mod, policy, budget)
+
+    # 8: scheduling and code generation
+    say("compiling with TVM" + ("" if target.is_host else f" for {target.name}"))
+    t0 = time.perf_counter()
+    ex, final, device = schedule_and_build(lowered, spec, target)
+    lowered.timings["tvm_compile_s"] = time.perf_counter() - t0
+    return Compiled(lowered=lowered, spec=spec, plan=plan, weights=weight_info, executable=ex,
+                    final_module=final.get("mod"), device=device, device_kernels=final.get("device_kernels"))
+
+
+def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[Any, dict, dict]:
+    """Step 8: ``tvm.compile`` with the target's schedules. Returns (executable, {"mod": the Relax
+    module after TVM's pipeline, "device_kernels": a native GPU build's kernels}, device info).
+
+    CPU targets and OpenCL keep the final module — what ``backend/program.py`` writes as
+    ``program.ekv`` for the native runtime — and OpenCL each device kernel's launch description
+    (``backend/device_kernels.py``); other GPU targets (CUDA, Metal) have no native runtime."""
+    from .backend.cpu_schedule import cpu_pipeline
+    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline
+    from .backend.program import capture_final_module
+
+    mod = lowered.mod
+    tvm_target = target.tvm_target()
+    final: dict = {}
+    info: dict[str, Any] = {"kind": target.kind}
+    if target.demote_float64:
+        mod = demote_float64(mod)
+        info["float64_demoted"] = True
+    if not target.is_gpu:
+        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
+        return ex, final, info
+    scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
+    replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
+    mod = replace(mod)
+    check = CheckAllOnDevice()
+    if target.native_runtime:
+        from .backend.device_kernels import record_device_kernels
+
+        pipeline = capture_final_module(lambda t: gpu_pipeline(t, check), final)(tvm_target)
+        with record_device_kernels(target.kind) as kernels:
+            ex = tvm.compile(mod, target=tvm_target, relax_pipeline=pipeline)
+        final["device_kernels"] = kernels
+    else:
+        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check))
+    info["edgekv_kernels"] = replace.replaced
+    info["device_functions"] = check.device_functions
+    info["symbolic_shapes"] = check.symbolic
+    return ex, final, info

@@ -37,7 +37,7 @@ softmax runs over the candidates alone). Cost: w extra tokens through every laye
 Compiled (``edgekv/compiler/policy_kernels/dapq.py``): ``build_dapq_evict_kernel`` (CPU) and
 ``build_dapq_evict_kernel_gpu`` (GPU) score from the step's post-RoPE queries, one pseudo row's
 attention at a time; the compiled prefill step carries the pseudo rows as its last w rows
-(``edgekv/compiler/pseudo_rows.py``, docs/COMPILER.md "Pseudo rows"), on every prefill block.
+(``edgekv/compiler/passes/pseudo_rows.py``, docs/COMPILER.md "Pseudo rows"), on every prefill block.
 """
 
 from __future__ import annotations

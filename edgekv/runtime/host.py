@@ -151,7 +151,7 @@ class HostRuntime:
             self.caches += [tvm.runtime.tensor(np.zeros(c[f], dtype=dt), self.device) for f, dt in self.cache_fields]
         self._tail = self.caches + self.params
         # fields that start every prompt with other contents than zeros (D2O's layer budgets), and
-        # the compiled per-prompt function (compiler/prepare.py) with the prompts it runs for
+        # the compiled per-prompt function (compiler/passes/add_prepare_function.py) with the prompts it runs for
         dtypes = dict(self.cache_fields)
         self._init = {name: np.asarray(v, dtype=dtypes[name]) for name, v in (manifest.get("cache_init") or {}).items()}
         self._prepare_min = (manifest.get("prepare") or {}).get("min_prompt")
@@ -337,7 +337,7 @@ class HostRuntime:
     def _step_inputs(self, ids: np.ndarray, start: int):
         """(tokens, positions, n_valid) of one prefill step: the ids at positions start…, padded
         to B, then the extra rows: the question's (``prefill(question=)``), else DapQ's pseudo rows,
-        then padding at position −1 (``compiler/pseudo_rows.py``)."""
+        then padding at position −1 (``compiler/passes/pseudo_rows.py``)."""
         import tvm
 
         n = ids.shape[0]

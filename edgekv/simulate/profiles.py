@@ -1,5 +1,6 @@
-"""Device profiles (``compile/devices/*.json``): RAM an app can use, memory bandwidth and the
-peak throughput of each compute unit, every figure with its public source.
+"""Device profiles (``edgekv/profiles/devices/*.json``, shipped as package data): RAM an app can
+use, memory bandwidth and the peak throughput of each compute unit, every figure with its public
+source.
 
 A figure is ``{"value": number, "source": "...", "estimate": bool}``; ``load_profile`` checks
 every field and names the file and the field when one is missing or wrong."""
@@ -10,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEVICE_DIR = REPO_ROOT / "compile" / "devices"
+from ..profiles import profile_dir
+
+DEVICE_DIR = profile_dir("devices")
 SCHEMA = "edgekv-device/1"
 UNITS = ("cpu", "gpu", "npu")
 # precision → (figure key, FLOP or op per unit of the figure, bytes per weight/cache value)
@@ -158,7 +160,7 @@ def known_profiles(directory: Path = DEVICE_DIR) -> list[str]:
 
 
 def load_profile(name_or_path: str, directory: Path = DEVICE_DIR) -> DeviceProfile:
-    """A profile by name (``compile/devices/<name>.json``) or by path to a .json file."""
+    """A profile by name (``edgekv/profiles/devices/<name>.json``) or by path to a .json file."""
     p = Path(name_or_path)
     if p.suffix == ".json" or p.is_file():
         return load_profile_file(p)

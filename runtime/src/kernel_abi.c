@@ -228,7 +228,7 @@ static ekv_status check_elf(ekv_error *err, const char *path) {
   fclose(f);
   if ((n >= 262 && memcmp(head + 257, "ustar", 5) == 0) || (n >= 2 && head[0] == 0x1f && head[1] == 0x8b))
     return ekv_fail(err, EKV_ERR_MISMATCH, "%s is a tar of object files for another device; link it for that device "
-                    "(python -m edgekv.compiler.targets finish <artifact>) and run it there", path);
+                    "(python -m edgekv.compiler.backend.finish <artifact>) and run it there", path);
   if (n < 20 || memcmp(head, "\177ELF", 4) != 0)
     return ekv_fail(err, EKV_ERR_MISMATCH, "%s is not a shared library (no ELF header); recompile the artifact", path);
   unsigned machine = head[5] == 1 ? (unsigned)(head[18] | (head[19] << 8)) : (unsigned)((head[18] << 8) | head[19]);
@@ -253,7 +253,7 @@ ekv_status ekv_library_open(ekv_error *err, const char *path, ekv_device *device
       {"__TVMBackendParallelBarrier", (void (*)(void))parallel_barrier},
       {"__TVMFFIErrorSetRaisedFromCStr", (void (*)(void))TVMFFIErrorSetRaisedFromCStr},
       /* an Android model.so defines the function it imports as a forwarder through this slot
-       * (edgekv/compiler/targets.py, ERROR_SHIM_SOURCE: an app loads the runtime RTLD_LOCAL) */
+       * (edgekv/compiler/backend/finish.py, ERROR_SHIM_SOURCE: an app loads the runtime RTLD_LOCAL) */
       {"__TVMFFIErrorSetRaisedFromCStrParts", (void (*)(void))TVMFFIErrorSetRaisedFromCStrParts},
       {"__TVMFFIEnvModLookupFromImports", (void (*)(void))no_imports},
       {"__TVMFFIFunctionCall", (void (*)(void))no_function_call},

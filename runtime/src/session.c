@@ -246,7 +246,7 @@ static int32_t cache_fill(const ekv_session *s, int32_t layer) {
 /* ---- prefill ------------------------------------------------------------------------------ */
 
 /* The inputs of one prefill call: n real tokens at positions start…, padding to B, then the
- * program's extra rows (compiler/pseudo_rows.py): the session's question at the positions after
+ * program's extra rows (compiler/passes/pseudo_rows.py): the session's question at the positions after
  * the prompt, else DapQ's pseudo tokens (its "where matters more than what": the first `prefix`
  * and the last w − prefix prompt tokens at positions after the prompt, or after the block), then
  * padding at position −1, which the kernels skip. */

@@ -1,5 +1,5 @@
 /* tokenizer.c — byte-level BPE over tokenizer.ekt, giving exactly the ids HF `tokenizers`
- * gives for the tokenizers edgekv/compiler/tokenizer_file.py accepts (SmolLM2's and any other
+ * gives for the tokenizers edgekv/compiler/backend/tokenizer_file.py accepts (SmolLM2's and any other
  * byte-level BPE with the GPT-2 split regex, no normalizer, plain added tokens).
  *
  * File layout (written by tokenizer_file.py; all integers little-endian, unsigned):

@@ -250,7 +250,7 @@ def kernels_child(args) -> int:
     import torch
     import tvm
 
-    from edgekv.compiler.build import resolve_target
+    from edgekv.compiler import resolve_target
     from edgekv.models import load_model
 
     torch.set_num_threads(args.kernel_threads)
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from edgekv.compiler.build import compile_model, resolve_target
+    from edgekv.compiler import compile_model, resolve_target
     from edgekv.models import load_model
     from edgekv.policies import make_policy
     from edgekv.runtime import HostRuntime

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     from edgekv.engine import BlockEngine
     from edgekv.evaluation.report import meta, provenance
-    from edgekv.compiler.build import compile_or_reuse
+    from edgekv.compiler.driver import compile_or_reuse
     from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.memory import kv_bytes_per_token
     from edgekv.models import load_model
@@ -193,7 +193,7 @@ def markdown(data: dict) -> str:
                  "tokens; each row the median of its `edgekv-run --report` processes (one process per run, so the "
                  "peak RSS is one artifact's; the weights are mapped, so RSS counts the pages read). Runtime "
                  "allocations: the native runtime's own peak (caches, arena, inputs, kernel workspaces). The arena "
-                 "holds one layer's dequantised K/V while its step runs (`compiler/int8_cache.py`).\n")
+                 "holds one layer's dequantised K/V while its step runs (`compiler/passes/int8_cache.py`).\n")
     lines.append(f"At N = {data['same_n']:,}, last prompt token: the compiled int8 artifact is KL "
                  f"{ag['kl_compiled_int8_vs_eager_int8']:.2e} nats from the eager int8 engine (argmax "
                  f"{'equal' if ag['argmax_equal_eager'] else 'different'}), where the compiled fp32 artifact is KL "

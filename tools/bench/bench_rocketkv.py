@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from rich.progress import track
 
     from edgekv.evaluation.report import meta, provenance
-    from edgekv.compiler.build import compile_or_reuse
+    from edgekv.compiler.driver import compile_or_reuse
     from edgekv.evaluation.tasks import answer_passkeys, build_passkey, natural_text
     from edgekv.models import load_model
     from edgekv.policies import make_policy

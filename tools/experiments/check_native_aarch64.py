@@ -2,7 +2,7 @@
 under qemu-user.
 
 Compiles the model twice with the same policy, budget and block — for this CPU (``--target
-host``) and for aarch64 Linux (``--target aarch64-linux``, then ``targets.finish`` with the cross
+host``) and for aarch64 Linux (``--target aarch64-linux``, then ``backend.finish.finish`` with the cross
 gcc) —, builds ``runtime/`` natively and cross (``runtime/cmake/aarch64-linux-gnu.cmake``),
 runs each ``edgekv-run`` on its artifact with the same text prompt (tokenized by the native
 tokenizer) and compares prompt length, generated ids and text. The aarch64 run goes through
@@ -73,9 +73,9 @@ def build_runtime(build_dir: Path, reuse: bool, *cmake_args: str) -> Path:
 
 def compile_artifacts(args, work: Path) -> dict[str, float]:
     """Compile (or, with --reuse, keep) the host and the finished aarch64 artifact; seconds each."""
-    from edgekv.compiler import compile_model
-    from edgekv.compiler.pipeline import import_model
-    from edgekv.compiler.targets import ToolchainNeededWarning, build_for_target, finish
+    from edgekv.compiler import compile_model, import_model
+    from edgekv.compiler.backend.finish import finish
+    from edgekv.compiler.errors import ToolchainNeededWarning
     from edgekv.models import load_model
     from edgekv.policies import make_policy
 
@@ -94,8 +94,8 @@ def compile_artifacts(args, work: Path) -> dict[str, float]:
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ToolchainNeededWarning)
-                build_for_target(model, make_policy(args.policy), args.budget, args.block, "aarch64-linux",
-                                 work / "aarch64", imported=imported, kv_dtype=args.kv_dtype)
+                compile_model(model, make_policy(args.policy), args.budget, args.block, "aarch64-linux",
+                              work / "aarch64", imported=imported, kv_dtype=args.kv_dtype)
             os.environ.setdefault("EDGEKV_AARCH64_CC", args.cross_cc)
             finish(work / "aarch64")
         seconds[target] = round(time.perf_counter() - t0, 1)
@@ -218,7 +218,7 @@ Regenerate: `{r['command']}` ({r['date']}{', commit ' + str(r['provenance']['com
 {r['prompt_chars']} characters of the bundled natural text (`edgekv.corpus`), {r['max_new_tokens']} new tokens,
 greedy. One artifact per CPU from the same model and settings: `--target host` (this CPU's
 vector width, packed weights) and `--target aarch64-linux` (NEON, TVM's layouts; linked by
-`python -m edgekv.compiler.targets finish` with `{r['machine']['cross_cc']}`). The aarch64
+`python -m edgekv.compiler.backend.finish` with `{r['machine']['cross_cc']}`). The aarch64
 `edgekv-run` is cross-built with `runtime/cmake/aarch64-linux-gnu.cmake` (`{r['machine']['runtime_cc']}`) and runs under
 `{r['machine']['qemu']}`: its times are emulation on this machine, not a phone's.
 

@@ -2,7 +2,7 @@
 
 For each ONNX form (plain: input_ids, position_ids → logits; past: HF/optimum layout with
 attention_mask and past_key_values inputs):
-  1. export SmolLM2-135M with torch.onnx.export (`edgekv.compiler.onnx_export`);
+  1. export SmolLM2-135M with torch.onnx.export (`edgekv.compiler.frontend.onnx_export`);
   2. ONNX Runtime on that file vs HF transformers on the same prompt (whole prompt, all positions);
   3. compile from the ONNX file and from torch.export (same policy, N, B), run the prompt block by
      block through both artifacts: kept positions after every block (all layers × KV heads) and
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from edgekv.compiler import compile_model
-from edgekv.compiler.onnx_export import export_onnx, onnxruntime_logits
-from edgekv.compiler.onnx_model import load_onnx_model
+from edgekv.compiler.frontend.onnx_export import export_onnx, onnxruntime_logits
+from edgekv.compiler.frontend.onnx_model import load_onnx_model
 from edgekv.corpus import natural_token_ids
 from edgekv.evaluation.report import provenance
 from edgekv.models import load_model

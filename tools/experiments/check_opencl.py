@@ -34,7 +34,6 @@ DEMO = ROOT / "examples" / "long_document.txt"
 
 def build(model, name: str, budget: int, block: int, work: Path, weights: str = "fp32") -> tuple[Path, Path, dict]:
     from edgekv.compiler import compile_model
-    from edgekv.compiler.targets import build_for_target
     from edgekv.policies import make_policy
 
     cpu, ocl = work / f"{name}-{budget}-cpu", work / f"{name}-{budget}-opencl"
@@ -43,8 +42,8 @@ def build(model, name: str, budget: int, block: int, work: Path, weights: str = 
         compile_model(model, make_policy(name, {}), budget, block, out_dir=cpu, weights=weights)
     t1 = time.perf_counter()
     if not (ocl / "program.ekv").is_file():
-        build_for_target(model, make_policy(name, {}), budget, block, target="opencl-host", out_dir=ocl,
-                         weights=weights)
+        compile_model(model, make_policy(name, {}), budget, block, target="opencl-host", out_dir=ocl,
+                      weights=weights)
     return cpu, ocl, {"compile_cpu_s": t1 - t0, "compile_opencl_s": time.perf_counter() - t1}
 
 

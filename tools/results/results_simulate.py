@@ -167,7 +167,7 @@ def write_md() -> None:
         if not r["fits"] and r.get("needs_basis"):
             L.append(f"*{r['policy']}*: needs ≈ {mib(r['needs_bytes'])} = {r['needs_basis']}. "
                      f"Child: {r['exit']}; `{(r['error'] or '').splitlines()[0][:160] if r['error'] else ''}`\n")
-    L.append("**Estimated on the device profiles** (`compile/devices/*.json`; ideal roofline lower bounds from "
+    L.append("**Estimated on the device profiles** (`edgekv/profiles/devices/*.json`; ideal roofline lower bounds from "
              f"peak figures — real kernels reach a fraction of both peaks; work counted from {rep['work_source']}):\n")
     L.append("| device (unit, precision) | policy | prefill | decode |")
     L.append("|---|---|---:|---:|")
@@ -202,7 +202,7 @@ def write_md() -> None:
              "memory does not grow with the prompt — above its threshold it fits any length. The full cache grows by "
              f"{rep.get('kv_bytes_per_token', 46440):,} bytes per token for this model, so each cap has a longest "
              "prompt. Device estimates are for the fp32 build as compiled (an NPU without fp32 is estimated as an "
-             "fp16/int8 build and says so); figures and their public sources are in `compile/devices/`, many are "
+             "fp16/int8 build and says so); figures and their public sources are in `edgekv/profiles/devices/`, many are "
              "estimates and marked as such. Host times are the eager PyTorch engine on a shared 2-core box, not the "
              "compiled artifact. Files: `docs/results/simulate.json` (full report), `simulate_sweep.json`, "
              "`simulate_console.txt` (the command's own tables).\n")

@@ -38,7 +38,7 @@ def _lanes(d: int) -> int:
 def _colsum_macros(H, Hq, N, B, D, scale, W, Q=0, WQ=0):
     """Stage 1 as a macro: ``colsum[hq, :]`` = Σ over the observer rows of p[hq, r, :].
 
-    The step has B real rows then Q question rows (``--question-rows``; ``pseudo_rows.py``). The
+    The step has B real rows then Q question rows (``--question-rows``; ``passes/pseudo_rows.py``). The
     observers are the last min(W, n_valid) real rows, each seeing the cache and the real rows up to
     its own — or, when the step carries a question (``nq`` > 0 rows at a position ≥ 0, the first nq
     of the Q), the last min(WQ, nq) question rows, each seeing the cache and every real row (all

@@ -1,8 +1,8 @@
 """Register-blocked dense kernel ``C[M, N] = A[M, K] · W[K, N]`` (fp32) for the host CPU.
 
 The model's linear layers reach TVM as ``matmul(x, Wᵀ)`` with the weight stored pre-transposed
-as [K, N] (``pretranspose.py``). This kernel replaces TVM's legalized loop nest for them (the
-``DenseRule`` of ``cpu_schedule.py``):
+as [K, N] (``passes/pretranspose_weights.py``). This kernel replaces TVM's legalized loop nest for them (the
+``DenseRule`` of ``backend/cpu_schedule.py``):
 
 * parallel over column panels of NR columns (``jo``); per panel, the row blocks ``io`` run in
   sequence, so the K × NR weight panel (≤ 150 KB for SmolLM2) stays in L2 while all M rows use

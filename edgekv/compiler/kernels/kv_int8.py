@@ -2,7 +2,7 @@
 — per token, per 32 channels, symmetric int8 codes with a float16 scale rounded up — as TIR.
 
 The rule is the eager engine's: quantise on write, every reader sees dequantised rows. At every
-attention site the block-cache pass (``block_cache.py``, ``int8_cache.py``) places
+attention site the block-cache pass (``passes/rewrite_block_cache.py``, ``passes/int8_cache.py``) places
 
   * ``dequantize`` ×2: the layer's codes and scales → fp32 K/V [H, N, d], a transient of one layer
     that every existing kernel (attention, score, observe, select, D2O's merge, RocketKV's stage 2)

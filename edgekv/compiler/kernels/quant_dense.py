@@ -222,7 +222,7 @@ def build_q8_gemv_nt_kernel(a_shape, c_shape, V: int, K: int):
     return gemv_nt_q8
 
 
-# ---- GPU targets: unscheduled definitions that dlight schedules (gpu_schedule.py) -------------
+# ---- GPU targets: unscheduled definitions that dlight schedules (backend/gpu_schedule.py) -------------
 # On a GPU the weights keep GGML's row layout — quants [N, Kp/2] uint8 (Q4_1; quants 2j and 2j + 1
 # in byte j: dlight's GEMV rule does not follow GGML's i / i + 16 pairing) or [N, Kp] int8 (Q8_0),
 # scales (and minima) [N, Kp/32] float32 (the float16 values widened, exactly: not every OpenCL

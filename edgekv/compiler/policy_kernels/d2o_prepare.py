@@ -1,4 +1,4 @@
-"""D2O's per-prompt probe: the kernels of the compiled ``prepare`` function (``compiler/prepare.py``)
+"""D2O's per-prompt probe: the kernels of the compiled ``prepare`` function (``compiler/passes/add_prepare_function.py``)
 that turn the first block's column sums into every layer's budget, and its Relax emitter."""
 
 from __future__ import annotations

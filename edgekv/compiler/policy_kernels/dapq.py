@@ -1,5 +1,5 @@
 """DapQ's compiled face (``edgekv/policies/dapq.py``): its score kernel, CPU and GPU. The compiled
-prefill step carries the pseudo rows as its last w rows (``compiler/pseudo_rows.py``)."""
+prefill step carries the pseudo rows as its last w rows (``compiler/passes/pseudo_rows.py``)."""
 
 from __future__ import annotations
 

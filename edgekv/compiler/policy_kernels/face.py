@@ -9,7 +9,7 @@ The generic mechanism (observe → score → select), for policies that need the
 per-entry state (SnapKV, SnapKV++, TOVA, H2O, DapQ and D2O):
 
 ``kernel_inputs`` names extra graph tensors the block-cache pass hands to the policy's kernels
-after the common eight (``KERNEL_INPUTS``; ``compiler/block_cache.py`` knows how to get each one at
+after the common eight (``KERNEL_INPUTS``; ``compiler/passes/rewrite_block_cache.py`` knows how to get each one at
 an attention site). A policy with ``kernel_inputs`` gets two more keyword arguments in every kernel
 builder: ``num_q_heads`` (Hq) and ``sm_scale`` (the attention's softmax scale, 1/sqrt(d) in HF models).
 
@@ -37,7 +37,7 @@ Pseudo rows (DapQ). A policy's ``max_extra_tokens`` = w > 0 (with ``prepare`` / 
 same methods the engine calls) makes the compiled prefill step B + w rows long: the last w rows are
 the policy's pseudo tokens, filled by the host runtime every step; the block attention hides them
 from the real rows, select never stores them, the score kernel reads their queries through
-``kernel_inputs`` (``compiler/pseudo_rows.py``).
+``kernel_inputs`` (``compiler/passes/pseudo_rows.py``).
 
 Per-layer site hooks (D2O: per-layer budgets, merge-on-evict). ``emit_site_eviction(bb, kernel, site,
 spec, block, caches, inputs, k_blk, v_blk, pos_blk, n_valid) -> (new caches, extra outputs)`` replaces
@@ -49,7 +49,7 @@ sm_scales) -> (kind, PrimFunc) | None`` gives the GPU versions of the kernels th
 ``compiled_state_init(policy, budget) -> {field: array}`` gives a field's contents at the start of
 every prompt when they are not zeros (written into the artifact's manifest; every runtime restores
 them on reset). Per-layer values that depend on the prompt come from a compiled per-prompt function:
-``emit_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, budget)`` (``compiler/prepare.py``
+``emit_prepare(bb, kernel, policy, probe, caches, n_valid, prompt_len, budget)`` (``compiler/passes/add_prepare_function.py``
 builds ``prepare`` around it; D2O's first-block probe writes ``d2o_budget``), run by the runtimes
 before a prompt longer than ``prepare_min_prompt(policy, budget)`` (the manifest's ``prepare.min_prompt``).
 

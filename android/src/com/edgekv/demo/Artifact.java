@@ -63,7 +63,7 @@ public final class Artifact {
         }
         if (ToolchainStatus.NEEDS_TOOLCHAIN.equals(a.toolchainStatus) || a.libraryName.endsWith(".tar")) {
             throw new IOException(dir.getName() + " is not linked yet (model.tar, no model.so): run `android/finish.sh "
-                    + dir.getName() + "` (or `python -m edgekv.compiler.targets finish`) on the computer, then push it again");
+                    + dir.getName() + "` (or `python -m edgekv.compiler.backend.finish`) on the computer, then push it again");
         }
         return a;
     }

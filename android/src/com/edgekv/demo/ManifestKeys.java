@@ -50,7 +50,7 @@ public final class ManifestKeys {
     public static final String PARAMS = "params";
     /** cache fields that start a prompt with contents other than zeros (one layer) */
     public static final String CACHE_INIT = "cache_init";
-    /** the compiled per-prompt function (compiler/prepare.py); null: none */
+    /** the compiled per-prompt function (compiler/passes/add_prepare_function.py); null: none */
     public static final String PREPARE = "prepare";
     /** the static memory plan in bytes */
     public static final String MEMORY_PLAN = "memory_plan";

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .build import CompileError
+from ..errors import CompileError
 from .onnx_import import import_onnx, input_roles, load_onnx, onnx_sha256
 
 
@@ -36,14 +36,14 @@ class OnnxModel:
         return {"format": "onnx", "file": str(self.path), "sha256": self.weight_hash, "form": self.form}
 
     def import_graph(self, block: int):
-        """``(IRModule{prefill_src, decode_src}, weights, timings)`` as ``pipeline.import_model``."""
+        """``(IRModule{prefill_src, decode_src}, weights, timings)`` as ``frontend.export.import_model``."""
         return import_onnx(self.proto, block, self)
 
 
 def load_onnx_model(path: str | Path, config_dir: str | Path | None = None) -> OnnxModel:
     """Read ``path`` (refusing a missing/corrupt/unsupported file) and its config/tokenizer."""
-    from ..models.config import config_from_hf
-    from ..models.errors import ModelError
+    from ...models.config import config_from_hf
+    from ...models.errors import ModelError
 
     path = Path(path).expanduser()
     proto = load_onnx(path)

@@ -1,5 +1,7 @@
-"""Rebuilding one Relax function with some weight inputs replaced: the shared mechanics of the
-weight-layout passes (``pretranspose.py``, ``pack_weights.py``)."""
+"""Generic Relax helpers the passes share: substituting vars in an expression, dropping a
+function from a module, and rebuilding one function with some weight inputs replaced (the
+mechanics of the weight-layout passes ``passes/pretranspose_weights.py``, ``passes/pack_weights.py``
+and ``passes/quantize_weights.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,27 @@ from typing import Callable
 import tvm
 from tvm import relax
 
-from .block_cache import substitute, without_function
-
 SKIP = object()  # a rewrite's answer: drop the binding (its value must have no other use)
+
+
+def substitute(expr, vmap: dict):
+    """``expr`` with vars replaced per ``vmap`` (calls, tuples and tuple-gets are rebuilt)."""
+    if isinstance(expr, relax.Var):
+        return vmap.get(expr, expr)
+    if isinstance(expr, relax.Call):
+        args = [substitute(a, vmap) for a in expr.args]
+        return relax.Call(expr.op, args, expr.attrs, list(expr.ty_args) if expr.ty_args else None)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([substitute(f, vmap) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(substitute(expr.tuple_value, vmap), expr.index)
+    return expr
+
+
+def without_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+    """``mod`` without the function called ``name``."""
+    funcs = {gv: f for gv, f in mod.functions.items() if gv.name_hint != name}
+    return tvm.IRModule(funcs, attrs=mod.attrs)
 
 
 def swap_weight_params(func: relax.Function, new_weights: dict[str, relax.Var]) -> tuple[list, dict]:

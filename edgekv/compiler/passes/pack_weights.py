@@ -1,6 +1,6 @@
 """The pass (host CPU builds): store the linear weights as contiguous column panels.
 
-After ``pretranspose.py`` a linear layer is ``matmul(x, W)`` with W a [K, N] weight input. The
+After ``pretranspose_weights.py`` a linear layer is ``matmul(x, W)`` with W a [K, N] weight input. The
 register-blocked GEMM (``kernels/dense.py``) runs one task per NR-wide column panel of W; in the
 [K, N] layout a panel is K rows of NR floats N·4 bytes apart, a pattern the hardware
 prefetchers do not follow across pages, so in the model — where every block streams all the
@@ -23,8 +23,8 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
-from .rebuild import rebuild_function, swap_weight_params
-from .kernels.dense import VEC, build_dense_kernel, build_packed_gemv_kernel, dense_tiles, pack_weight, packed_shape
+from ..relax_util import rebuild_function, swap_weight_params
+from ..kernels.dense import VEC, build_dense_kernel, build_packed_gemv_kernel, dense_tiles, pack_weight, packed_shape
 
 
 def packed_name(name: str, nr: int) -> str:

@@ -5,8 +5,8 @@ then materialises Wᵀ on every call (≈0.5 s per SmolLM2 block with the defaul
 weight-sized temporary). When *every* use of a weight input, in every function of the
 module, is that transpose, the pass replaces the input by one of the transposed shape (named
 ``<name>.T``) and drops the transposes. ``transposed`` records which stored arrays the
-artifact writer must transpose (``build.py``). Weights used otherwise (e.g. a tied embedding,
-also read by ``take``) are left alone.
+pipeline must transpose (``compiler/pipeline.py``: ``param_layout``). Weights used otherwise
+(e.g. a tied embedding, also read by ``take``) are left alone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
-from .rebuild import rebuild_function, swap_weight_params
+from ..relax_util import rebuild_function, swap_weight_params
 
 SUFFIX = ".T"
 

@@ -8,7 +8,7 @@ the CPU. So for GPU targets:
 
 1. ``ReplaceKernels`` swaps each edgekv kernel for its GPU version (beside the CPU one: same
    signature by construction (``kernels/signature.py``), thread-bound, shared-memory tiles), recognised by the function names that
-   ``block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<tag>_h{H}_d{D}``,
+   ``passes/rewrite_block_cache.py`` gives them (``<fn>_attention_h{Hq}_{H}_d{D}``, ``<fn>_score_<tag>_h{H}_d{D}``,
    ``<fn>_score_<tag>_h{Hq}_{H}_d{D}`` and ``<fn>_observe_<tag>_h{Hq}_{H}_d{D}`` for policies with
    kernel inputs / per-entry state, ``<fn>_select_h{H}_d{D}_{score|append}[_s{S}]``; ``<tag>`` is
    ``policy_kernels.policy_tag(policy)``) and checked against their buffer shapes;
@@ -22,19 +22,16 @@ the CPU. So for GPU targets:
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import tvm
 from tvm import relax, tirx
 
-from .build import CompileError
-from .policy_kernels import KERNELS, kernel_spec, policy_tag, site_params
-from .kernels.attention import build_block_attention_kernel_gpu
-from .kernels.select import build_select_compact_kernel_gpu
+from ..errors import CompileError
+from ..kernels.attention import build_block_attention_kernel_gpu
+from ..kernels.select import build_select_compact_kernel_gpu
+from ..policy_kernels import KERNELS, kernel_spec, policy_tag, site_params
 
-GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
-
-_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)(?:_x(\d+))?$")  # _x<w>: w pseudo rows (pseudo_rows.py)
+_ATTN = re.compile(r"_attention_h(\d+)_(\d+)_d(\d+)(?:_x(\d+))?$")  # _x<w>: w pseudo rows (passes/pseudo_rows.py)
 _SCORE = re.compile(r"_score_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
 _OBSERVE = re.compile(r"_observe_([A-Za-z0-9]+)_h(\d+)(?:_(\d+))?_d(\d+)$")
 _SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)(?:_s(\d+))?$")
@@ -42,11 +39,6 @@ _SELECT = re.compile(r"_select_h(\d+)_d(\d+)_(score|append)(?:_s(\d+))?$")
 
 class GPUKernelError(CompileError):
     """An edgekv kernel has no GPU version (or does not look like the one expected)."""
-
-
-def is_gpu_target(target: Any) -> bool:
-    kind = target.kind.name if isinstance(target, tvm.target.Target) else dict(target).get("kind")
-    return kind in GPU_KINDS
 
 
 def _shape(func: tirx.PrimFunc, index: int) -> tuple[int, ...]:

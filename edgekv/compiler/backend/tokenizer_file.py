@@ -65,7 +65,7 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
-from ..models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
+from ...models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
 
 MAGIC = b"EKVTOKN\0"
 FORMAT_MAJOR = 1

@@ -26,15 +26,15 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
-from .kernels.quant_dense import (build_gpu_quant_matmul, build_gpu_quant_take, build_q8_gemv_nt_kernel,
+from ..kernels.quant_dense import (build_gpu_quant_matmul, build_gpu_quant_take, build_q8_gemv_nt_kernel,
                                   build_q8_take_kernel, build_quant_gemm_kernel, build_quant_gemv_kernel,
                                   gpu_row_shapes)
 from .pack_weights import _matmul_use, matmul_weights
 from .pack_weights import plan as packable_weights
-from .pretranspose import SUFFIX
-from .quant_formats import (EMBEDDING_FORMAT, GROUP, LINEAR_FORMAT, WeightFormat, panel_arrays, panel_shapes,
+from .pretranspose_weights import SUFFIX
+from ..quant_formats import (EMBEDDING_FORMAT, GROUP, LINEAR_FORMAT, WeightFormat, panel_arrays, panel_shapes,
                             row_arrays, weight_blocks)
-from .rebuild import SKIP, rebuild_function
+from ..relax_util import SKIP, rebuild_function
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from .kernels.kv_int8 import (build_copy_positions_kernel, build_dequantize_kernel, build_round_trip_kernel,
+from ..kernels.kv_int8 import (build_copy_positions_kernel, build_dequantize_kernel, build_round_trip_kernel,
                               build_store_kernel)
 
 SCALE_FIELDS = ("k_scale", "v_scale")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .build import CompileError
+from ..errors import CompileError
 
 TOKENS, POSITIONS = "tokens", "positions"  # the input names the rewrite pass expects (BlockCacheSpec)
 TOKEN_NAMES = ("input_ids", "tokens", "input")
@@ -243,7 +243,7 @@ def to_relax(proto, seq_len: int):
 
 
 def import_onnx(proto, block: int, model: Any):
-    """``(IRModule{prefill_src, decode_src}, weights, timings)`` — what ``pipeline.import_model``
+    """``(IRModule{prefill_src, decode_src}, weights, timings)`` — what ``frontend.export.import_model``
     returns for a torch model, from an ONNX file imported at T = block and T = 1. ``model`` (an
     ``OnnxModel``) names the file in errors and gives the config its geometry is checked against."""
     import tvm
@@ -262,7 +262,7 @@ def import_onnx(proto, block: int, model: Any):
 def check_geometry(func, model: Any) -> None:
     """The attention sites of the imported graph against the config: a graph without causal
     attention, or one that disagrees with config.json, is refused naming the file."""
-    from .attention_sites import AttentionMatchError, find_attention_sites
+    from ..passes.attention_sites import AttentionMatchError, find_attention_sites
 
     try:
         sites = find_attention_sites(func)

@@ -9,7 +9,10 @@ with RMSNorm, RoPE computed from the position-ids input, GQA (``repeat_interleav
 KV heads), ``scaled_dot_product_attention(..., is_causal=True)``, a SiLU-gated MLP and the
 (tied) LM head, at a static sequence length T.
 
-Exported forms the pass accepts (see ``attention_sites.py``):
+``import_model(model, block)`` exports the prefill step and decode and imports both into one
+module: the pipeline's first step (``compiler/pipeline.py``).
+
+Exported forms the pass accepts (see ``passes/attention_sites.py``):
   * attention written as ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` — with
     the default ``torch.export`` decompositions it imports as matmul → (scale) → causal mask
     (``R.tril``/``R.where`` on a constant) → softmax → matmul; without decompositions as
@@ -28,6 +31,7 @@ the pass naming the mask's operators (``attention_sites``).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -131,6 +135,33 @@ def import_to_relax(program: torch.export.ExportedProgram):
     for var, value in zip(main.params[num_input:], params["main"]):
         named.append((var.name, value.numpy()))
     return mod, named
+
+
+def import_model(model: Any, block: int, extra_rows: int = 0):
+    """(module with ``prefill_src`` and ``decode_src``, weights [(name, numpy array)], timings):
+    the prefill step exported at T = ``block`` + ``extra_rows`` (pseudo rows,
+    ``passes/pseudo_rows.py``) and decode at T = 1, both imported."""
+    import tvm
+
+    t0 = time.perf_counter()
+    mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows))
+    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1))
+    t1 = time.perf_counter()
+    if [n for n, _ in params] != [n for n, _ in params_1]:
+        raise RuntimeError("the block and decode exports disagree on their weight inputs")
+    mod = tvm.IRModule({"prefill_src": mod_b["main"], "decode_src": mod_1["main"]})
+    return mod, params, {"export_import_s": t1 - t0}
+
+
+def check_imported_rows(mod, block: int, extra: int) -> None:
+    """Refuse an ``imported`` module exported at another step size than this build needs."""
+    from ..errors import CompileError
+
+    rows = int(mod["prefill_src"].params[0].ty.shape[1])
+    if rows != block + extra:
+        need = f"B + {extra} pseudo rows = {block + extra}" if extra else f"B = {block}"
+        raise CompileError(f"the imported module's prefill step has {rows} rows, this build needs {need}; "
+                           f"import it with edgekv.compiler.import_model(model, {block}, extra_rows={extra})")
 
 
 def default_sm_scale(head_dim: int) -> float:

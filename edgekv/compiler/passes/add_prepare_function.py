@@ -12,7 +12,7 @@ the weights to ``prefill_block`` exactly as that function takes them::
 
 The runtimes run it after a reset when the prompt is longer than ``prepare_min_prompt`` (the
 manifest's ``prepare.min_prompt``, the program's ``prepare_min_prompt`` setting), with the prompt's
-first block in the inputs. ``program.py`` inlines the ``prefill_block`` call into the flat program.
+first block in the inputs. ``backend/program.py`` inlines the ``prefill_block`` call into the flat program.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def add_prepare_function(mod, policy: Any, budget: int):
     import tvm
     from tvm import relax
 
-    from .policy_kernels import KERNELS, prepare_min_prompt
+    from ..policy_kernels import KERNELS, prepare_min_prompt
 
     face = KERNELS.get(policy.name)
     emit = face.emit_prepare if face is not None else None

@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .attention_sites import Graph, op_name, shape_of
-from .block_cache import without_function, substitute
+from ..relax_util import substitute, without_function
 
 
 def _match(graph: Graph, take_var):

@@ -1,6 +1,6 @@
 """CPU schedules for the legalized kernels, organised like TVM's ``s_tir.dlight``: one *rule*
 per kernel kind, tried in order by one pass (``ScheduleCPU``, run inside the Relax pipeline
-after FuseTIR, selected for ``llvm`` targets by ``build.py``). A rule looks at one PrimFunc and
+after FuseTIR, selected for ``llvm`` targets by ``compiler/pipeline.py``). A rule looks at one PrimFunc and
 returns a scheduled replacement or ``None``; the first rule that answers wins, and anything no
 rule takes (or that fails to schedule: the attempt runs on a copy) stays as it was.
 
@@ -38,7 +38,7 @@ def _lower_sigmoid(call):
     """``T.sigmoid`` as 1 / (1 + e^−x) with the polynomial exp of ``kernels.attention.vexp``:
     LLVM turns the default lowering's ``exp`` into one libm ``expf`` call per lane (SiLU was
     ~2.5 ns per element; ~5× faster so). |error| ≤ 1e-7 absolute."""
-    from .kernels.attention import vexp
+    from ..kernels.attention import vexp
 
     x = call.args[0]
     dt = str(x.ty)
@@ -253,7 +253,7 @@ class DenseRule(Rule):
         self.cores = max(1, int(cores))
 
     def apply(self, func, name):
-        from .kernels.dense import VEC, build_dense_kernel, build_dense_nt_kernel, build_gemv_kernel, dense_tiles
+        from ..kernels.dense import VEC, build_dense_kernel, build_dense_nt_kernel, build_gemv_kernel, dense_tiles
 
         m = match_dense(func)
         if m is None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import CompileError
 from .attention_sites import AttentionMatchError
 
 
@@ -45,13 +46,11 @@ def extra_rows(policy: Any) -> int:
 
 def check_question_rows(policy: Any, question_rows: int) -> None:
     """Refuse question rows for a policy that cannot use them, before any work."""
-    from .build import CompileError
-
     if question_rows < 0:
         raise CompileError("--question-rows must be ≥ 0 (the longest question in tokens; 0: none)")
     if not question_rows:
         return
-    from .policy_kernels import KERNELS, question_policy_names
+    from ..policy_kernels import KERNELS, question_policy_names
 
     takes = ", ".join(question_policy_names())
     if not getattr(policy, "uses_question", False):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..artifact import program_file as pf
+from ...artifact import program_file as pf
 
 SKIPPED_BUILTINS = ("vm.builtin.check_tensor_info", "vm.builtin.match_shape")
 # a GPU program's arena regions start at multiples of this: a device places an arena tensor as a
@@ -331,7 +331,7 @@ def program_settings(manifest: dict, tgt: dict, policy: Any) -> dict[str, Any]:
         "plan_weights_bytes": int(plan["weights_bytes"]),
         "plan_cache_bytes": int(plan["cache_bytes"]),
     }
-    # extra rows after the B real rows of every prefill step (pseudo_rows.py): DapQ's first
+    # extra rows after the B real rows of every prefill step (passes/pseudo_rows.py): DapQ's first
     # `pseudo_window` of them hold the first `prefix` and the last window - prefix prompt tokens,
     # at positions after the prompt ("final") or after the block; a question (`question_rows`)
     # takes their place; the rest are padding at position -1
@@ -366,9 +366,9 @@ def _device_kernels_called(source: str, recorded: dict) -> list:
 
 
 def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: dict) -> None:
-    """Write ``program.ekv`` for a build (``build.write_artifact``), after the library, the params
+    """Write ``program.ekv`` for a build (``artifact_writer.write_artifact``), after the library, the params
     and the tokenizer file, whose sizes and CRC-32s it records."""
-    from ..artifact import PROGRAM_FILE, crc32_file
+    from ...artifact import PROGRAM_FILE, crc32_file
 
     manifest = result.manifest
     settings = program_settings(manifest, tgt, result.policy)

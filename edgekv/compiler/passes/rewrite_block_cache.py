@@ -1,7 +1,7 @@
 """The pass: rewrite a plain causal forward into a block step over an explicit, fixed-size cache.
 
 Input: a Relax function ``src(tokens[1, T], positions[1, T], *weights) -> logits[1, T, V]`` as
-imported from ``torch.export`` (see ``export.py``), with ``num_input`` = 2.
+imported from ``torch.export`` (see ``frontend/export.py``), with ``num_input`` = 2.
 
 Output: a function ``name(tokens[T], positions[T], n_valid[1], *caches, *weights)`` returning
 ``(logits[V] of token n_valid − 1, *caches[, *extra])`` where ``caches`` is, per attention site (layer)
@@ -40,12 +40,13 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
-from .kernels import build_attention, build_select
-from .policy_kernels import KERNELS, build_observe, build_score, kernel_spec, policy_tag, site_params
-from .pseudo_rows import attention_kernel_key, step_extra_rows
+from ...memory import check_kv_dtype, int8_scale_groups
+from ..kernels import build_attention, build_select
+from ..policy_kernels import KERNELS, build_observe, build_score, kernel_spec, policy_tag, site_params
+from ..relax_util import substitute, without_function
 from . import int8_cache
-from ..memory import check_kv_dtype, int8_scale_groups
+from .attention_sites import AttentionMatchError, AttentionSite, find_attention_sites, shape_of
+from .pseudo_rows import attention_kernel_key, step_extra_rows
 
 CACHE_FIELDS = ("k", "v", "pos", "fill")
 STATE_FIELD = "state"
@@ -73,20 +74,6 @@ class BlockCacheSpec:
     # How the caches store K and V (``memory.KV_DTYPES``): fp32, or int8 codes with float16
     # scales (``int8_cache.py``: the site's kernels then read a dequantised view)
     kv_dtype: str = "fp32"
-
-
-def substitute(expr, vmap: dict):
-    """``expr`` with vars replaced per ``vmap`` (calls, tuples and tuple-gets are rebuilt)."""
-    if isinstance(expr, relax.Var):
-        return vmap.get(expr, expr)
-    if isinstance(expr, relax.Call):
-        args = [substitute(a, vmap) for a in expr.args]
-        return relax.Call(expr.op, args, expr.attrs, list(expr.ty_args) if expr.ty_args else None)
-    if isinstance(expr, relax.Tuple):
-        return relax.Tuple([substitute(f, vmap) for f in expr.fields])
-    if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(substitute(expr.tuple_value, vmap), expr.index)
-    return expr
 
 
 def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32",
@@ -316,9 +303,3 @@ class RewriteBlockCache:
         for src, _, _ in self.functions:
             mod = without_function(mod, src)
         return mod
-
-
-def without_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
-    """``mod`` without the function called ``name``."""
-    funcs = {gv: f for gv, f in mod.functions.items() if gv.name_hint != name}
-    return tvm.IRModule(funcs, attrs=mod.attrs)

@@ -1,0 +1,176 @@
+"""The driver: one ``compile_model`` for every target — check the request once, run the pipeline
+(``pipeline.py``), check what it built, write the artifact (``backend/artifact_writer.py``).
+
+``compile_model(model, policy, budget, block, target="host", out_dir=...)`` is the public entry.
+A build for this machine's CPU (the ``host`` profile) writes the artifact the runtimes load as is.
+A build for another device (CUDA, OpenCL for Adreno/Mali, Metal, Hexagon, Android CPU, aarch64
+Linux: ``edgekv/profiles/targets/``) writes the same artifact plus the generated device code
+beside it (``device/``: the CUDA / OpenCL / Metal source, or the object files for LLVM cross
+targets) and a ``device`` section in the manifest: which function runs where, the kernel sizes,
+and — where a toolchain that is not here is needed to finish the build (Android NDK, Xcode,
+Hexagon SDK) — what to run with it (``python -m edgekv.compiler.backend.finish <dir>``). Nothing
+here needs the device. CPU and OpenCL builds carry ``program.ekv`` for the native runtime; after
+``finish`` links the library, an aarch64 artifact runs in ``runtime/``'s ``edgekv-run`` built for
+aarch64 (docs/NATIVE.md).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..artifact import MANIFEST
+from .backend.artifact_writer import BuildResult, build_manifest, write_artifact
+from .backend.target import CompileTarget, is_gpu_target
+from .errors import CompileError, ToolchainNeededWarning
+from .passes.pseudo_rows import check_question_rows
+
+
+def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32", question_rows: int = 0) -> None:
+    """Refuse, before any work, a GPU build of a policy that has no GPU kernels (RocketKV's stage 2),
+    of an int8 KV cache or of question rows (their kernels are CPU loops)."""
+    from .policy_kernels import gpu_policy_names
+
+    if not is_gpu_target(tgt):
+        return
+    if question_rows:
+        raise CompileError(f"--question-rows has no GPU kernels yet, so it cannot be compiled for {tgt.get('kind')}; "
+                           "compile it for a CPU target (host, aarch64-linux, android-cpu), or drop --question-rows")
+    if kv_dtype != "fp32":
+        raise CompileError(f"--kv-dtype {kv_dtype} has no GPU kernels yet, so it cannot be compiled for "
+                           f"{tgt.get('kind')}; compile the int8 cache for a CPU target (host, aarch64-linux, "
+                           "android-cpu), or compile for the GPU with --kv-dtype fp32")
+    if policy.name not in gpu_policy_names():
+        raise CompileError(f"policy '{policy.name}' has no GPU kernels yet, so it cannot be compiled for "
+                           f"{tgt.get('kind')}; compile it for a CPU target (host, aarch64-linux, android-cpu), "
+                           f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
+
+
+def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
+    """The weight format of a build: ``weights`` when given, else q4 for a 4-bit source
+    (``quant_formats.default_weights``) and fp32 otherwise; fp32 where the target has no
+    quantised kernels (``weight_layout`` None), and asking for more there is refused."""
+    from .quant_formats import WEIGHT_CHOICES, default_weights
+
+    if weights is None:
+        return default_weights(model) if layout is not None else "fp32"
+    if weights not in WEIGHT_CHOICES:
+        raise CompileError(f"--weights {weights!r} is not a weight format; use one of {', '.join(WEIGHT_CHOICES)}")
+    if weights != "fp32" and layout is None:
+        raise CompileError(f"--weights {weights} has no kernels for this target yet; compile it with --weights fp32")
+    return weights
+
+
+def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
+                  out_dir: str | Path | None = None, *, mem_limit: int | None = None,
+                  progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32",
+                  question_rows: int = 0) -> BuildResult:
+    """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
+    from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N and block B for
+    ``target`` (a profile name, a path to a profile .json, a profile dict, or a TVM target dict);
+    write the artifact to ``out_dir`` when given.
+
+    ``imported`` (from ``import_model(model, block)``) skips the torch export, so several policies
+    can be compiled from one export. ``weights``: q4 | q8 | fp32 (``resolve_weights``; None: the
+    model's default). ``kv_dtype``: how the caches store K and V, fp32 or int8
+    (``memory.KV_DTYPES``; int8: CPU targets). ``question_rows``: room for a document's question of
+    that many tokens to score the blocks (query-aware policies, CPU targets).
+
+    A device build's manifest has a ``device`` section: where each function runs, the generated
+    code sizes and ``toolchain.status``: ``complete`` when the artifact loads as is on the device
+    side (CUDA: TVM compiles the embedded CUDA C at load), ``needs-toolchain`` when a tool that is
+    not part of this build must link it (named in ``toolchain.tool`` / ``toolchain.finish``)."""
+    from .pipeline import compile_pipeline
+
+    say = progress or (lambda msg: None)
+    # the request, checked once, before any work
+    if budget <= 0 or block <= 0:
+        raise CompileError("budget and block must be positive token counts")
+    policy.check_budget(budget, block)
+    policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
+    check_question_rows(policy, int(question_rows))
+    tgt = CompileTarget.resolve(target)
+    check_policy_builds_for(policy, tgt.tvm, kv_dtype, question_rows)
+    if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
+        say("importing the ONNX graph")
+        imported = model.import_graph(block)
+    weights = resolve_weights(model, weights, tgt.weight_layout)
+
+    built = compile_pipeline(model, policy, budget, block, tgt, weights=weights, kv_dtype=kv_dtype,
+                             question_rows=question_rows, imported=imported, mem_limit=mem_limit, say=say)
+
+    lowered = built.lowered
+    if tgt.is_host:
+        manifest = build_manifest(model, policy, built.spec, budget, block, tgt.profile, target, tgt.tvm, lowered,
+                                  built.plan, weights=built.weights)
+        result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest,
+                             executable=built.executable, params=lowered.params, final_module=built.final_module,
+                             policy=policy)
+        if out_dir is not None:
+            write_artifact(result, lowered.params, tgt.tvm, getattr(model, "tokenizer", None))
+        return result
+    return _device_artifact(model, policy, budget, block, target, tgt, built, out_dir, say)
+
+
+def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: str | dict, tgt: CompileTarget, built,
+                     out_dir: str | Path | None, say) -> BuildResult:
+    """A device build: check where its code landed, describe it in the manifest's ``device``
+    section and write the artifact with the device code beside it."""
+    from .backend.device_code import DEVICE_DIR, SOURCE_SUFFIX, device_code, elf_machine, host_functions_on_host
+    from .backend.finish import toolchain_message
+
+    ex, info, lowered = built.executable, built.device, built.lowered
+    code = device_code(ex, tgt.tvm)
+    info["code"] = {name: len(data) for name, data in code.items()}
+    if tgt.kind == "llvm":
+        info["elf_machine"] = sorted({elf_machine(d) for d in code.values()} - {None})
+        info["device_functions"] = "all (the whole module is compiled for the device CPU/DSP)"
+    else:
+        stray = host_functions_on_host(ex)
+        if stray:
+            raise CompileError(f"functions compiled for the host in a {tgt.kind} build: {', '.join(stray)}")
+    tool = dict(tgt.profile.get("toolchain", {}))
+    needs = "env" in tool
+    tool["status"] = "needs-toolchain" if needs else "complete"
+    info["toolchain"] = tool
+    manifest = build_manifest(model, policy, built.spec, budget, block, tgt.profile, target, tgt.tvm, lowered,
+                              built.plan, host=tgt.host, device=info, weights=built.weights)
+    # a CPU or OpenCL build carries the flat program (program.ekv) the native runtime runs
+    result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
+                         params=lowered.params, final_module=built.final_module, policy=policy, device_code=code)
+    if built.device_kernels is not None:
+        source = next(n for n in code if n.endswith("." + SOURCE_SUFFIX[tgt.kind]))
+        result.device_kernels = {"kind": tgt.kind, "source": f"{DEVICE_DIR}/{source}",
+                                 "kernels": built.device_kernels, "kinds": info.get("edgekv_kernels", {})}
+        manifest["device"]["native_runtime"] = {"device": tgt.kind, "kernels": len(built.device_kernels)}
+    if out_dir is not None:
+        out = Path(out_dir)
+        (out / DEVICE_DIR).mkdir(parents=True, exist_ok=True)
+        for name, data in code.items():
+            (out / DEVICE_DIR / name).write_bytes(data)
+        manifest["device"]["files"] = sorted(f"{DEVICE_DIR}/{n}" for n in code)
+        write_artifact(result, lowered.params, tgt.tvm, getattr(model, "tokenizer", None))
+        msg = toolchain_message(manifest, out)
+        say(msg)
+        if needs:  # the CLI's progress line is transient: say it where it stays
+            warnings.warn(msg, ToolchainNeededWarning, stacklevel=3)
+    return result
+
+
+def compile_or_reuse(model: Any, policy: Any, budget: int, block: int, out_dir: str | Path, *, rebuild: bool = False,
+                     kv_dtype: str = "fp32", **kwargs) -> Path:
+    """The artifact at ``out_dir``: reused while its manifest matches the model, policy (name and
+    parameters), N, B and KV format, else (or with ``rebuild``, after a kernel changed) compiled
+    anew — for benchmark tools that run several artifacts of one model."""
+    out = Path(out_dir)
+    manifest = out / MANIFEST
+    if manifest.exists() and not rebuild:
+        m = json.loads(manifest.read_text())
+        if (m["policy"]["name"], m["policy"]["params"], m["budget"], m["block"], m.get("kv_dtype", "fp32"),
+                m["model"]["weight_hash"]) == (policy.name, json.loads(json.dumps(policy.params())), budget, block,
+                                               kv_dtype, model.weight_hash):
+            return out
+    compile_model(model, policy, budget, block, out_dir=out, kv_dtype=kv_dtype, **kwargs)
+    return out
