@@ -22,7 +22,7 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
 
     from ..kernels.common import check_dtype
     from ..kernels.signature import StepShapes
-    from .d2o import score_signature  # the CPU file declares both signatures
+    from .d2o_shared import score_signature
 
     check_dtype(dtype)
     Hq, H, N, B, D = num_q_heads, num_kv_heads, budget, block, head_dim
@@ -135,7 +135,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     from ..kernels.common import check_dtype
     from ..kernels.signature import StepShapes
     from ..kernels.select import evicted_mask_macro
-    from .d2o import MERGE_MODES, evict_signature, merge_weight_fn, update_tau_macro
+    from .d2o_shared import MERGE_MODES, evict_signature, merge_weight_fn, update_tau_macro
 
     check_dtype(dtype)
     if merge not in MERGE_MODES + ("none",):
