@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from edgekv.evaluation.report import provenance  # noqa: E402
 from edgekv.evaluation.tasks import INTRO, build_passkey, extract_key  # noqa: E402
 from edgekv.evaluation.tasks import QUESTION as EVAL_QUESTION  # noqa: E402
-from edgekv.job import write_json_atomic  # noqa: E402
+from edgekv.output_files import write_json_atomic  # noqa: E402
 from edgekv.models import load_model  # noqa: E402
 from edgekv.models.chat import QUESTION_SEPARATOR  # noqa: E402
 
