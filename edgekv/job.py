@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .budget import parse_budget
+from .document import run_document
 from .engine import Sampler
 from .engine.session import open_eager_session
 from .errors import InputError
@@ -235,8 +236,6 @@ def run(session: Session, model, *, prompt_ids=None, document_ids=None, question
         report = build_report(session, model, prompt_tokens=int(torch.as_tensor(prompt_ids).numel()),
                               generated_ids=ids, wall_seconds=wall)
         return RunResult(text=report["text"], generated_ids=ids, report=report)
-
-    from .document import run_document
 
     scoring = session.question_rows > 0 and document_ids is not None and bool(questions)
     longest = max((len(ids) for _, ids in questions), default=0)
