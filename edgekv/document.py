@@ -6,9 +6,10 @@ questions need it) and mapped back before every question but the first, so no an
 into the next question's cache. Each question is the question part of the chat split
 (``edgekv.models.chat``), prefilled as a continuation of the document, then decoded.
 
-One loop serves every runtime: the eager engine, HostRuntime and the native runtime all have
-``prefill`` / ``decode`` / ``save_cache`` / ``load_cache`` over the same snapshot format. Times are
-taken here, around the calls, so they mean the same thing in each."""
+One loop serves every runtime: the eager engine, HostRuntime and the native runtime are each a
+``Session`` (``edgekv/session.py``: ``prefill`` / ``decode`` / ``save_cache`` / ``load_cache`` over
+the same snapshot format), and each answer is the session's token loop (``decode_tokens``). Times
+are taken here, around the calls, so they mean the same thing in each."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import InputError
+from .session import Session, decode_tokens
 
 
 @dataclass
@@ -91,12 +93,12 @@ def snapshot_settings(path: str | os.PathLike) -> dict:
 def check_snapshot_destination(path: str | os.PathLike | None) -> None:
     """``--save-cache`` is checked by writing before any work, as every output is."""
     if path is not None:
-        from .job import check_writable
+        from .output_files import check_writable
 
         check_writable(path, "--save-cache")
 
 
-def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
+def run_document(session: Session, *, document_ids, questions: list[tuple[str, list[int]]],
                  new_sampler: Callable[[], Callable[[object], int]],
                  max_new_tokens: int, eos_ids=(), chat: bool = False, save_cache=None, load_cache=None,
                  made_from: str = "", progress=None, on_token: Callable[[int, int], None] | None = None,
@@ -105,8 +107,8 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
     """Prefill ``document_ids`` (or map ``load_cache`` back), save the state when asked or when
     several questions need it, then answer each question from that state.
 
-    ``question_scoring`` (a query-aware policy on a runtime that takes the question's rows: the
-    eager engine): the cache depends on the question, so the document is read once per question,
+    ``question_scoring`` (a query-aware policy on a session that takes the question's rows: the
+    eager engine, an artifact compiled with ``--question-rows``): the cache depends on the question, so the document is read once per question,
     knowing it (``prefill(..., question=)``); ``save_cache`` keeps the first question's cache and
     records that question. A loaded cache made knowing another question warns (``on_warning``).
 
@@ -125,7 +127,7 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
 
     def save(path, question: str = "") -> None:
         try:
-            rt.save_cache(path, question=question, chat=chat, made_from=made_from)
+            session.save_cache(path, question=question, chat=chat, made_from=made_from)
         except OSError as exc:  # a full disk, a folder gone: the writer left nothing behind
             raise InputError(f"cannot write --save-cache {path}: {exc.strerror or exc}; nothing was written — "
                              "free space or choose another path") from None
@@ -135,9 +137,9 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
     def read_document(question_ids=None) -> float:
         t0 = time.perf_counter()
         if question_ids is None:
-            rt.prefill(document_ids, progress=progress)
+            session.prefill(document_ids, progress=progress)
         else:
-            rt.prefill(document_ids, progress=progress, question=question_ids)
+            session.prefill(document_ids, progress=progress, question=question_ids)
         return time.perf_counter() - t0
 
     def answer(i: int, text: str, ids, start: float, load_seconds: float) -> None:
@@ -145,20 +147,20 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
         a = Answer(question=text, question_tokens=len(ids), load_seconds=load_seconds)
         sample = new_sampler()
         t0 = time.perf_counter()
-        logits = rt.prefill(ids)
+        logits = session.prefill(ids)
         a.prefill_seconds = time.perf_counter() - t0
-        for n in range(max_new_tokens):
-            token = int(sample(logits))
-            if n == 0:
-                a.first_token_seconds = time.perf_counter() - start
-                t0 = time.perf_counter()
-            a.generated_ids.append(token)
+        first_token_at = []
+
+        def token_cb(token: int) -> None:
+            if not first_token_at:
+                first_token_at.append(time.perf_counter())
+                a.first_token_seconds = first_token_at[0] - start
             if on_token is not None:
                 on_token(i, token)
-            if token in eos_ids or n == max_new_tokens - 1:
-                break
-            logits = rt.decode(token)
-        a.decode_seconds = time.perf_counter() - t0 if len(a.generated_ids) > 1 else 0.0
+
+        a.generated_ids = decode_tokens(session, logits, sample, max_new_tokens, eos_ids=eos_ids, on_token=token_cb)
+        # decoding is timed from the first token on: that one came from the question's prefill
+        a.decode_seconds = time.perf_counter() - first_token_at[0] if len(a.generated_ids) > 1 else 0.0
         run.answers.append(a)
 
     try:
@@ -167,7 +169,7 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
                 if on_question is not None:
                     on_question(i, text)
                 if i > 0:
-                    rt.reset()
+                    session.reset()
                 seconds = read_document(ids)
                 run.prefill_seconds += seconds
                 run.document_reads += 1
@@ -177,9 +179,9 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
             return run
         if load_cache is not None:
             start = time.perf_counter()
-            run.made_for_question = rt.load_cache(load_cache)
+            run.made_for_question = session.load_cache(load_cache)
             first_load = time.perf_counter() - start
-            info = rt.snapshot_info
+            info = session.snapshot_info
             if bool(info["chat"]) != bool(chat):
                 raise InputError(f"{load_cache} holds a document read {'with' if info['chat'] else 'without'} "
                                  f"the chat template: ask {'with --chat' if info['chat'] else 'without --chat'}")
@@ -200,7 +202,7 @@ def run_document(rt, *, document_ids, questions: list[tuple[str, list[int]]],
                 on_question(i, text)
             if i > 0:
                 start = time.perf_counter()
-                rt.load_cache(snapshot)
+                session.load_cache(snapshot)
                 answer(i, text, ids, start, time.perf_counter() - start)
             else:  # the first question: from the document just read, or from the cache loaded above
                 answer(i, text, ids, start if load_cache is not None else time.perf_counter(), first_load)

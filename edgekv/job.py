@@ -1,76 +1,25 @@
-"""One eager run: prompt → block-wise prefill → decode → report (used by `edgekv run`)."""
+"""One run of `edgekv run` / `edgekv ask`: encode the prompt, open a ``Session`` (the eager engine,
+or a compiled artifact in the native runtime or TVM's VM), run it (``run``: a prompt, or a document
+and its questions) and build its report (``edgekv/run_report.py``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .budget import parse_budget
-from .engine import BlockEngine, Sampler
+from .document import run_document
+from .engine import Sampler
+from .engine.session import open_eager_session
 from .errors import InputError
-from .memory import peak_rss_bytes, plan_memory
 from .models.loaded import LoadedModel
-from .policies import make_policy
-
-
-def check_writable(path: str | os.PathLike | None, what: str = "--output") -> None:
-    """Refuse an output file that cannot be written, before any work starts. The test is the
-    write itself: a temporary file is created (and removed) in the target's folder, as
-    ``write_json_atomic`` will do at the end — permission bits alone do not tell (root, read-only
-    file systems, /proc)."""
-    if path is None:
-        return
-    p = Path(path).expanduser()
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise InputError(f"{what} {p} is a directory; give a file path such as {p / 'report.json'}")
-    if parent.exists() and not parent.is_dir():
-        raise InputError(f"{what} {p}: {parent} is a file, not a folder; choose another path")
-    if not parent.is_dir():
-        raise InputError(f"{what} {p}: the folder {parent} does not exist; create it or choose another path")
-    if p.exists() and not p.is_file():  # a device such as /dev/null: written in place
-        try:
-            with open(p, "a"):
-                pass
-        except OSError as exc:
-            raise InputError(f"{what} {p} is not writable ({exc.strerror}); choose a path you can write to") from None
-        return
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".check", dir=parent)
-        os.close(fd)
-        os.unlink(tmp)
-        if p.exists():
-            with open(p, "a"):
-                pass
-    except OSError as exc:
-        raise InputError(f"{what} {p} is not writable: cannot create a file in {parent} ({exc.strerror or exc}); "
-                         "choose a path you can write to") from None
-
-
-def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    """Write via a temporary file and rename, so a failed run never leaves half a file
-    (a path that exists and is not a regular file, such as /dev/stdout, is written in place)."""
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_file():
-        with open(p, "w") as fh:
-            json.dump(data, fh, indent=2)
-        return
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", dir=p.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is an ordinary file
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# the CLI imports its output-file helpers from here until it moves onto edgekv.output_files
+from .output_files import check_writable, write_json_atomic  # noqa: F401
+from .run_report import build_report
+from .session import Session, generate
 
 
 def encode_prompt(model: LoadedModel, text: str, chat: bool) -> torch.Tensor:
@@ -141,102 +90,6 @@ class RunResult:
     report: dict = field(default_factory=dict)
 
 
-def kv_comparison(cfg, kv_bytes: int, sequence_tokens: int) -> dict:
-    """The KV cache a run held next to what the full cache of the same sequence would hold (in
-    fp32, the format the model computes in, whatever ``--kv-dtype`` the run stored)."""
-    from .memory import kv_cache_bytes
-
-    full = kv_cache_bytes(cfg, sequence_tokens)
-    return {"kv_cache": kv_bytes, "full_cache": full, "sequence_tokens": sequence_tokens,
-            "saved_fraction": (1 - kv_bytes / full) if full else 0.0}
-
-
-def eager_engine(model: LoadedModel, policy_name: str, policy_args: dict, budget: str, block: int,
-                 max_tokens: int | None, mem_limit: int | None, question_rows: int = 0, kv_dtype: str = "fp32"):
-    """The engine of a run and its memory plan, checked against ``mem_limit`` and the machine
-    before the caches are allocated. ``max_tokens`` (prompt + output) bounds the caches; None
-    gives them their full N + B, as a saved document cache needs for any later question.
-    ``question_rows``: room for a question scoring the blocks (a query-aware policy's).
-    ``kv_dtype``: the caches' K/V format (``--kv-dtype``); a byte budget and the plan count it."""
-    from .memory import cache_capacity, check_plan
-
-    n_budget = parse_budget(budget, model.config, block, kv_dtype=kv_dtype)
-    policy = make_policy(policy_name, policy_args)
-    policy.check_budget(n_budget, block)
-    question_rows = question_rows if policy.uses_question else 0
-    capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
-                              max_tokens)
-    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype)
-    check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
-               hint="lower --budget or --block, or shorten the prompt"
-               + ("" if kv_dtype == "int8" else ", or store the cache in int8 (--kv-dtype int8)"))
-    return BlockEngine(model, policy, n_budget, block, max_tokens=max_tokens, question_rows=question_rows,
-                       kv_dtype=kv_dtype), plan
-
-
-def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
-              budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
-              progress=None, mem_limit: int | None = None, on_phase=None, kv_dtype: str = "fp32") -> RunResult:
-    """``edgekv run`` on the eager engine. The caches hold no more than prompt + output needs
-    (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
-    memory the machine has left before they are allocated. ``on_phase(name)`` is called when
-    prefill and decode start. ``kv_dtype``: ``--kv-dtype``."""
-    n_prompt = int(prompt_ids.numel())
-    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, n_prompt + max_new_tokens, mem_limit,
-                                kv_dtype=kv_dtype)
-    policy, n_budget = engine.policy, engine.budget
-    eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
-    t0 = time.perf_counter()
-    first = [True]
-
-    def token_cb(token: int) -> None:
-        if first[0] and on_phase is not None:
-            on_phase("decode")
-        first[0] = False
-        if on_token is not None:
-            on_token(token)
-
-    if on_phase is not None:
-        on_phase("prefill")
-    ids = engine.generate(prompt_ids, max_new_tokens, sampler, eos_ids=eos, on_token=token_cb, progress=progress)
-    wall = time.perf_counter() - t0
-    s = engine.stats
-    text = model.tokenizer.decode(ids, skip_special_tokens=True) if model.tokenizer is not None else ""
-    from .threads import threads_in_use
-
-    report = {
-        "engine": "eager",
-        "model": model.model_id,
-        "weight_sha256": model.weight_hash,
-        "policy": policy_name,
-        "policy_params": policy.params(),
-        "budget_tokens": n_budget,
-        "block": block,
-        "kv_dtype": engine.kv_dtype,
-        "cache_capacity": engine.capacity,
-        "prompt_tokens": n_prompt,
-        "generated_tokens": len(ids),
-        "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
-        "decode_tok_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
-        "prefill_seconds": s.prefill_seconds,
-        "decode_seconds": s.decode_seconds,
-        "wall_seconds": wall,
-        "eviction_events": s.eviction_events,
-        "cache_lengths": engine.cache_lengths(),
-        "memory": {
-            "plan": plan.to_dict(),
-            "kv_cache_allocated": engine.kv_bytes,
-            "peak_rss": peak_rss_bytes(),
-            "vs_full_cache": kv_comparison(model.config, plan.kv_cache, n_prompt + len(ids)),
-        },
-        "text": text,
-        "generated_ids": list(ids),
-        "torch_threads": torch.get_num_threads(),
-        "threads": threads_in_use(),
-    }
-    return RunResult(text=text, generated_ids=ids, report=report)
-
-
 @dataclass
 class ArtifactModel:
     """What prompt encoding and the context check need from a compiled artifact."""
@@ -251,7 +104,7 @@ RUNTIMES = ("auto", "native", "tvm")
 
 
 def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
-                  threads: int | None = None) -> tuple[object, ArtifactModel]:
+                  threads: int | None = None) -> tuple[Session, ArtifactModel]:
     """Load a compiled artifact for ``edgekv run ARTIFACT`` and describe its model: refuses a corrupt
     or mismatched one, one compiled for another target (before anything tries to load it), and one
     whose memory plan does not fit ``mem_limit`` or the machine (before its caches are allocated).
@@ -336,88 +189,89 @@ def check_artifact_settings(path, manifest: dict, *, policy: str | None, policy_
             f"or recompile with `edgekv compile MODEL ... -o DIR`")
 
 
+# ---- the one run path: any Session, a prompt or a document with its questions ------------------
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    return tuple(i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None)
+
+
+def _torch_sampler(sampler):
+    """A ``Sampler`` (torch) over a session's own logits: torch from the eager engine (taken as
+    they are), numpy from the compiled runtimes (shared, not copied)."""
+    return lambda logits: sampler(torch.as_tensor(logits))
+
+
+def run(session: Session, model, *, prompt_ids=None, document_ids=None, questions=None, max_new_tokens: int,
+        new_sampler, on_token=None, progress=None, on_phase=None, chat: bool = False, save_cache=None,
+        load_cache=None, made_from: str = "", on_question=None, on_warning=None) -> RunResult:
+    """Run ``session`` and report. ``model``: what encoded the input (a LoadedModel or an
+    ArtifactModel: its tokenizer and config). ``new_sampler()``: a fresh ``Sampler`` (one per
+    answer, so a seeded answer does not depend on the ones before it).
+
+    Without ``questions`` (None): one prompt, ``prompt_ids``, then up to ``max_new_tokens``;
+    ``on_token(token)`` streams them and ``on_phase(name)`` is called when prefill and decode start.
+
+    With ``questions`` ([(text, question-part ids)], possibly empty with ``save_cache``): a document
+    run (``document.run_document``): ``document_ids`` read once (None: ``load_cache`` holds it),
+    ``on_question(i, text)`` before question i and ``on_token(i, token)`` for its answer. A session
+    whose blocks score with a question's rows (a query-aware eager policy, an artifact compiled with
+    ``--question-rows``) reads the document once per question, knowing it."""
+    eos = _eos_ids(model.tokenizer)
+    if questions is None:
+        first = [True]
+
+        def token_cb(token: int) -> None:
+            if first[0] and on_phase is not None:
+                on_phase("decode")
+            first[0] = False
+            if on_token is not None:
+                on_token(token)
+
+        if on_phase is not None:
+            on_phase("prefill")
+        t0 = time.perf_counter()
+        ids = generate(session, prompt_ids, _torch_sampler(new_sampler()), max_new_tokens, eos_ids=eos,
+                       on_token=token_cb, progress=progress)
+        wall = time.perf_counter() - t0
+        report = build_report(session, model, prompt_tokens=int(torch.as_tensor(prompt_ids).numel()),
+                              generated_ids=ids, wall_seconds=wall)
+        return RunResult(text=report["text"], generated_ids=ids, report=report)
+
+    scoring = session.question_rows > 0 and document_ids is not None and bool(questions)
+    longest = max((len(ids) for _, ids in questions), default=0)
+    if scoring and longest > session.question_rows:  # an eager session is opened with room for the longest
+        raise InputError(f"a --question has {longest} tokens and the artifact {session.describe().get('artifact')} "
+                         f"was compiled for questions of at most {session.question_rows}; shorten it, or compile "
+                         f"again with --question-rows {longest} or more")
+    doc = run_document(session, document_ids=document_ids, questions=questions,
+                       new_sampler=lambda: _torch_sampler(new_sampler()), max_new_tokens=max_new_tokens,
+                       eos_ids=eos, chat=chat, save_cache=save_cache, load_cache=load_cache, made_from=made_from,
+                       progress=progress, on_token=on_token, on_question=on_question, question_scoring=scoring,
+                       on_warning=on_warning)
+    report = build_report(session, model, document=doc, question_scoring=scoring)
+    return RunResult(text=report["text"], generated_ids=[t for a in doc.answers for t in a.generated_ids],
+                     report=report)
+
+
+# ---- the entry points the CLI calls: open the session, then ``run`` ----------------------------
+
+def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
+              budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
+              progress=None, mem_limit: int | None = None, on_phase=None, kv_dtype: str = "fp32") -> RunResult:
+    """``edgekv run`` on the eager engine. The caches hold no more than prompt + output needs
+    (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
+    memory the machine has left before they are allocated. ``kv_dtype``: ``--kv-dtype``."""
+    session = open_eager_session(model, policy_name, policy_args, budget, block,
+                                 int(prompt_ids.numel()) + max_new_tokens, mem_limit, kv_dtype=kv_dtype)
+    return run(session, model, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, new_sampler=lambda: sampler,
+               on_token=on_token, progress=progress, on_phase=on_phase)
+
+
 def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_new_tokens: int, sampler: Sampler,
                  on_token=None, progress=None, on_phase=None) -> RunResult:
-    """The compiled counterpart of ``run_eager``: same report keys, measured by the runtime."""
-    from .threads import threads_in_use
-
-    first = [True]
-    user_on_token = on_token
-
-    def on_token(token: int) -> None:  # noqa: F811 - wraps the caller's callback
-        if first[0] and on_phase is not None:
-            on_phase("decode")
-        first[0] = False
-        if user_on_token is not None:
-            user_on_token(token)
-
-    if on_phase is not None:
-        on_phase("prefill")
-    eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
-    t0 = time.perf_counter()
-    ids = rt.generate(prompt_ids.numpy(), max_new_tokens, sampler=lambda logits: sampler(torch.from_numpy(logits)),
-                      eos_ids=eos, on_token=on_token, progress=progress)
-    wall = time.perf_counter() - t0
-    s = rt.stats
-    plan = rt.manifest["memory_plan"]
-    text = described.tokenizer.decode(ids, skip_special_tokens=True) if described.tokenizer is not None else ""
-    native = hasattr(rt, "memory_plan")
-    report = {
-        "engine": "compiled",
-        "runtime": "native" if native else "tvm",
-        "artifact": str(rt.path),
-        "target": rt.manifest["target"],
-        "model": described.model_id,
-        "weight_sha256": rt.manifest["model"]["weight_hash"],
-        "policy": rt.manifest["policy"]["name"],
-        "policy_params": rt.manifest["policy"]["params"],
-        "budget_tokens": rt.budget,
-        "block": rt.block,
-        "kv_dtype": rt.manifest.get("kv_dtype", "fp32"),
-        "prompt_tokens": int(prompt_ids.numel()),
-        "generated_tokens": len(ids),
-        "prefill_tok_s": s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else None,
-        "decode_tok_s": s.decode_tokens / s.decode_seconds if s.decode_seconds else None,
-        "prefill_seconds": s.prefill_seconds,
-        "decode_seconds": s.decode_seconds,
-        "wall_seconds": wall,
-        "cache_lengths": rt.cache_lengths(),
-        "device": rt.info["device"] if native else "cpu",
-        "memory": {
-            "plan": _compiled_plan(rt),
-            "peak_rss": max(s.peak_rss_bytes, peak_rss_bytes()),
-            **({"device_peak": int(s.device_bytes_peak)} if native and s.device_bytes_peak else {}),
-            "vs_full_cache": kv_comparison(described.config, plan["cache_bytes"], int(prompt_ids.numel()) + len(ids)),
-        },
-        "text": text,
-        "generated_ids": list(ids),
-        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
-    }
-    return RunResult(text=text, generated_ids=ids, report=report)
-
-
-# ---- a document read once, questions answered from its state (edgekv/document.py) ----------------
-
-def document_report(doc, tokenizer, cfg, kv_bytes: int) -> dict:
-    """The report keys a one-shot run has, for a document run (the document is the prompt; the
-    answers are the output), plus the document's own section. Fills each answer's text."""
-    answers = doc.answers
-    for a in answers:
-        a.text = tokenizer.decode(a.generated_ids, skip_special_tokens=True) if tokenizer is not None else ""
-    decoded = sum(max(0, len(a.generated_ids) - 1) for a in answers)
-    decode_s = sum(a.decode_seconds for a in answers)
-    longest = max((a.question_tokens + len(a.generated_ids) for a in answers), default=0)
-    return {
-        "prompt_tokens": doc.document_tokens,
-        "generated_tokens": sum(len(a.generated_ids) for a in answers),
-        "prefill_tok_s": doc.document_tokens / doc.prefill_seconds if doc.prefill_seconds else None,
-        "decode_tok_s": decoded / decode_s if decode_s else None,
-        "prefill_seconds": doc.prefill_seconds,
-        "decode_seconds": decode_s,
-        "text": "\n\n".join(a.text for a in answers),
-        "vs_full_cache": kv_comparison(cfg, kv_bytes, doc.document_tokens + longest),
-        "document": doc.to_dict(),
-    }
+    """The compiled counterpart of ``run_eager`` (``rt`` from ``open_artifact``)."""
+    return run(rt, described, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, new_sampler=lambda: sampler,
+               on_token=on_token, progress=progress, on_phase=on_phase)
 
 
 def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_name: str, policy_args: dict,
@@ -426,34 +280,15 @@ def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_na
                        progress=None, mem_limit: int | None = None, on_warning=None,
                        kv_dtype: str = "fp32") -> RunResult:
     """``edgekv run MODEL --question ...`` / ``--save-cache`` / ``--load-cache`` on the eager engine.
-    The caches get their full N + B (a saved state must take any later question). A query-aware
-    policy reads the document knowing each question (``document.run_document``, question scoring)."""
-    from .document import run_document
-    from .threads import threads_in_use
-
+    The caches get their full N + B (a saved state must take any later question), and room for the
+    longest question's rows when a query-aware policy reads the document knowing it."""
     longest = max((len(ids) for _, ids in questions), default=0)
-    engine, plan = eager_engine(model, policy_name, policy_args, budget, block, None, mem_limit,
-                                question_rows=longest if document_ids is not None else 0, kv_dtype=kv_dtype)
-    eos = tuple(i for i in [getattr(model.tokenizer, "eos_token_id", None)] if i is not None)
-    scoring = engine.policy.uses_question and document_ids is not None and bool(questions)
-    doc = run_document(engine, document_ids=document_ids, questions=questions, new_sampler=new_sampler,
-                       max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
-                       load_cache=load_cache, made_from=made_from, progress=progress, on_token=on_token,
-                       on_question=on_question, question_scoring=scoring, on_warning=on_warning)
-    fields = document_report(doc, model.tokenizer, model.config, plan.kv_cache)
-    report = {
-        "engine": "eager", "model": model.model_id, "weight_sha256": model.weight_hash, "policy": policy_name,
-        "policy_params": engine.policy.params(), "budget_tokens": engine.budget, "block": block,
-        "kv_dtype": engine.kv_dtype, "cache_capacity": engine.capacity,
-        **{k: v for k, v in fields.items() if k != "vs_full_cache"},
-        "question_scoring": scoring,
-        "eviction_events": engine.stats.eviction_events, "cache_lengths": engine.cache_lengths(),
-        "memory": {"plan": plan.to_dict(), "kv_cache_allocated": engine.kv_bytes, "peak_rss": peak_rss_bytes(),
-                   "vs_full_cache": fields["vs_full_cache"]},
-        "torch_threads": torch.get_num_threads(), "threads": threads_in_use(),
-    }
-    return RunResult(text=report["text"], generated_ids=[t for a in doc.answers for t in a.generated_ids],
-                     report=report)
+    session = open_eager_session(model, policy_name, policy_args, budget, block, None, mem_limit,
+                                 question_rows=longest if document_ids is not None else 0, kv_dtype=kv_dtype)
+    return run(session, model, document_ids=document_ids, questions=questions, max_new_tokens=max_new_tokens,
+               new_sampler=new_sampler, chat=chat, save_cache=save_cache, load_cache=load_cache,
+               made_from=made_from, on_token=on_token, on_question=on_question, progress=progress,
+               on_warning=on_warning)
 
 
 def run_compiled_document(rt, described: ArtifactModel, document_ids, questions, *, max_new_tokens: int,
@@ -461,51 +296,8 @@ def run_compiled_document(rt, described: ArtifactModel, document_ids, questions,
                           on_question=None, progress=None, on_warning=None) -> RunResult:
     """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime). An
     artifact compiled with ``--question-rows`` reads the document once per question, knowing it,
-    as the eager engine does (``question_scoring``); one compiled without scores with the blocks'
-    own rows (the caller warns). A question longer than the artifact's rows is refused before any
-    reading, with the fix."""
-    from .document import run_document
-    from .errors import InputError
-    from .threads import threads_in_use
-
-    q_rows = int(rt.manifest.get("question_rows", 0))
-    scoring = q_rows > 0 and document_ids is not None and bool(questions)
-    longest = max((len(ids) for _, ids in questions), default=0)
-    if scoring and longest > q_rows:
-        raise InputError(f"a --question has {longest} tokens and the artifact {rt.path} was compiled for questions "
-                         f"of at most {q_rows}; shorten it, or compile again with --question-rows {longest} or more")
-    eos = tuple(i for i in [getattr(described.tokenizer, "eos_token_id", None)] if i is not None)
-    doc = run_document(rt, document_ids=None if document_ids is None else np.asarray(document_ids),
-                       questions=questions, new_sampler=lambda: _numpy_sampler(new_sampler()),
-                       max_new_tokens=max_new_tokens, eos_ids=eos, chat=chat, save_cache=save_cache,
-                       load_cache=load_cache, progress=progress, on_token=on_token, on_question=on_question,
-                       question_scoring=scoring, on_warning=on_warning)
-    plan = rt.manifest["memory_plan"]
-    native = hasattr(rt, "memory_plan")
-    fields = document_report(doc, described.tokenizer, described.config, plan["cache_bytes"])
-    report = {
-        "engine": "compiled", "runtime": "native" if native else "tvm", "artifact": str(rt.path),
-        "target": rt.manifest["target"], "model": described.model_id,
-        "weight_sha256": rt.manifest["model"]["weight_hash"], "policy": rt.manifest["policy"]["name"],
-        "policy_params": rt.manifest["policy"]["params"], "budget_tokens": rt.budget, "block": rt.block,
-        "kv_dtype": rt.manifest.get("kv_dtype", "fp32"), "question_scoring": scoring, "question_rows": q_rows,
-        **{k: v for k, v in fields.items() if k != "vs_full_cache"}, "cache_lengths": rt.cache_lengths(),
-        "memory": {"plan": _compiled_plan(rt), "peak_rss": max(rt.stats.peak_rss_bytes, peak_rss_bytes()),
-                   "vs_full_cache": fields["vs_full_cache"]},
-        "threads": {**threads_in_use(), **({"native": rt.threads} if native else {})},
-    }
-    return RunResult(text=report["text"], generated_ids=[t for a in doc.answers for t in a.generated_ids],
-                     report=report)
-
-
-def _numpy_sampler(sampler):
-    return lambda logits: sampler(torch.from_numpy(logits))
-
-
-def _compiled_plan(rt) -> dict:
-    """The plan of a compiled run: the native runtime's own (exact), else the manifest's."""
-    if hasattr(rt, "memory_plan"):
-        return rt.memory_plan()
-    plan = rt.manifest["memory_plan"]
-    return {"weights": plan["weights_bytes"], "kv_cache": plan["cache_bytes"],
-            "activations": plan["activation_bytes"], "total": plan["total_bytes"]}
+    as the eager engine does; one compiled without scores with the blocks' own rows (the caller
+    warns). A question longer than the artifact's rows is refused before any reading."""
+    return run(rt, described, document_ids=document_ids, questions=questions, max_new_tokens=max_new_tokens,
+               new_sampler=new_sampler, chat=chat, save_cache=save_cache, load_cache=load_cache,
+               on_token=on_token, on_question=on_question, progress=progress, on_warning=on_warning)

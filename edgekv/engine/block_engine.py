@@ -393,21 +393,13 @@ class BlockEngine:
         return logits
 
     def generate(self, prompt_ids, max_new_tokens: int, sampler=None, eos_ids=(), on_token=None, progress=None):
-        """Prefill then decode; returns the generated ids (the EOS token ends it and is included)."""
+        """Prefill then decode (``edgekv.session.generate``, greedy unless a sampler is given);
+        returns the generated ids (the EOS token ends it and is included)."""
+        from ..session import generate
         from .sampling import Sampler
 
-        sampler = sampler or Sampler()
-        logits = self.prefill(prompt_ids, progress=progress)
-        out: list[int] = []
-        for i in range(max_new_tokens):
-            token = sampler(logits)
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in eos_ids or i == max_new_tokens - 1:
-                break
-            logits = self.decode(token)
-        return out
+        return generate(self, prompt_ids, sampler or Sampler(), max_new_tokens, eos_ids=eos_ids, on_token=on_token,
+                        progress=progress)
 
 
 def snapshot_kv_dtype(path) -> str:

@@ -197,7 +197,8 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
     ``workers`` / ``ray``: where the prompts run (``workers.make_pool``; 1 and no Ray: here)."""
     import torch
 
-    from ..job import check_context, write_json_atomic
+    from ..job import check_context
+    from ..output_files import write_json_atomic
     from ..models import load_model
     from . import report
 

@@ -5,6 +5,9 @@
     logits = rt.decode(token_id)            # one compiled call per token
     ids = rt.generate(prompt_ids, 64)
 
+It is a ``Session`` (``edgekv/session.py``): the token loop, documents and run reports are shared
+with the eager engine and the native runtime.
+
 The caches (per layer K, V [H, N, d], positions [H, N], fill [1], and the policy's state: for a
 policy with per-entry state such as H2O one state [S, H, N] float32, for D2O its own per-layer
 tensors — the manifest's ``cache_fields``) are allocated once at load
@@ -424,20 +427,32 @@ class HostRuntime:
 
     def generate(self, prompt_ids, max_new_tokens: int, sampler: Callable[[np.ndarray], int] | None = None,
                  eos_ids=(), on_token=None, progress=None) -> list[int]:
-        """Prefill then decode (greedy unless a sampler is given); EOS ends it and is included."""
-        sampler = sampler or (lambda logits: int(np.argmax(logits)))
-        logits = self.prefill(prompt_ids, progress=progress)
-        out: list[int] = []
-        for i in range(max_new_tokens):
-            tok = int(sampler(logits))
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if tok in eos_ids or i == max_new_tokens - 1:
-                break
-            logits = self.decode(tok)
+        """Prefill then decode (``edgekv.session.generate``, greedy unless a sampler is given); EOS
+        ends it and is included."""
+        from ..session import generate
+
+        out = generate(self, prompt_ids, sampler or (lambda logits: int(np.argmax(logits))), max_new_tokens,
+                       eos_ids=eos_ids, on_token=on_token, progress=progress)
         self._sample_rss()
         return out
+
+    # ---- the Session face (edgekv/session.py) ------------------------------------------------
+    def describe(self) -> dict:
+        from .artifact_report import artifact_identity
+
+        return artifact_identity(self.manifest, self.path, "tvm", self.budget, self.block)
+
+    def session_stats(self):
+        from ..session import SessionStats
+        from .artifact_report import manifest_memory_plan, planned_kv_bytes
+
+        self._sample_rss()
+        s = self.stats
+        return SessionStats(prefill_tokens=s.prefill_tokens, prefill_seconds=s.prefill_seconds,
+                            decode_tokens=s.decode_tokens, decode_seconds=s.decode_seconds,
+                            cache_lengths=self.cache_lengths(), memory_plan=manifest_memory_plan(self.manifest),
+                            planned_kv_bytes=planned_kv_bytes(self.manifest), peak_rss_bytes=s.peak_rss_bytes,
+                            device="cpu", question_rows=self.question_rows)
 
     def report(self) -> dict[str, Any]:
         """Plan vs measured, per phase (same keys as the eager engine's report where they overlap)."""

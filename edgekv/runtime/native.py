@@ -170,8 +170,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 class NativeRuntime:
-    """A compiled artifact run by the native runtime (libedgekv_runtime) — the same interface as
-    ``HostRuntime`` (prefill, decode, generate, stats, kept positions, report), no TVM in the process.
+    """A compiled artifact run by the native runtime (libedgekv_runtime) — a ``Session``
+    (``edgekv/session.py``) as ``HostRuntime`` is, with its kept positions, no TVM in the process.
 
         rt = NativeRuntime("build/kd", threads=2)
         ids = rt.generate(prompt_ids, 64)
@@ -314,19 +314,12 @@ class NativeRuntime:
         return self._logits()
 
     def generate(self, prompt_ids, max_new_tokens: int, sampler=None, eos_ids=(), on_token=None, progress=None):
-        """Prefill then decode (greedy unless a sampler is given); EOS ends it and is included."""
-        sampler = sampler or (lambda logits: int(self._np.argmax(logits)))
-        logits = self.prefill(prompt_ids, progress=progress)
-        out: list[int] = []
-        for i in range(max_new_tokens):
-            tok = int(sampler(logits))
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if tok in eos_ids or i == max_new_tokens - 1:
-                break
-            logits = self.decode(tok)
-        return out
+        """Prefill then decode (``edgekv.session.generate``, greedy unless a sampler is given); EOS
+        ends it and is included."""
+        from ..session import generate
+
+        return generate(self, prompt_ids, sampler or (lambda logits: int(self._np.argmax(logits))), max_new_tokens,
+                        eos_ids=eos_ids, on_token=on_token, progress=progress)
 
     def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
         """Save the cache state to one file, atomically (``ekv_session_save``; it records the
@@ -376,6 +369,24 @@ class NativeRuntime:
         d["prefill_tok_per_s"] = d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else None
         d["decode_tok_per_s"] = d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None
         return SimpleNamespace(**d)
+
+    # ---- the Session face (edgekv/session.py) ------------------------------------------------
+    def describe(self) -> dict:
+        from .artifact_report import artifact_identity
+
+        return artifact_identity(self.manifest, self.path, "native", self.budget, self.block)
+
+    def session_stats(self):
+        from ..session import SessionStats
+        from .artifact_report import planned_kv_bytes
+
+        s = self.stats
+        return SessionStats(prefill_tokens=s.prefill_tokens, prefill_seconds=s.prefill_seconds,
+                            decode_tokens=s.decode_tokens, decode_seconds=s.decode_seconds,
+                            cache_lengths=self.cache_lengths(), memory_plan=self.memory_plan(),
+                            planned_kv_bytes=planned_kv_bytes(self.manifest), peak_rss_bytes=s.peak_rss_bytes,
+                            device=self.info["device"], device_bytes_peak=int(s.device_bytes_peak),
+                            question_rows=self.question_rows, threads={"native": self.threads})
 
     def memory_plan(self) -> dict:
         """The native plan: mapped weights, one session's caches and arena (exact bytes)."""

@@ -60,7 +60,8 @@ def _policies(names: list[str]) -> list[str]:
 
 def simulate(req: SimRequest, console: Console | None = None, err: Console | None = None, say=None) -> dict:
     """Run the request; returns the result. ``say(line)``: one line per phase (the CLI's)."""
-    from ..job import check_context, check_writable, encode_prompt
+    from ..job import check_context, encode_prompt
+    from ..output_files import check_writable
 
     console = console or Console()
     err = err or Console(stderr=True)

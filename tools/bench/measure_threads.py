@@ -219,7 +219,7 @@ def main() -> None:
               "commit": _commit(), "before_rev": args.before_rev, "job": eager, "artifact": str(args.artifact or ""),
               "busy": args.busy, "repeats": args.repeats, "rows": rows, "provenance": origin}
     result["summary"] = summary(rows)
-    from edgekv.job import write_json_atomic
+    from edgekv.output_files import write_json_atomic
 
     write_json_atomic(args.json, result)
     args.md.write_text(markdown(result))

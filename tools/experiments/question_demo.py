@@ -24,7 +24,7 @@ from pathlib import Path
 from edgekv.evaluation.report import provenance
 from edgekv.evaluation.tasks import INTRO, build_passkey, extract_key
 from edgekv.evaluation.tasks import QUESTION as EVAL_QUESTION
-from edgekv.job import write_json_atomic
+from edgekv.output_files import write_json_atomic
 from edgekv.models import load_model
 from edgekv.models.chat import QUESTION_SEPARATOR
 

@@ -56,7 +56,7 @@ def load(path: Path) -> dict:
 
 
 def save(path: Path, data: dict) -> None:
-    from edgekv.job import write_json_atomic
+    from edgekv.output_files import write_json_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, data)
