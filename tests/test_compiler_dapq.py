@@ -176,7 +176,7 @@ def _rel(a, b):
 ], ids=["default", "variant"])
 def test_kept_positions_and_logits_match_engine(model, prompt, policy, budget):
     rt = _runtime(model, policy, budget)
-    assert rt.manifest["extra_rows"] == policy.window
+    assert rt.manifest.extra_rows == policy.window
     eng = BlockEngine(model, DapQPolicy(**policy.params()), budget, B)
     eng.policy.prepare(prompt, eng)
     rt.prepare(prompt.numpy())

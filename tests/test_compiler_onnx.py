@@ -104,7 +104,7 @@ def test_full_budget_equals_onnxruntime(model, onnx_dirs, prompt, form):
         seq.append(int(np.argmax(logits)))
         logits = rt.decode(seq[-1])
         assert _rel(logits, onnxruntime_logits(onnx_dirs[form], seq)[-1]) < 1e-4
-    manifest = rt.manifest
+    manifest = rt.manifest.raw
     assert manifest["model"]["source"]["format"] == "onnx" and manifest["model"]["source"]["form"] == form
 
 

@@ -87,8 +87,8 @@ def check_against_engine(model, rt, name, question):
 def test_compiled_question_rows_keep_the_engines_sets(model, name, tmp_path_factory):
     art = built(model, name, tmp_path_factory)
     rt = HostRuntime(art)
-    assert rt.manifest["question_rows"] == Q and rt.manifest["extra_rows"] == max(Q, ARGS.get(name, {}).get("window", 0)
-                                                                                  if name == "dapq" else 0)
+    assert rt.manifest.question_rows == Q and rt.manifest.extra_rows == max(Q, ARGS.get(name, {}).get("window", 0)
+                                                                              if name == "dapq" else 0)
     with_q = check_against_engine(model, rt, name, QUESTION)
     rt.reset()
     without = check_against_engine(model, rt, name, None)  # padding rows only: the engine without a question

@@ -55,9 +55,12 @@ def test_a_full_manifest_reads_with_its_types_and_defaults():
     assert m.memory_plan.total_bytes == 1500 and m.files["library"].name == "model.so"
     assert m.target.kind == "llvm" and m.target.mtriple is None and m.prepare_min_prompt == 64
     assert undefined_keys(GOOD) == []
-    old = {k: v for k, v in GOOD.items() if k not in ("kv_dtype", "question_rows", "extra_rows", "prepare", "files")}
+    assert m.cache_fields == [("k", "float32")] and m.cache_init == {}
+    old = {k: v for k, v in GOOD.items()
+           if k not in ("kv_dtype", "question_rows", "extra_rows", "prepare", "files", "cache_fields", "cache_init")}
     m = Manifest.from_json(old)  # keys added since default as the runtimes always took them
     assert (m.kv_dtype, m.question_rows, m.extra_rows, m.prepare_min_prompt, m.files) == ("fp32", 0, 0, None, {})
+    assert (m.cache_fields, m.cache_init, m.pseudo_window) == (None, {}, 0)
 
 
 def test_undefined_keys_are_found_inside_objects_edgekv_owns():
@@ -85,6 +88,7 @@ def test_undefined_keys_are_found_inside_objects_edgekv_owns():
     (("attention_sites", 0, "head_dim"), "16", "'attention_sites[0].head_dim' is str"),
     (("pseudo_rows",), 4, "'pseudo_rows' is int 4, expected an object"),
     (("kv_dtype",), None, "'kv_dtype' is null, expected a string"),
+    (("cache_fields",), [["k"]], "'cache_fields' is not a list of [name, dtype] pairs"),
 ])
 def test_a_mistyped_field_is_refused_by_name(path, value, message):
     m = copy.deepcopy(GOOD)

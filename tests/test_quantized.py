@@ -193,11 +193,12 @@ def test_smollm2_gguf_blocks_are_taken_exactly(smol):
 def test_simulate_estimates_read_the_stored_weight_bytes(tied):
     """`edgekv simulate ARTIFACT` estimates decode from the bytes a step reads: a q4 artifact's
     weights are its plan's (4-bit) bytes, not 4 bytes per parameter."""
+    from edgekv.artifact import Manifest
     from edgekv.simulate.work import work_from_manifest
 
     pol = make_policy("keydiff")
     q4, fp32 = (compile_model(tied, pol, 24, 8, TARGET, weights=w).manifest for w in ("q4", "fp32"))
-    dq, df = (work_from_manifest(m, tied.config).decode(24, True) for m in (q4, fp32))
+    dq, df = (work_from_manifest(Manifest.from_json(m), tied.config).decode(24, True) for m in (q4, fp32))
     saved = fp32["memory_plan"]["weights_bytes"] - q4["memory_plan"]["weights_bytes"]
     assert dq.flops == df.flops
     # everything but the weights is counted alike; the table moves into the weights for both

@@ -472,6 +472,15 @@ def _check(obj: dict, cls: type, where: str, source: str) -> None:
                 _check(item, f.keys, f"{path}[{i}].", source)
 
 
+def _cache_fields(value: list | None, source: str) -> list[tuple[str, str]] | None:
+    if value is None:
+        return None
+    if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value):
+        raise ArtifactError(f"{source}: '{Keys.CACHE_FIELDS}' is not a list of [name, dtype] pairs; the manifest is "
+                            f"damaged or was not written by edgekv: {_recompile(source)}")
+    return [(name, dtype) for name, dtype in value]
+
+
 @dataclass(frozen=True)
 class BuildTarget:
     profile: str | None
@@ -532,10 +541,17 @@ class Manifest:
     weights: dict | None
     work: dict | None
     prepare_min_prompt: int | None
+    cache_fields: list[tuple[str, str]] | None  # None: an artifact from before policies carried state
+    cache_init: dict[str, list]
 
     @property
     def toolchain(self) -> dict:
         return self.device.get(Keys.Device.TOOLCHAIN) or {}
+
+    @property
+    def pseudo_window(self) -> int:
+        """Extra rows that hold pseudo queries (``pseudo_rows.rows``; 0: none)."""
+        return int((self.pseudo_rows or {}).get(Keys.PseudoRows.ROWS, 0))
 
     @classmethod
     def from_json(cls, data: Any, source: str = MANIFEST) -> "Manifest":
@@ -573,6 +589,8 @@ class Manifest:
             device=data.get(K.DEVICE) or {},
             weights=data.get(K.WEIGHTS), work=data.get(K.WORK),
             prepare_min_prompt=None if prepare is None else prepare[K.Prepare.MIN_PROMPT],
+            cache_fields=_cache_fields(data.get(K.CACHE_FIELDS), source),
+            cache_init=dict(data.get(K.CACHE_INIT) or {}),
         )
 
     @classmethod

@@ -21,7 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..artifact import MANIFEST
+from ..artifact import ArtifactError, Keys, Manifest
+from ..artifact.manifest import ToolchainStatus
 from .backend.artifact_writer import BuildResult, build_manifest, write_artifact
 from .backend.target import CompileTarget, is_gpu_target
 from .errors import CompileError, ToolchainNeededWarning
@@ -123,18 +124,19 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
 
     ex, info, lowered = built.executable, built.device, built.lowered
     code = device_code(ex, tgt.tvm)
-    info["code"] = {name: len(data) for name, data in code.items()}
+    D, T = Keys.Device, Keys.Toolchain
+    info[D.CODE] = {name: len(data) for name, data in code.items()}
     if tgt.kind == "llvm":
-        info["elf_machine"] = sorted({elf_machine(d) for d in code.values()} - {None})
-        info["device_functions"] = "all (the whole module is compiled for the device CPU/DSP)"
+        info[D.ELF_MACHINE] = sorted({elf_machine(d) for d in code.values()} - {None})
+        info[D.DEVICE_FUNCTIONS] = "all (the whole module is compiled for the device CPU/DSP)"
     else:
         stray = host_functions_on_host(ex)
         if stray:
             raise CompileError(f"functions compiled for the host in a {tgt.kind} build: {', '.join(stray)}")
-    tool = dict(tgt.profile.get("toolchain", {}))
-    needs = "env" in tool
-    tool["status"] = "needs-toolchain" if needs else "complete"
-    info["toolchain"] = tool
+    tool = dict(tgt.profile.get("toolchain", {}))  # the profile's toolchain keys are the manifest's
+    needs = T.ENV in tool
+    tool[T.STATUS] = ToolchainStatus.NEEDS_TOOLCHAIN if needs else ToolchainStatus.COMPLETE
+    info[D.TOOLCHAIN] = tool
     manifest = build_manifest(model, policy, built.spec, budget, block, tgt.profile, target, tgt.tvm, lowered,
                               built.plan, host=tgt.host, device=info, weights=built.weights)
     # a CPU or OpenCL build carries the flat program (program.ekv) the native runtime runs
@@ -143,14 +145,15 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
     if built.device_kernels is not None:
         source = next(n for n in code if n.endswith("." + SOURCE_SUFFIX[tgt.kind]))
         result.device_kernels = {"kind": tgt.kind, "source": f"{DEVICE_DIR}/{source}",
-                                 "kernels": built.device_kernels, "kinds": info.get("edgekv_kernels", {})}
-        manifest["device"]["native_runtime"] = {"device": tgt.kind, "kernels": len(built.device_kernels)}
+                                 "kernels": built.device_kernels, "kinds": info.get(D.EDGEKV_KERNELS, {})}
+        manifest[Keys.DEVICE][D.NATIVE_RUNTIME] = {Keys.NativeRuntime.DEVICE: tgt.kind,
+                                                   Keys.NativeRuntime.KERNELS: len(built.device_kernels)}
     if out_dir is not None:
         out = Path(out_dir)
         (out / DEVICE_DIR).mkdir(parents=True, exist_ok=True)
         for name, data in code.items():
             (out / DEVICE_DIR / name).write_bytes(data)
-        manifest["device"]["files"] = sorted(f"{DEVICE_DIR}/{n}" for n in code)
+        manifest[Keys.DEVICE][D.FILES] = sorted(f"{DEVICE_DIR}/{n}" for n in code)
         write_artifact(result, lowered.params, tgt.tvm, getattr(model, "tokenizer", None))
         msg = toolchain_message(manifest, out)
         say(msg)
@@ -165,12 +168,12 @@ def compile_or_reuse(model: Any, policy: Any, budget: int, block: int, out_dir: 
     parameters), N, B and KV format, else (or with ``rebuild``, after a kernel changed) compiled
     anew — for benchmark tools that run several artifacts of one model."""
     out = Path(out_dir)
-    manifest = out / MANIFEST
-    if manifest.exists() and not rebuild:
-        m = json.loads(manifest.read_text())
-        if (m["policy"]["name"], m["policy"]["params"], m["budget"], m["block"], m.get("kv_dtype", "fp32"),
-                m["model"]["weight_hash"]) == (policy.name, json.loads(json.dumps(policy.params())), budget, block,
-                                               kv_dtype, model.weight_hash):
-            return out
+    try:
+        m = None if rebuild else Manifest.read(out)
+    except ArtifactError:  # none yet, unreadable, or of another format version: compile it
+        m = None
+    if m is not None and (m.policy_name, m.policy_params, m.budget, m.block, m.kv_dtype, m.weight_hash) == (
+            policy.name, json.loads(json.dumps(policy.params())), budget, block, kv_dtype, model.weight_hash):
+        return out
     compile_model(model, policy, budget, block, out_dir=out, kv_dtype=kv_dtype, **kwargs)
     return out

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import tvm
 from tvm import relax
 
+from ..artifact import Keys
 from .errors import CompileError
 from .frontend.export import check_imported_rows, import_model
 from .passes.attention_sites import AttentionSite
@@ -120,15 +121,16 @@ def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layo
     — fp32 column panels on this CPU (``pack_weights.py``; elsewhere fp32 stays as TVM lays it
     out) or quantised blocks (``quantize_weights.py``) — rewriting ``lowered.mod`` and
     ``lowered.params`` in place. Returns the manifest's ``weights`` entry."""
+    W = Keys.Weights
     if weights == "fp32" and layout != "host":
-        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+        return {W.FORMAT: "fp32", W.TENSORS: {"fp32": len(lowered.params)}}
     if weights == "fp32":
         from .passes.pack_weights import PackWeights, pack_params
 
         packer = PackWeights(list(FUNCTIONS), cores)
         lowered.mod = packer(lowered.mod)
         lowered.params = pack_params(lowered.params, packer.packed)
-        return {"format": "fp32", "tensors": {"fp32": len(lowered.params)}}
+        return {W.FORMAT: "fp32", W.TENSORS: {"fp32": len(lowered.params)}}
     from .passes.quantize_weights import QuantizeWeights, quantize_params
     from .quant_formats import GROUP, open_source_blocks
 
@@ -139,11 +141,11 @@ def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layo
     for q in quantizer.plan.values():
         kinds[q.fmt.ggml] = kinds.get(q.fmt.ggml, 0) + 1
     kinds["fp32"] = len([n for n, a in lowered.params if str(getattr(a, "dtype", "")) == "float32"])
-    return {"format": weights, "group": GROUP, "scale_dtype": "float32" if layout == "gpu" else "float16",
-            "layout": "rows" if layout == "gpu" else "panels", "tensors": kinds,
+    return {W.FORMAT: weights, W.GROUP: GROUP, W.SCALE_DTYPE: "float32" if layout == "gpu" else "float16",
+            W.LAYOUT: "rows" if layout == "gpu" else "panels", W.TENSORS: kinds,
             # blocks taken from the source GGUF as they are, and tensors quantised here from fp32
-            "blocks_from_source": origin["gguf"], "quantized_here": origin["quantized"],
-            "bytes": int(sum(int(a.nbytes) for _, a in lowered.params))}
+            W.BLOCKS_FROM_SOURCE: origin["gguf"], W.QUANTIZED_HERE: origin["quantized"],
+            W.BYTES: int(sum(int(a.nbytes) for _, a in lowered.params))}
 
 
 def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *, weights: str,
@@ -166,10 +168,11 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
 
     # 6: memory plan
     plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
-    if mem_limit is not None and plan["total_bytes"] > mem_limit:
+    P = Keys.MemoryPlan
+    if mem_limit is not None and plan[P.TOTAL_BYTES] > mem_limit:
         q4 = weights == "q4" or target.weight_layout is None
-        raise CompileError(f"the static memory plan needs {plan['total_bytes']} bytes (weights {plan['weights_bytes']}, "
-                           f"cache {plan['cache_bytes']}, activations {plan['activation_bytes']}), above the limit "
+        raise CompileError(f"the static memory plan needs {plan[P.TOTAL_BYTES]} bytes (weights {plan[P.WEIGHTS_BYTES]}, "
+                           f"cache {plan[P.CACHE_BYTES]}, activations {plan[P.ACTIVATION_BYTES]}), above the limit "
                            f"{mem_limit}; lower --budget or --block" + ("" if q4 else ", or use --weights q4"))
 
     # 7: the policy's per-prompt function (D2O's probe → layer budgets), over the final weight
@@ -200,10 +203,11 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     mod = lowered.mod
     tvm_target = target.tvm_target()
     final: dict = {}
-    info: dict[str, Any] = {"kind": target.kind}
+    D = Keys.Device
+    info: dict[str, Any] = {D.KIND: target.kind}
     if target.demote_float64:
         mod = demote_float64(mod)
-        info["float64_demoted"] = True
+        info[D.FLOAT64_DEMOTED] = True
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
@@ -220,7 +224,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
         final["device_kernels"] = kernels
     else:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check))
-    info["edgekv_kernels"] = replace.replaced
-    info["device_functions"] = check.device_functions
-    info["symbolic_shapes"] = check.symbolic
+    info[D.EDGEKV_KERNELS] = replace.replaced
+    info[D.DEVICE_FUNCTIONS] = check.device_functions
+    info[D.SYMBOLIC_SHAPES] = check.symbolic
     return ex, final, info

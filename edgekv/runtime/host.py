@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..artifact import ArtifactError, is_artifact, read_manifest, verify_artifact  # noqa: F401 - re-exported
+from ..artifact import ArtifactError, Keys, Manifest, is_artifact, verify_artifact  # noqa: F401 - re-exported
 
 # an artifact without "cache_fields" (before policies carried compiled state) holds these
 DEFAULT_CACHE_FIELDS = [("k", "float32"), ("v", "float32"), ("pos", "int32"), ("fill", "int32")]
@@ -72,7 +72,7 @@ class HostRuntime:
 
         t0 = time.perf_counter()
         path = Path(artifact)
-        manifest = read_manifest(path)
+        manifest = Manifest.read(path)
         if device is None:  # a device artifact on this CPU: say where it runs instead of TVM's linker output
             from ..artifact_target import artifact_runs_here, device_artifact_message, needs_native_device
 
@@ -82,44 +82,45 @@ class HostRuntime:
             if not artifact_runs_here(manifest):
                 raise ArtifactError(device_artifact_message(path, manifest))
         verify_artifact(path, manifest, check_hashes=check_hashes, tvm_version=str(tvm.__version__))
-        if expected_weight_hash and expected_weight_hash != manifest["model"]["weight_hash"]:
+        if expected_weight_hash and expected_weight_hash != manifest.weight_hash:
             raise ArtifactError("the artifact was compiled from different weights than the model given "
-                                f"({manifest['model']['weight_hash'][:12]}… vs {expected_weight_hash[:12]}…)")
-        files = manifest["files"]
+                                f"({manifest.weight_hash[:12]}… vs {expected_weight_hash[:12]}…)")
+        library, params = path / manifest.files[Keys.Files.LIBRARY].name, path / manifest.files[Keys.Files.PARAMS].name
         try:
-            lib = tvm.runtime.load_module(str(path / files["library"]["name"]))
+            lib = tvm.runtime.load_module(str(library))
         except Exception as exc:  # noqa: BLE001 - TVM raises its own error types
-            raise ArtifactError(f"cannot load {path / files['library']['name']}: {exc}") from None
+            raise ArtifactError(f"cannot load {library}: {exc}") from None
         try:
-            arrays = map_params(path / files["params"]["name"])  # mapped: TVM's tensors use it in place
+            arrays = map_params(params)  # mapped: TVM's tensors use it in place
         except Exception as exc:  # noqa: BLE001
-            raise ArtifactError(f"cannot read {path / files['params']['name']}: {exc}") from None
+            raise ArtifactError(f"cannot read {params}: {exc}") from None
         self._setup(path, manifest, lib, arrays, t0, device)
 
     @classmethod
     def from_executable(cls, executable, manifest: dict, params: list[tuple[str, np.ndarray]]) -> "HostRuntime":
-        """Run an in-memory build (``compile_model(...).executable``) without writing files (tests)."""
+        """Run an in-memory build (``compile_model(...)``'s executable and manifest dict) without
+        writing files (tests)."""
         self = cls.__new__(cls)
-        self._setup(None, manifest, executable, dict(params), time.perf_counter())
+        self._setup(None, Manifest.from_json(manifest), executable, dict(params), time.perf_counter())
         return self
 
-    def _setup(self, path, manifest, lib, arrays, t0, device=None) -> None:
+    def _setup(self, path, manifest: Manifest, lib, arrays, t0, device=None) -> None:
         import tvm
         from tvm import relax
 
         self.path = path
         self.manifest = manifest
-        self.budget = int(manifest["budget"])
-        self.block = int(manifest["block"])
-        self.policy = manifest["policy"]["name"]
-        self.num_layers = int(manifest["num_layers"])
+        self.budget = int(manifest.budget)
+        self.block = int(manifest.block)
+        self.policy = manifest.policy_name
+        self.num_layers = int(manifest.num_layers)
         # pseudo rows after the B real rows of every prefill step (DapQ): built from the whole prompt
         # as the manifest describes them (``pseudo_rows``), the same rule the native runtime follows
-        self.extra_rows = int(manifest.get("extra_rows", 0))
-        self._pseudo_spec = manifest.get("pseudo_rows") or {}
-        self.pseudo_window = int(self._pseudo_spec.get("rows", 0))
+        self.extra_rows = int(manifest.extra_rows)
+        self._pseudo_spec = manifest.pseudo_rows or {}
+        self.pseudo_window = manifest.pseudo_window
         # rows a document's question may fill instead (`--question-rows`): prefill(question=)
-        self.question_rows = int(manifest.get("question_rows", 0))
+        self.question_rows = int(manifest.question_rows)
         if self.extra_rows != max(self.pseudo_window, self.question_rows):
             raise ArtifactError("the manifest has extra rows that its pseudo_rows / question_rows do not describe; "
                                 "recompile the artifact")
@@ -128,13 +129,15 @@ class HostRuntime:
         self.device = device if device is not None else tvm.cpu()
         self.vm = relax.VirtualMachine(lib, self.device)
         self.params = []
-        for p in manifest["params"]:
-            if p["name"] not in arrays:
-                raise ArtifactError(f"parameter {p['name']} missing from the artifact's parameters")
-            a = arrays[p["name"]]
-            if list(a.shape) != list(p["shape"]) or str(a.dtype) != p["dtype"]:
-                raise ArtifactError(f"parameter {p['name']} has shape {list(a.shape)} {a.dtype}, the manifest says "
-                                    f"{p['shape']} {p['dtype']}")
+        P = Keys.Param
+        for p in manifest.raw[Keys.PARAMS]:
+            name, shape, dtype = p[P.NAME], p[P.SHAPE], p[P.DTYPE]
+            if name not in arrays:
+                raise ArtifactError(f"parameter {name} missing from the artifact's parameters")
+            a = arrays[name]
+            if list(a.shape) != list(shape) or str(a.dtype) != dtype:
+                raise ArtifactError(f"parameter {name} has shape {list(a.shape)} {a.dtype}, the manifest says "
+                                    f"{shape} {dtype}")
             if self.device.dlpack_device_type() == 1 and a.ctypes.data % 64 == 0:  # the CPU: no copy
                 self.params.append(tvm.runtime.from_dlpack(a))
             else:
@@ -143,21 +146,21 @@ class HostRuntime:
         # caches: allocated once, mutated in place by the compiled functions. Per layer k, v, pos,
         # fill, then the policy's state as the manifest lists it (``block_cache.cache_layout``):
         # the generic per-entry "state" [S, H, N] (entry_state) or the policy's own (D2O)
-        self.cache_fields = [(f, dt) for f, dt in manifest.get("cache_fields", DEFAULT_CACHE_FIELDS)]
+        self.cache_fields = list(DEFAULT_CACHE_FIELDS if manifest.cache_fields is None else manifest.cache_fields)
         self._stride = len(self.cache_fields)
         self.caches = []
-        self.state_names = list(manifest.get("entry_state") or [])
+        self.state_names = list(manifest.raw.get(Keys.ENTRY_STATE) or [])
         if self.state_names and "state" not in dict(self.cache_fields):
             raise ArtifactError("the manifest names per-entry state but its cache fields hold no state tensor; "
                                 "recompile the artifact")
-        for c in self.manifest["cache"]:
+        for c in manifest.raw[Keys.CACHE]:
             self.caches += [tvm.runtime.tensor(np.zeros(c[f], dtype=dt), self.device) for f, dt in self.cache_fields]
         self._tail = self.caches + self.params
         # fields that start every prompt with other contents than zeros (D2O's layer budgets), and
         # the compiled per-prompt function (compiler/passes/add_prepare_function.py) with the prompts it runs for
         dtypes = dict(self.cache_fields)
-        self._init = {name: np.asarray(v, dtype=dtypes[name]) for name, v in (manifest.get("cache_init") or {}).items()}
-        self._prepare_min = (manifest.get("prepare") or {}).get("min_prompt")
+        self._init = {name: np.asarray(v, dtype=dtypes[name]) for name, v in manifest.cache_init.items()}
+        self._prepare_min = manifest.prepare_min_prompt
         self._restore_init()
         self._prefill = self.vm["prefill_block"]
         self._decode = self.vm["decode"]
@@ -172,12 +175,12 @@ class HostRuntime:
     def tokenizer(self):
         """The model's tokenizer saved in the artifact (None when the model had none)."""
         if not hasattr(self, "_tokenizer"):
-            entry = (self.manifest.get("files") or {}).get("tokenizer")
+            entry = self.manifest.files.get(Keys.Files.TOKENIZER)
             self._tokenizer = None
             if entry and self.path is not None:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry["name"]))
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry.name))
         return self._tokenizer
 
     # ---- state --------------------------------------------------------------------------
@@ -225,10 +228,10 @@ class HostRuntime:
             raise ArtifactError("cache snapshots need an artifact directory with program.ekv (recompile it)")
         import json
 
-        return {"weight_hash": self.manifest["model"]["weight_hash"], "policy": self.policy,
-                "policy_params": json.dumps(self.manifest["policy"]["params"], sort_keys=True),
+        return {"weight_hash": self.manifest.weight_hash, "policy": self.policy,
+                "policy_params": json.dumps(self.manifest.policy_params, sort_keys=True),
                 "budget": self.budget, "block": self.block, "program_crc": crc32_file(self.path / "program.ekv"),
-                "kv_dtype": sf.KV_DTYPE_CODES["int8" if self.manifest.get("kv_dtype") == "int8" else "float32"]}
+                "kv_dtype": sf.KV_DTYPE_CODES["int8" if self.manifest.kv_dtype == "int8" else "float32"]}
 
     def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
         """Save every cache tensor and the position to one file, atomically. The file names this
@@ -308,10 +311,10 @@ class HostRuntime:
         if self._prompt is None:
             raise PolicyError(f"this '{self.policy}' artifact appends pseudo tokens built from the whole prompt to "
                               "every block: call prefill(prompt), or prepare(prompt) before step_block")
-        w, prefix, prompt = self.pseudo_window, int(self._pseudo_spec.get("prefix", 0)), self._prompt
+        w, prefix, prompt = self.pseudo_window, int(self._pseudo_spec.get(Keys.PseudoRows.PREFIX, 0)), self._prompt
         total, end = prompt.size, self._prompt_end  # end: the position after this prefill's last token
         ids = np.concatenate([prompt[: min(prefix, total)], prompt[total - min(w - prefix, total):]])
-        at = min(self.position + self.block, end) if self._pseudo_spec.get("positions") == "block" else end
+        at = min(self.position + self.block, end) if self._pseudo_spec.get(Keys.PseudoRows.POSITIONS) == "block" else end
         if ids.size < w:
             # a prompt shorter than the window gives fewer pseudo tokens; harmless unless this step evicts
             need = int(self._field(0, "fill").numpy()[0]) + n
@@ -458,12 +461,12 @@ class HostRuntime:
         """Plan vs measured, per phase (same keys as the eager engine's report where they overlap)."""
         return {
             "artifact": str(self.path) if self.path else None,
-            "model": self.manifest["model"]["id"],
-            "policy": self.manifest["policy"],
+            "model": self.manifest.model_id,
+            "policy": self.manifest.raw[Keys.POLICY],
             "budget": self.budget,
             "block": self.block,
-            "target": self.manifest["target"],
-            "memory_plan": self.manifest["memory_plan"],
+            "target": self.manifest.raw[Keys.TARGET],
+            "memory_plan": self.manifest.raw[Keys.MEMORY_PLAN],
             "measured": {"peak_rss_bytes": self.stats.peak_rss_bytes},
             "stats": self.stats.as_dict(),
             "cache_lengths": self.cache_lengths(),

@@ -13,6 +13,8 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
+from ..artifact import Keys
+
 LIB_NAME = "libedgekv_runtime.so"
 CLI_NAME = "edgekv-run"
 
@@ -181,7 +183,7 @@ class NativeRuntime:
                  verify_weights: bool = False, library: str | None = None):
         import numpy as np
 
-        from ..artifact import read_manifest
+        from ..artifact import ArtifactError, Manifest
 
         self._np = np
         self.path = Path(artifact)
@@ -197,11 +199,9 @@ class NativeRuntime:
         if st != 0:
             msg = self.lib.ekv_model_last_error(self._model).decode(errors="replace")
             self.close()
-            from ..artifact import ArtifactError
-
             raise (MemoryError if st == 5 else ArtifactError)(msg)
         try:
-            self.manifest = read_manifest(self.path)
+            self.manifest: Manifest | None = Manifest.read(self.path)
         except Exception:  # the native runtime needs only program.ekv; the manifest is for reports
             self.manifest = None
         info = _ModelInfo()
@@ -248,11 +248,11 @@ class NativeRuntime:
         """The HF tokenizer saved in the artifact, for Python-side encoding (None when absent)."""
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = None
-            entry = ((self.manifest or {}).get("files") or {}).get("tokenizer")
+            entry = self.manifest.files.get(Keys.Files.TOKENIZER) if self.manifest is not None else None
             if entry:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry["name"]))
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path / entry.name))
         return self._tokenizer
 
     # ---- running -----------------------------------------------------------------------------

@@ -550,7 +550,7 @@ def main(argv=None) -> int:
             r["compile"] = {"total_seconds": total, "timings": res.manifest["timings"]}
         print(f"  compiled in {total:.1f} s", flush=True)
     rt = HostRuntime(art, expected_weight_hash=model.weight_hash)
-    built = rt.manifest["weights"]["format"]
+    built = rt.manifest.weights["format"]
     if built != args.weights:
         raise SystemExit(f"{art} holds {built} weights, not --weights {args.weights}: drop --reuse-artifact "
                          f"or pass --weights {built}")

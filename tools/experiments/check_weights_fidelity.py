@@ -90,7 +90,7 @@ def run_artifact(path: Path, ids: list[int], threads: int, progress, label: str)
         out[i] = rt.decode(t)
         progress.advance(task)
     seconds = time.perf_counter() - t0
-    weights = (rt.manifest or {}).get("weights") or {"format": "fp32"}
+    weights = (rt.manifest.weights if rt.manifest is not None else None) or {"format": "fp32"}
     info = {"path": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path), "budget": rt.budget,
             "block": rt.block, "policy": rt.policy, "threads": rt.threads, "weights_format": weights.get("format"),
             "weights_tensors": weights.get("tensors"), "cache_lengths_after": sorted(set(rt.cache_lengths())),

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...artifact import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, PARAMS_FILE, PROGRAM_FILE, TOKENIZER_DIR,
-                         TOKENIZER_FILE, edgekv_version, sha256_file)
+                         TOKENIZER_FILE, Keys, edgekv_version, sha256_file)
 from ..passes.pseudo_rows import extra_rows as policy_pseudo_rows
 from ..passes.rewrite_block_cache import cache_layout
 from ..policy_kernels import compiled_state_init, prepare_min_prompt
@@ -45,7 +45,7 @@ class BuildResult:
 def versions() -> dict[str, str]:
     import tvm
 
-    return {"edgekv": edgekv_version(), "tvm": str(tvm.__version__)}
+    return {Keys.Versions.EDGEKV: edgekv_version(), Keys.Versions.TVM: str(tvm.__version__)}
 
 
 def entry_state_names(lowered) -> list[str]:
@@ -56,65 +56,78 @@ def entry_state_names(lowered) -> list[str]:
 
 
 def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, profile: dict, target: Any,
-                   tgt: dict, lowered: Any, plan: dict, host: dict | None = None, **extra: Any) -> dict[str, Any]:
-    """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and device builds)."""
+                   tgt: dict, lowered: Any, plan: dict, host: dict | None = None, *, weights: dict | None = None,
+                   device: dict | None = None) -> dict[str, Any]:
+    """manifest.json of an artifact: model, policy, shapes, functions, plan, versions (host and
+    device builds); ``weights``: how they are stored (``Keys.WEIGHTS``), ``device``: a device
+    build's section (``Keys.DEVICE``)."""
     cfg = model.config
     state = entry_state_names(lowered)
     kv_dtype = getattr(spec, "kv_dtype", "fp32")
     fields = [(f, dt) for f, _, dt in cache_layout(1, 1, budget, policy.name, "float32", spec.policy_params, kv_dtype)]
     rows = "B + w" if getattr(spec, "extra_rows", 0) else "B"  # w pseudo / question rows last
     pseudo_window = policy_pseudo_rows(policy)
+    K = Keys
     manifest: dict[str, Any] = {
-        "format": ARTIFACT_FORMAT,
-        "format_version": ARTIFACT_VERSION,
-        "model": {"id": model.model_id, "weight_hash": model.weight_hash, "config": cfg.to_dict(),
-                  "chat": bool(getattr(model, "chat", False)),
-                  **({"source": model.source_info} if hasattr(model, "source_info") else {})},
-        "policy": {"name": policy.name, "params": policy.params(), "kernel_params": spec.policy_params},
-        "budget": budget,
-        "block": block,
+        K.FORMAT: ARTIFACT_FORMAT,
+        K.FORMAT_VERSION: ARTIFACT_VERSION,
+        K.MODEL: {K.Model.ID: model.model_id, K.Model.WEIGHT_HASH: model.weight_hash, K.Model.CONFIG: cfg.to_dict(),
+                  K.Model.CHAT: bool(getattr(model, "chat", False)),
+                  **({K.Model.SOURCE: model.source_info} if hasattr(model, "source_info") else {})},
+        K.POLICY: {K.Policy.NAME: policy.name, K.Policy.PARAMS: policy.params(),
+                   K.Policy.KERNEL_PARAMS: spec.policy_params},
+        K.BUDGET: budget,
+        K.BLOCK: block,
         # pseudo rows after the B real rows of every prefill step (DapQ; compiler/passes/pseudo_rows.py)
-        "extra_rows": int(getattr(spec, "extra_rows", 0)),
+        K.EXTRA_ROWS: int(getattr(spec, "extra_rows", 0)),
         # what a runtime puts in them: the first `prefix` and the last rows − prefix prompt tokens,
         # at positions after the prompt ("final") or after the block ("block"); rows after those
         # are padding (position −1)
-        "pseudo_rows": ({"rows": pseudo_window, "prefix": int(getattr(policy, "prefix", 0)),
-                         "positions": str(getattr(policy, "positions", "final"))} if pseudo_window else None),
+        K.PSEUDO_ROWS: ({K.PseudoRows.ROWS: pseudo_window, K.PseudoRows.PREFIX: int(getattr(policy, "prefix", 0)),
+                         K.PseudoRows.POSITIONS: str(getattr(policy, "positions", "final"))}
+                        if pseudo_window else None),
         # the longest question (tokens) that may fill the extra rows instead, at its true positions
         # after the document, to score the blocks with (`--question-rows`; 0: none)
-        "question_rows": int(spec.question_rows),
-        "dtype": "float32",
+        K.QUESTION_ROWS: int(spec.question_rows),
+        K.DTYPE: "float32",
         # how the caches store K and V: fp32, or int8 codes with float16 scales (k_scale, v_scale)
-        "kv_dtype": kv_dtype,
-        "target": {"profile": profile.get("name", str(target)), "tvm": tgt, **({"host": host} if host else {})},
-        "num_layers": len(lowered.sites),
-        "attention_sites": [{"index": s.index, "form": s.form, "q_heads": s.num_q_heads, "kv_heads": s.num_kv_heads,
-                             "head_dim": s.head_dim, "sm_scale": s.sm_scale} for s in lowered.sites],
-        "cache": [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name,
+        K.KV_DTYPE: kv_dtype,
+        K.TARGET: {K.Target.PROFILE: profile.get("name", str(target)), K.Target.TVM: tgt,
+                   **({K.Target.HOST: host} if host else {})},
+        K.NUM_LAYERS: len(lowered.sites),
+        K.ATTENTION_SITES: [{K.AttentionSite.INDEX: s.index, K.AttentionSite.FORM: s.form,
+                             K.AttentionSite.Q_HEADS: s.num_q_heads, K.AttentionSite.KV_HEADS: s.num_kv_heads,
+                             K.AttentionSite.HEAD_DIM: s.head_dim, K.AttentionSite.SM_SCALE: s.sm_scale}
+                            for s in lowered.sites],
+        K.CACHE: [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name,
                                                                   "float32", spec.policy_params, kv_dtype)}
                   for s in lowered.sites],
-        "cache_fields": [[f, dt] for f, dt in fields],
+        K.CACHE_FIELDS: [[f, dt] for f, dt in fields],
         # names of the policy's per-entry state: rows of the "state" [S, H, N] cache tensor
-        "entry_state": state,
-        "functions": {
-            "prefill_block": {"inputs": [f"tokens[{rows}] int64", f"positions[{rows}] int64", "n_valid[1] int32",
-                                         "caches (" + ", ".join(f for f, _ in fields) + ") × layers",
-                                         "weights"],
-                              "outputs": ["logits[V] of token n_valid-1", "caches"]},
-            "decode": {"inputs": ["token[1] int64", "position[1] int64", "caches", "weights"],
-                       "outputs": ["logits[V]", "caches"]},
+        K.ENTRY_STATE: state,
+        K.FUNCTIONS: {
+            K.Functions.PREFILL_BLOCK: {
+                K.Function.INPUTS: [f"tokens[{rows}] int64", f"positions[{rows}] int64", "n_valid[1] int32",
+                                    "caches (" + ", ".join(f for f, _ in fields) + ") × layers", "weights"],
+                K.Function.OUTPUTS: ["logits[V] of token n_valid-1", "caches"]},
+            K.Functions.DECODE: {K.Function.INPUTS: ["token[1] int64", "position[1] int64", "caches", "weights"],
+                                 K.Function.OUTPUTS: ["logits[V]", "caches"]},
         },
-        "params": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in lowered.params],
+        K.PARAMS: [{K.Param.NAME: n, K.Param.SHAPE: list(a.shape), K.Param.DTYPE: str(a.dtype)}
+                   for n, a in lowered.params],
         # cache fields that start a prompt with contents other than zeros (one layer's values)
-        "cache_init": {k: np.asarray(v).tolist() for k, v in compiled_state_init(policy, budget).items()},
+        K.CACHE_INIT: {k: np.asarray(v).tolist() for k, v in compiled_state_init(policy, budget).items()},
         # the compiled per-prompt function (compiler/passes/add_prepare_function.py): run for prompts longer than this
-        "prepare": ({"min_prompt": int(prepare_min_prompt(policy, budget))}
+        K.PREPARE: ({K.Prepare.MIN_PROMPT: int(prepare_min_prompt(policy, budget))}
                     if "prepare" in [gv.name_hint for gv in lowered.mod.get_global_vars()] else None),
-        "memory_plan": plan,
-        "versions": versions(),
-        "timings": lowered.timings,
+        K.MEMORY_PLAN: plan,
+        K.VERSIONS: versions(),
+        K.TIMINGS: lowered.timings,
     }
-    manifest.update(extra)
+    if device is not None:
+        manifest[K.DEVICE] = device
+    if weights is not None:
+        manifest[K.WEIGHTS] = weights
     return manifest
 
 
@@ -129,35 +142,36 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
     (out / MANIFEST).unlink(missing_ok=True)  # the directory is not an artifact until it is complete
     # the library is linked here when its host code is for this machine (a CPU build, or a GPU
     # build with this machine as its host: opencl-host); else a .tar that `finish` links
-    host = (result.manifest.get("target") or {}).get("host")
-    host_code = tgt if tgt.get("kind") == "llvm" else (host or {"kind": None})
-    lib_name = "model.so" if host_code.get("kind") == "llvm" and "mtriple" not in host_code else "model.tar"
+    K, F, E, T = Keys, Keys.Files, Keys.FileEntry, Keys.TvmTarget
+    host = (result.manifest.get(K.TARGET) or {}).get(K.Target.HOST)
+    host_code = tgt if tgt.get(T.KIND) == "llvm" else (host or {T.KIND: None})
+    lib_name = "model.so" if host_code.get(T.KIND) == "llvm" and T.MTRIPLE not in host_code else "model.tar"
     t0 = time.perf_counter()
     result.executable.export_library(str(out / lib_name))
     offsets = write_params(params, out / PARAMS_FILE, {"format": "edgekv-params"})
-    result.manifest["timings"]["export_library_s"] = time.perf_counter() - t0
-    files = result.manifest["files"] = {
-        "library": {"name": lib_name, "sha256": sha256_file(out / lib_name)},
-        "params": {"name": PARAMS_FILE, "sha256": sha256_file(out / PARAMS_FILE)},
+    result.manifest[K.TIMINGS]["export_library_s"] = time.perf_counter() - t0
+    files = result.manifest[K.FILES] = {
+        F.LIBRARY: {E.NAME: lib_name, E.SHA256: sha256_file(out / lib_name)},
+        F.PARAMS: {E.NAME: PARAMS_FILE, E.SHA256: sha256_file(out / PARAMS_FILE)},
     }
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tok_dir = out / TOKENIZER_DIR
         shutil.rmtree(tok_dir, ignore_errors=True)
         tokenizer.save_pretrained(str(tok_dir))
-        files["tokenizer"] = {"name": TOKENIZER_DIR, "sha256": {p.name: sha256_file(p) for p in
-                                                                 sorted(tok_dir.iterdir()) if p.is_file()}}
+        files[F.TOKENIZER] = {E.NAME: TOKENIZER_DIR, E.SHA256: {p.name: sha256_file(p) for p in
+                                                              sorted(tok_dir.iterdir()) if p.is_file()}}
         from .tokenizer_file import write_tokenizer_file
 
         try:
             info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
         except ValueError as exc:  # a tokenizer the native runtime cannot reproduce: Python runs only
-            result.manifest["native_tokenizer"] = f"not written: {exc}"
+            result.manifest[K.NATIVE_TOKENIZER] = f"not written: {exc}"
         else:
-            files["tokenizer_file"] = {"name": TOKENIZER_FILE, "sha256": sha256_file(out / TOKENIZER_FILE),
-                                       "format_version": info.get("format_version")}
+            files[F.TOKENIZER_FILE] = {E.NAME: TOKENIZER_FILE, E.SHA256: sha256_file(out / TOKENIZER_FILE),
+                                       E.FORMAT_VERSION: info.get("format_version")}
     if result.final_module is not None:
         write_program(result, out, offsets, tgt)
-        files["program"] = {"name": PROGRAM_FILE, "sha256": sha256_file(out / PROGRAM_FILE)}
+        files[F.PROGRAM] = {E.NAME: PROGRAM_FILE, E.SHA256: sha256_file(out / PROGRAM_FILE)}
     tmp = out / (MANIFEST + ".part")
     tmp.write_text(json.dumps(result.manifest, indent=2, default=str))
     tmp.replace(out / MANIFEST)

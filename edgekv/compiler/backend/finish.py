@@ -18,19 +18,21 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ...artifact import MANIFEST, sha256_file
+from ...artifact import MANIFEST, Keys, sha256_file
+from ...artifact.manifest import ToolchainStatus
 from ..errors import CompileError
 
 
 def toolchain_message(manifest: dict, out_dir: Path | str) -> str:
-    dev = manifest["device"]
-    tool = dev.get("toolchain", {})
-    name = manifest["target"]["profile"]
-    if tool.get("status") == "needs-toolchain":
+    """What a device build wrote and, where a toolchain must link it, the command that finishes it
+    (``manifest``: the build's own dict, ``BuildResult.manifest``)."""
+    tool, T = manifest[Keys.DEVICE].get(Keys.Device.TOOLCHAIN, {}), Keys.Toolchain
+    name = manifest[Keys.TARGET][Keys.Target.PROFILE]
+    if tool.get(T.STATUS) == ToolchainStatus.NEEDS_TOOLCHAIN:
         return (f"{name}: wrote {out_dir} (model.tar, params, manifest, device code). NOT YET LOADABLE ON THE DEVICE: "
-                f"{tool.get('needed_for')} needs {tool.get('tool')}; finish with: "
-                f"{str(tool.get('finish')).replace('<artifact dir>', str(out_dir))}")
-    return f"{name}: wrote {out_dir}; {tool.get('needed_for', 'complete')}"
+                f"{tool.get(T.NEEDED_FOR)} needs {tool.get(T.TOOL)}; finish with: "
+                f"{str(tool.get(T.FINISH)).replace('<artifact dir>', str(out_dir))}")
+    return f"{name}: wrote {out_dir}; {tool.get(T.NEEDED_FOR, 'complete')}"
 
 
 # Linked into an Android model.so by ``finish``. The TVM-generated objects import a function from
@@ -75,9 +77,9 @@ __attribute__((visibility("hidden"))) int TVMFFIEnvModRegisterSystemLibSymbol(co
 
 def needs_error_shim(manifest: dict) -> bool:
     """Android builds (android-cpu, opencl): their model.so is dlopen()ed by an app's runtime."""
-    target = manifest.get("target", {})
-    triples = [str((target.get(k) or {}).get("mtriple", "")) for k in ("tvm", "host")]
-    return any("android" in t for t in triples) or target.get("profile") in ("android-cpu", "opencl")
+    target = manifest.get(Keys.TARGET, {})
+    triples = [str((target.get(k) or {}).get(Keys.TvmTarget.MTRIPLE, "")) for k in (Keys.Target.TVM, Keys.Target.HOST)]
+    return any("android" in t for t in triples) or target.get(Keys.Target.PROFILE) in ("android-cpu", "opencl")
 
 
 def finish(out_dir: str | Path) -> Path:
@@ -89,17 +91,19 @@ def finish(out_dir: str | Path) -> Path:
     from ...artifact import crc32_file
     from ...artifact import program_file as pf
 
+    K, T, F, E = Keys, Keys.Toolchain, Keys.Files, Keys.FileEntry
     out = Path(out_dir)
+    # the JSON object itself, not a checked Manifest: finish rewrites it and keeps every key as is
     manifest = json.loads((out / MANIFEST).read_text())
-    tool = manifest.get("device", {}).get("toolchain", {})
-    env = tool.get("env")
+    tool = manifest.get(K.DEVICE, {}).get(K.Device.TOOLCHAIN, {})
+    env = tool.get(T.ENV)
     if not env:
-        raise CompileError(f"{out}: this artifact needs no toolchain step ({tool.get('needed_for', 'complete')})")
+        raise CompileError(f"{out}: this artifact needs no toolchain step ({tool.get(T.NEEDED_FOR, 'complete')})")
     cc = os.environ.get(env)
     if not cc:
-        raise CompileError(f"set {env} to the compiler command ({tool.get('tool')}); e.g. {tool.get('finish')}")
-    files = manifest["files"]
-    tar = out / (files.get("library_objects") or files["library"])["name"]
+        raise CompileError(f"set {env} to the compiler command ({tool.get(T.TOOL)}); e.g. {tool.get(T.FINISH)}")
+    files = manifest[K.FILES]
+    tar = out / (files.get(F.LIBRARY_OBJECTS) or files[F.LIBRARY])[E.NAME]
     if tar.suffix != ".tar" or not tar.is_file():
         raise CompileError(f"{out}: no model.tar of object files to link ({tar.name} is the library); recompile")
     so = out / "model.so"
@@ -120,31 +124,31 @@ def finish(out_dir: str | Path) -> Path:
             (Path(d) / "edgekv_error_shim.c").write_text(ERROR_SHIM_SOURCE)
             shim = ["-x", "c", str(Path(d) / "edgekv_error_shim.c"), "-x", "none"]
         cmd = (shlex.split(cc) + ["-shared", "-fPIC", "-o", str(part)] + objs + shim
-               + list(tool.get("link_flags", [])))
+               + list(tool.get(T.LINK_FLAGS, [])))
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:
-            raise CompileError(f"{env}={cc}: cannot run it ({exc}); {tool.get('tool')}") from None
+            raise CompileError(f"{env}={cc}: cannot run it ({exc}); {tool.get(T.TOOL)}") from None
         if r.returncode != 0:
             part.unlink(missing_ok=True)
             raise CompileError(f"{env}={cc} failed to link {tar.name} (exit {r.returncode}):\n"
                                f"{(r.stderr or r.stdout)[-3000:]}")
     part.replace(so)
-    files["library_objects"] = {"name": tar.name, "sha256": sha256_file(tar)}
-    files["library"] = {"name": so.name, "sha256": sha256_file(so)}
-    if files.get("program"):
+    files[F.LIBRARY_OBJECTS] = {E.NAME: tar.name, E.SHA256: sha256_file(tar)}
+    files[F.LIBRARY] = {E.NAME: so.name, E.SHA256: sha256_file(so)}
+    if files.get(F.PROGRAM):
         # the program names the library and holds its size and CRC-32: the runtime refuses a
         # library that does not match them
-        path = out / files["program"]["name"]
+        path = out / files[F.PROGRAM][E.NAME]
         prog = pf.read(path)
         prog.settings.update({"library_name": so.name, "library_bytes": so.stat().st_size,
                               "library_crc32": crc32_file(so)})
         size = pf.write(prog, path)
-        files["program"]["sha256"] = sha256_file(path)
-        if isinstance(manifest.get("program"), dict):
-            manifest["program"]["bytes"] = size
-    manifest["device"]["toolchain"]["status"] = "finished"
-    manifest["device"]["toolchain"]["linked_with"] = cc
+        files[F.PROGRAM][E.SHA256] = sha256_file(path)
+        if isinstance(manifest.get(K.PROGRAM), dict):
+            manifest[K.PROGRAM][K.Program.BYTES] = size
+    tool[T.STATUS] = ToolchainStatus.FINISHED
+    tool[T.LINKED_WITH] = cc
     tmp = out / (MANIFEST + ".part")
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     tmp.replace(out / MANIFEST)

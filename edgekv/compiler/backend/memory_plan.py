@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...artifact import Keys
 from ...artifact.params_file import stored_bytes
 from ..passes.attention_sites import _arg_vars, op_name, shape_of
 from ..passes.rewrite_block_cache import cache_layout
@@ -50,5 +51,6 @@ def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict 
         peak = max(peak, live)
         for u in frees.get(i, []):
             live -= size[u]
-    return {"weights_bytes": weights, "cache_bytes": cache, "activation_bytes": int(peak),
-            "total_bytes": int(weights + cache + peak)}
+    P = Keys.MemoryPlan
+    return {P.WEIGHTS_BYTES: weights, P.CACHE_BYTES: cache, P.ACTIVATION_BYTES: int(peak),
+            P.TOTAL_BYTES: int(weights + cache + peak)}

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ...artifact import Keys, Manifest
 from ...artifact import program_file as pf
 
 SKIPPED_BUILTINS = ("vm.builtin.check_tensor_info", "vm.builtin.match_shape")
@@ -304,53 +305,51 @@ def required_cpu_features(tgt: dict) -> list[str]:
     return [f for f in X86_FEATURES if f in enabled]
 
 
-def program_settings(manifest: dict, tgt: dict, policy: Any) -> dict[str, Any]:
-    cfg = manifest["model"]["config"]
+def program_settings(m: Manifest, tgt: dict, policy: Any) -> dict[str, Any]:
+    cfg = m.model_config
     arch, triple = target_arch(tgt)
-    plan = manifest["memory_plan"]
     settings: dict[str, Any] = {
-        "model_id": manifest["model"]["id"],
-        "weight_hash": manifest["model"]["weight_hash"],
-        "edgekv_version": manifest["versions"]["edgekv"],
-        "tvm_version": manifest["versions"]["tvm"],
-        "policy": manifest["policy"]["name"],
-        "policy_params": __import__("json").dumps(manifest["policy"]["params"], sort_keys=True),
-        "num_layers": int(manifest["num_layers"]),
+        "model_id": m.model_id,
+        "weight_hash": m.weight_hash,
+        "edgekv_version": m.versions[Keys.Versions.EDGEKV],
+        "tvm_version": m.versions[Keys.Versions.TVM],
+        "policy": m.policy_name,
+        "policy_params": __import__("json").dumps(m.policy_params, sort_keys=True),
+        "num_layers": int(m.num_layers),
         "vocab_size": int(cfg["vocab_size"]),
         "max_position": int(cfg["max_position"]),
-        "budget": int(manifest["budget"]),
-        "block": int(manifest["block"]),
-        "chat": int(bool(manifest["model"].get("chat"))),
+        "budget": int(m.budget),
+        "block": int(m.block),
+        "chat": int(m.chat),
         # a policy that never evicts runs out of entries: the runtime refuses rather than overwrite
-        "evicts": int(manifest["policy"]["name"] != "full"),
-        "target_profile": str(manifest["target"]["profile"]),
+        "evicts": int(m.policy_name != "full"),
+        "target_profile": str(m.target.profile),
         "target_arch": arch,
         "target_triple": triple,
         "cpu_features": ",".join(required_cpu_features(tgt)),
-        "compiled_cores": int(tgt.get("num-cores", 1)),
-        "plan_weights_bytes": int(plan["weights_bytes"]),
-        "plan_cache_bytes": int(plan["cache_bytes"]),
+        "compiled_cores": int(tgt.get(Keys.TvmTarget.NUM_CORES, 1)),
+        "plan_weights_bytes": int(m.memory_plan.weights_bytes),
+        "plan_cache_bytes": int(m.memory_plan.cache_bytes),
     }
     # extra rows after the B real rows of every prefill step (passes/pseudo_rows.py): DapQ's first
     # `pseudo_window` of them hold the first `prefix` and the last window - prefix prompt tokens,
     # at positions after the prompt ("final") or after the block; a question (`question_rows`)
     # takes their place; the rest are padding at position -1
-    w = int(manifest.get("extra_rows", 0))
+    w = int(m.extra_rows)
     settings["pseudo_rows"] = w
-    settings["question_rows"] = int(manifest.get("question_rows", 0))
+    settings["question_rows"] = int(m.question_rows)
     if w:
-        settings["pseudo_window"] = int((manifest.get("pseudo_rows") or {}).get("rows", 0))
+        settings["pseudo_window"] = m.pseudo_window
         settings["pseudo_prefix"] = int(getattr(policy, "prefix", 0))
         settings["pseudo_positions"] = str(getattr(policy, "positions", "final"))
     return settings
 
 
-def cache_init(manifest: dict) -> dict[str, bytes]:
+def cache_init(m: Manifest) -> dict[str, bytes]:
     """Cache fields that do not start as zeros: one layer's initial bytes (the manifest's
     ``cache_init``, from the policy's ``compiled_state_init``: D2O's per-layer budget)."""
-    dtypes = dict(manifest["cache_fields"])
-    return {name: np.asarray(values, dtype=dtypes[name]).tobytes() for name, values in
-            (manifest.get("cache_init") or {}).items()}
+    dtypes = dict(m.cache_fields)
+    return {name: np.asarray(values, dtype=dtypes[name]).tobytes() for name, values in m.cache_init.items()}
 
 
 def _device_kernels_called(source: str, recorded: dict) -> list:
@@ -370,19 +369,21 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
     and the tokenizer file, whose sizes and CRC-32s it records."""
     from ...artifact import PROGRAM_FILE, crc32_file
 
-    manifest = result.manifest
-    settings = program_settings(manifest, tgt, result.policy)
-    for key, entry in manifest["files"].items():
-        if key in ("library", "params", "tokenizer_file"):
-            path = out / entry["name"]
-            settings[f"{key}_name"] = entry["name"]
+    manifest = result.manifest  # the build's own dict, written here; read through the typed reader
+    m = Manifest.from_json(manifest)
+    settings = program_settings(m, tgt, result.policy)
+    F = Keys.Files
+    for key, entry in m.files.items():
+        if key in (F.LIBRARY, F.PARAMS, F.TOKENIZER_FILE):  # the settings the native runtime checks them by
+            path = out / entry.name
+            settings[f"{key}_name"] = entry.name
             settings[f"{key}_bytes"] = path.stat().st_size
             settings[f"{key}_crc32"] = crc32_file(path)
-    fields = [(f, dt) for f, dt in manifest["cache_fields"]]
+    fields = list(m.cache_fields)
     functions = [("prefill_block", 3), ("decode", 2)]
-    if manifest.get("prepare"):
+    if m.prepare_min_prompt is not None:
         functions.append(("prepare", 4))
-        settings["prepare_min_prompt"] = int(manifest["prepare"]["min_prompt"])
+        settings["prepare_min_prompt"] = int(m.prepare_min_prompt)
     device = getattr(result, "device_kernels", None)  # a GPU build: {"kind", "source", "kernels"}
     if device is not None:
         source = out / device["source"]
@@ -390,8 +391,8 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
                          "device_source_bytes": source.stat().st_size, "device_source_crc32": crc32_file(source),
                          "arena_align": DEVICE_ARENA_ALIGN})
     prog = build_program(result.final_module, functions=functions, params=result.params,
-                         weight_offsets=weight_offsets, num_layers=int(manifest["num_layers"]), cache_fields=fields,
-                         cache_init=cache_init(manifest), settings=settings,
+                         weight_offsets=weight_offsets, num_layers=int(m.num_layers), cache_fields=fields,
+                         cache_init=cache_init(m), settings=settings,
                          region_align=DEVICE_ARENA_ALIGN if device is not None else pf.ALIGN)
     if device is not None:
         import re
@@ -400,8 +401,8 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
         kinds = device.get("kinds") or {}  # PrimFunc → the kind of edgekv kernel it is (ReplaceKernels)
         prog.device_kernels = [pf.DeviceKernel(k.name, k.args, k.tags, pf.DKERNEL_EVICTION if kinds.get(
             re.sub(r"_kernel(_\d+)?$", "", k.name)) in EVICTION_KINDS else 0) for k in called]
-    plan = manifest["memory_plan"]
-    plan["arena_bytes"] = prog.settings["arena_bytes"]
+    manifest[Keys.MEMORY_PLAN][Keys.MemoryPlan.ARENA_BYTES] = prog.settings["arena_bytes"]
     size = pf.write(prog, out / PROGRAM_FILE)
-    manifest["program"] = {"functions": {f.name: len(f.calls) for f in prog.functions}, "kernels": len(prog.kernels),
-                           "buffers": len(prog.buffers), "bytes": size, "arena_bytes": prog.settings["arena_bytes"]}
+    P = Keys.Program
+    manifest[Keys.PROGRAM] = {P.FUNCTIONS: {f.name: len(f.calls) for f in prog.functions}, P.KERNELS: len(prog.kernels),
+                              P.BUFFERS: len(prog.buffers), P.BYTES: size, P.ARENA_BYTES: prog.settings["arena_bytes"]}
