@@ -1,23 +1,29 @@
 """One run of `edgekv run` / `edgekv ask`: encode the prompt, open a ``Session`` (the eager engine,
 or a compiled artifact in the native runtime or TVM's VM), run it (``run``: a prompt, or a document
-and its questions) and build its report (``edgekv/run_report.py``)."""
+and its questions) and build its report (``edgekv/run_report.py``).
+
+A command assembles a run in two calls: ``plan_run`` turns its parsed options (``RunSettings``)
+into a ``RunPlan`` — the saved document's settings where it decides them, the artifact's checked
+— and ``run_plan`` opens the session, feeds it and saves the report, telling a ``RunConsole``
+what happens (the CLI prints it; the defaults say nothing)."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .budget import parse_budget
+from .artifact import Manifest
+from .budget import DEFAULT_BLOCK, DEFAULT_BUDGET, parse_budget
 from .document import run_document
-from .engine import Sampler
 from .engine.session import open_eager_session
 from .errors import InputError
 from .models.loaded import LoadedModel
-# the CLI imports its output-file helpers from here until it moves onto edgekv.output_files
-from .output_files import check_writable, write_json_atomic  # noqa: F401
+from .output_files import write_json_atomic
+from .policies import DEFAULT_POLICY
 from .run_report import build_report
 from .session import Session, generate
 
@@ -111,22 +117,21 @@ def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
     This is the one place that picks the runtime that runs an artifact: ``native`` (the C runtime,
     no TVM in the process), ``tvm`` (HostRuntime, TVM's Relax VM) or ``auto`` — native when it is
     built and the artifact carries a program."""
-    from .artifact import PROGRAM_FILE
+    from .artifact import PROGRAM_FILE, ArtifactError
     from .artifact_target import artifact_runs_here, device_artifact_message
     from .memory import MemoryPlan, check_plan
     from .models.config import ModelConfig
-    from .runtime import ArtifactError, read_manifest
     from .runtime import native
 
     if runtime not in RUNTIMES:
         raise InputError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
-    manifest = read_manifest(path)
+    manifest = Manifest.read(path)
     if not artifact_runs_here(manifest):
         raise ArtifactError(device_artifact_message(path, manifest))
-    mp = manifest.get("memory_plan") or {}
-    if mp:
-        check_plan(MemoryPlan(weights=int(mp["weights_bytes"]), kv_cache=int(mp["cache_bytes"]),
-                              activations=int(mp["activation_bytes"])), mem_limit=mem_limit,
+    mp = manifest.memory_plan
+    if mp is not None:
+        check_plan(MemoryPlan(weights=int(mp.weights_bytes), kv_cache=int(mp.cache_bytes),
+                              activations=int(mp.activation_bytes)), mem_limit=mem_limit,
                    hint="the plan is fixed at compile time: recompile with a lower --budget or --block")
     has_program = (Path(path) / PROGRAM_FILE).is_file()
     from .artifact_target import needs_native_device
@@ -148,21 +153,20 @@ def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
         from .runtime import HostRuntime
 
         rt = HostRuntime(path)
-    model = manifest["model"]
-    return rt, ArtifactModel(model_id=model["id"], config=ModelConfig(**model["config"]), tokenizer=rt.tokenizer,
-                             chat=bool(model.get("chat")))
+    return rt, ArtifactModel(model_id=manifest.model_id, config=ModelConfig(**manifest.model_config),
+                             tokenizer=rt.tokenizer, chat=manifest.chat)
 
 
-def check_artifact_settings(path, manifest: dict, *, policy: str | None, policy_args: dict[str, str] | None,
+def check_artifact_settings(path, manifest: Manifest, *, policy: str | None, policy_args: dict[str, str] | None,
                             budget: str | None, block: int | None) -> None:
     """The rule for options that a compiled artifact fixes at compile time (policy, its arguments,
     budget, block): an option the user gave must equal the artifact's value — then it is
     accepted — and any that differs is refused, naming the artifact's settings."""
     from .policies import make_policy
 
-    fixed_policy = manifest["policy"]["name"]
-    fixed_params = dict(manifest["policy"].get("params") or {})
-    fixed_budget, fixed_block = int(manifest["budget"]), int(manifest["block"])
+    fixed_policy = manifest.policy_name
+    fixed_params = dict(manifest.policy_params)
+    fixed_budget, fixed_block = int(manifest.budget), int(manifest.block)
     differs = []
     if policy is not None and policy != fixed_policy:
         differs.append(f"--policy {policy}")
@@ -171,8 +175,8 @@ def check_artifact_settings(path, manifest: dict, *, policy: str | None, policy_
     if budget is not None:
         from .models.config import ModelConfig
 
-        n = parse_budget(budget, ModelConfig(**manifest["model"]["config"]), fixed_block,
-                         kv_dtype=manifest.get("kv_dtype", "fp32"))  # bytes buy entries of the artifact's format
+        n = parse_budget(budget, ModelConfig(**manifest.model_config), fixed_block,
+                         kv_dtype=manifest.kv_dtype)  # bytes buy entries of the artifact's format
         if n != fixed_budget:
             differs.append(f"--budget {budget}" + (f" ({n} tokens)" if str(n) != str(budget).strip() else ""))
     if policy_args:
@@ -253,51 +257,292 @@ def run(session: Session, model, *, prompt_ids=None, document_ids=None, question
                      report=report)
 
 
-# ---- the entry points the CLI calls: open the session, then ``run`` ----------------------------
+# ---- a run assembled from a command's settings: which session, plain or document, its report -----
 
-def run_eager(model: LoadedModel, prompt_ids: torch.Tensor, *, policy_name: str, policy_args: dict,
-              budget: str, block: int, max_new_tokens: int, sampler: Sampler, on_token=None,
-              progress=None, mem_limit: int | None = None, on_phase=None, kv_dtype: str = "fp32") -> RunResult:
-    """``edgekv run`` on the eager engine. The caches hold no more than prompt + output needs
-    (``memory.cache_capacity``) and the memory plan is checked against ``mem_limit`` and the
-    memory the machine has left before they are allocated. ``kv_dtype``: ``--kv-dtype``."""
-    session = open_eager_session(model, policy_name, policy_args, budget, block,
-                                 int(prompt_ids.numel()) + max_new_tokens, mem_limit, kv_dtype=kv_dtype)
-    return run(session, model, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, new_sampler=lambda: sampler,
-               on_token=on_token, progress=progress, on_phase=on_phase)
+@dataclass
+class RunSettings:
+    """`edgekv run` / `edgekv ask` with its options parsed and checked one by one: what to open
+    (``model``: a model or an artifact; ``load_cache``: a saved document) and what to feed it."""
+
+    model: str | None
+    text: str | None  # the prompt, or the document (None: --load-cache holds it)
+    chat: bool | None = None  # None: not given (the saved document's form, else without)
+    questions: list[str] = field(default_factory=list)
+    save_cache: Path | None = None
+    load_cache: Path | None = None
+    budget: str | None = None
+    block: int | None = None
+    policy: str | None = None
+    policy_arg: list[str] | None = None  # --policy-arg pairs, as given
+    kv_dtype: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    mem_limit: int | None = None
+    allow_beyond_context: bool = False
+    runtime: str = "auto"
+    output: Path | None = None  # the report's file
+
+    @property
+    def document(self) -> bool:
+        """A document run: questions answered from one reading, or a reading saved for later."""
+        return bool(self.questions) or self.save_cache is not None or self.load_cache is not None
 
 
-def run_compiled(rt, described: ArtifactModel, prompt_ids: torch.Tensor, *, max_new_tokens: int, sampler: Sampler,
-                 on_token=None, progress=None, on_phase=None) -> RunResult:
-    """The compiled counterpart of ``run_eager`` (``rt`` from ``open_artifact``)."""
-    return run(rt, described, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, new_sampler=lambda: sampler,
-               on_token=on_token, progress=progress, on_phase=on_phase)
+@dataclass
+class RunPlan:
+    """``RunSettings`` resolved: ``settings`` with the model, chat form, N, B, policy and K/V format
+    the run uses (an artifact's stay its own), the policy's arguments, the saved document's
+    header (``saved``), and whether the document is read knowing the questions."""
+
+    settings: RunSettings
+    artifact: bool
+    policy_args: dict = field(default_factory=dict)
+    saved: dict | None = None
+    question_scoring: bool = False
 
 
-def run_eager_document(model: LoadedModel, document_ids, questions, *, policy_name: str, policy_args: dict,
-                       budget: str, block: int, max_new_tokens: int, new_sampler, chat: bool = False,
-                       save_cache=None, load_cache=None, made_from: str = "", on_token=None, on_question=None,
-                       progress=None, mem_limit: int | None = None, on_warning=None,
-                       kv_dtype: str = "fp32") -> RunResult:
-    """``edgekv run MODEL --question ...`` / ``--save-cache`` / ``--load-cache`` on the eager engine.
-    The caches get their full N + B (a saved state must take any later question), and room for the
-    longest question's rows when a query-aware policy reads the document knowing it."""
+class RunConsole:
+    """What a run tells whoever started it. This one says nothing; the CLI's prints.
+    ``log``: the console the model loader reports on (None: its own)."""
+
+    log = None
+
+    def say(self, message: str) -> None:
+        """One line per phase."""
+
+    def warn(self, message: str) -> None:
+        """Something the user may want to change, not an error."""
+
+    def text(self, piece: str) -> None:
+        """Generated text, streamed as it comes (each answer ends with a newline)."""
+
+    @contextmanager
+    def prefill_progress(self, tokens: int, block: int):
+        """Around a prefill of ``tokens`` in blocks of ``block``: yields ``advance(n)`` (None: no progress)."""
+        yield None
+
+    def report(self, report: dict) -> None:
+        """The run's report, complete, before it is saved."""
+
+
+def _settings_from_snapshot(s: RunSettings) -> dict:
+    """--load-cache / `edgekv ask`: the saved document decides the model, its chat form and (eager)
+    its K/V format; ``s`` is updated, an option that contradicts the file is refused."""
+    from .artifact import is_artifact
+    from .document import snapshot_settings
+
+    load_cache = s.load_cache
+    saved = snapshot_settings(load_cache)
+    if s.chat is not None and s.chat != saved["chat"]:
+        raise InputError(f"{load_cache} holds a document read {'with' if saved['chat'] else 'without'} the chat "
+                         f"template: ask {'with --chat' if saved['chat'] else 'without --chat'}")
+    s.chat = saved["chat"]
+    s.model = s.model or saved["made_from"] or None
+    if saved["engine"] == "compiled" and not is_artifact(s.model):
+        raise InputError(f"{load_cache} was made with a compiled artifact"
+                         + (f" ({saved['made_from']}), which is not there any more" if saved["made_from"] else "")
+                         + ": name the artifact it was made with, as MODEL (`edgekv run ARTIFACT --load-cache "
+                           "F`) or `edgekv ask F --model ARTIFACT`")
+    if saved["engine"] == "eager" and is_artifact(s.model):
+        raise InputError(f"{load_cache} was made by the eager engine (`edgekv run MODEL`), not a compiled artifact: "
+                         f"answer from it with the model it was made with ({saved['made_from'] or 'smollm2-135m'})")
+    if saved["engine"] == "eager":  # the cache's K/V format is the file's, as N and B are
+        from .engine.block_engine import snapshot_kv_dtype
+
+        stored = snapshot_kv_dtype(load_cache)
+        if s.kv_dtype is not None and s.kv_dtype != stored:
+            raise InputError(f"{load_cache} holds its KV cache in {stored}: drop --kv-dtype {s.kv_dtype} (the saved "
+                             f"cache's own format is used), or make the document's cache again with --kv-dtype "
+                             f"{s.kv_dtype}")
+        s.kv_dtype = stored
+    return saved
+
+
+def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPlan:
+    """Resolve ``settings`` before anything is loaded: the saved document's settings (--load-cache),
+    then an artifact's fixed ones checked against the options given (``check_artifact_settings``),
+    or the eager policy made from its name and arguments (an unknown one is refused here)."""
+    import dataclasses
+
+    from .artifact import is_artifact
+    from .policies import REGISTRY, make_policy, policy_arguments
+
+    console = console or RunConsole()
+    s = dataclasses.replace(settings, questions=list(settings.questions))
+    saved = _settings_from_snapshot(s) if s.load_cache is not None else None
+    s.chat = bool(s.chat)
+    asked = bool(s.questions) and s.load_cache is None  # a document read now, knowing its questions
+    if is_artifact(s.model):
+        manifest = Manifest.read(s.model)
+        stored = manifest.kv_dtype  # an artifact's K/V format is compiled in, as N and B are
+        if s.kv_dtype is not None and s.kv_dtype != stored:
+            raise InputError(f"--kv-dtype {s.kv_dtype}: the artifact {s.model} stores its KV cache in {stored}; drop "
+                             f"--kv-dtype, or compile the model again with --kv-dtype {s.kv_dtype}")
+        name = manifest.policy_name
+        chosen = s.policy or name
+        args = policy_arguments(s.policy_arg, [chosen]).get(chosen, {})
+        check_artifact_settings(s.model, manifest, policy=s.policy, policy_args=args, budget=s.budget, block=s.block)
+        if s.document and asked and getattr(REGISTRY.get(name), "uses_question", False) and not manifest.question_rows:
+            console.warn(f"{s.model} was compiled without --question-rows, so {name} scores its blocks with their own "
+                         "rows, not the question's; compile it with --question-rows N (N ≥ the question's tokens) to "
+                         "read the document knowing the question")
+        return RunPlan(s, artifact=True, policy_args=args, saved=saved,
+                       question_scoring=s.document and bool(manifest.question_rows) and asked)
+    if saved is not None:  # options not given come from the saved document (a differing one is refused)
+        s.budget = s.budget or str(saved["budget"])
+        s.block = s.block or saved["block"]
+    s.policy = s.policy or (saved["policy"] if saved is not None else DEFAULT_POLICY)
+    args = policy_arguments(s.policy_arg, [s.policy]).get(s.policy, {})
+    if saved is not None and not s.policy_arg and s.policy == saved["policy"]:
+        args = dict(saved["policy_params"])
+    chosen = make_policy(s.policy, args)  # unknown policy / bad arguments before loading anything
+    s.budget, s.block = s.budget or DEFAULT_BUDGET, s.block or DEFAULT_BLOCK
+    s.kv_dtype = s.kv_dtype or "fp32"
+    return RunPlan(s, artifact=False, policy_args=args, saved=saved,
+                   question_scoring=s.document and chosen.uses_question and asked)
+
+
+def model_reference(model: str | None) -> str:
+    """The model as a later `edgekv ask` can open it again: a known name, or an absolute path."""
+    if model is None:
+        return "smollm2-135m"
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
+def new_sampler_factory(temperature: float, top_p: float, seed: int):
+    from .engine import Sampler
+
+    return lambda: Sampler(temperature=temperature, top_p=top_p, seed=seed)
+
+
+def run_plan(plan: RunPlan, console: RunConsole | None = None, threads=None) -> RunResult:
+    """Open the plan's session — the eager engine (its caches sized for this run) or the artifact
+    (``open_artifact`` picks the runtime) — run the prompt or the document on it (``run``), and
+    save the report to ``settings.output``. ``threads``: the ``threads.ThreadChoice`` the command
+    applied (its count goes to the native runtime, its record into the report)."""
+    from .threads import threads_in_use
+
+    console = console or RunConsole()
+    s = plan.settings
+    if plan.artifact:
+        console.say(f"loading the artifact {s.model}")
+        rt, model = open_artifact(s.model, mem_limit=s.mem_limit, runtime=s.runtime,
+                                  threads=threads.count if threads is not None else None)
+        if s.allow_beyond_context and hasattr(rt, "allow_beyond_context"):
+            rt.allow_beyond_context()
+        block, made_from = rt.block, ""
+        open_session = lambda max_tokens, question_rows: rt  # noqa: E731 - the artifact's cache is fixed
+    else:
+        from .models import load_model
+
+        console.say(f"loading {s.model or 'smollm2-135m'}")
+        model = load_model(s.model, console.log)
+        block, made_from = s.block, model_reference(s.model)
+
+        def open_session(max_tokens, question_rows):
+            return open_eager_session(model, s.policy, plan.policy_args, s.budget, s.block, max_tokens, s.mem_limit,
+                                      question_rows=question_rows, kv_dtype=s.kv_dtype)
+    if s.document:
+        result = _run_document(plan, model, block, open_session, made_from, console)
+    else:
+        result = _run_prompt(s, model, block, open_session, console)
+    if threads is not None:
+        result.report["threads"] = {**threads.to_dict(), **threads_in_use()}
+    console.report(result.report)
+    if s.output is not None:
+        write_json_atomic(s.output, result.report)
+    return result
+
+
+def _run_prompt(s: RunSettings, model, block: int, open_session, console: RunConsole) -> RunResult:
+    """Encode, check the context, open the session with room for prompt + output, run with the
+    text streamed and one line per phase."""
+    ids = encode_prompt(model, s.text, s.chat)
+    check_context(model, int(ids.numel()), s.max_new_tokens, s.allow_beyond_context)
+    stream = TextStream(model.tokenizer) if model.tokenizer is not None else None
+
+    def on_token(token: int) -> None:
+        if stream is not None:
+            piece = stream.push(token)
+            if piece:
+                console.text(piece)
+
+    def on_phase(name: str) -> None:
+        if name == "prefill":
+            n = int(ids.numel())
+            console.say(f"prefill: {n:,} prompt tokens in {-(-n // block)} block(s) of {block}")
+        else:
+            console.say(f"decode: up to {s.max_new_tokens} tokens")
+
+    with console.prefill_progress(int(ids.numel()), block) as advance:
+        session = open_session(int(ids.numel()) + s.max_new_tokens, 0)
+        result = run(session, model, prompt_ids=ids, max_new_tokens=s.max_new_tokens,
+                     new_sampler=new_sampler_factory(s.temperature, s.top_p, s.seed), on_token=on_token,
+                     progress=advance, on_phase=on_phase)
+    console.text((stream.flush() if stream is not None else "") + "\n")
+    return result
+
+
+def _run_document(plan: RunPlan, model, block: int, open_session, made_from: str,
+                  console: RunConsole) -> RunResult:
+    """The document counterpart of ``_run_prompt``: encode the document and the question parts,
+    check the context, open the session (full N + B, as a saved state must take any later question,
+    and room for the longest question's rows when it scores the blocks), run with each answer
+    streamed after its question."""
+    from .models.chat import encode_document, encode_question
+
+    s = plan.settings
+    tok = model.tokenizer
+    if tok is None:
+        raise InputError(f"model {model.model_id} has no tokenizer; --question needs one (a GGUF or an HF directory "
+                         "with tokenizer files)")
+    if s.text is not None and not s.text.strip():
+        raise InputError("the document is empty; pass --prompt TEXT or --prompt-file FILE with some text")
+    try:
+        doc_ids = encode_document(tok, s.text, s.chat) if s.text is not None else None
+        questions = [(q, encode_question(tok, q, s.chat)) for q in s.questions]
+    except ValueError as exc:  # --chat on a model without a usable chat template
+        raise InputError(str(exc)) from None
+    start = len(doc_ids) if doc_ids is not None else int(plan.saved["position"])
     longest = max((len(ids) for _, ids in questions), default=0)
-    session = open_eager_session(model, policy_name, policy_args, budget, block, None, mem_limit,
-                                 question_rows=longest if document_ids is not None else 0, kv_dtype=kv_dtype)
-    return run(session, model, document_ids=document_ids, questions=questions, max_new_tokens=max_new_tokens,
-               new_sampler=new_sampler, chat=chat, save_cache=save_cache, load_cache=load_cache,
-               made_from=made_from, on_token=on_token, on_question=on_question, progress=progress,
-               on_warning=on_warning)
+    check_context(model, start + longest, s.max_new_tokens, s.allow_beyond_context)
+    streams = [TextStream(tok) for _ in questions]
 
+    def end_answer(i: int) -> None:
+        console.text(streams[i].flush() + "\n")
 
-def run_compiled_document(rt, described: ArtifactModel, document_ids, questions, *, max_new_tokens: int,
-                          new_sampler, chat: bool = False, save_cache=None, load_cache=None, on_token=None,
-                          on_question=None, progress=None, on_warning=None) -> RunResult:
-    """The compiled counterpart of ``run_eager_document`` (HostRuntime or the native runtime). An
-    artifact compiled with ``--question-rows`` reads the document once per question, knowing it,
-    as the eager engine does; one compiled without scores with the blocks' own rows (the caller
-    warns). A question longer than the artifact's rows is refused before any reading."""
-    return run(rt, described, document_ids=document_ids, questions=questions, max_new_tokens=max_new_tokens,
-               new_sampler=new_sampler, chat=chat, save_cache=save_cache, load_cache=load_cache,
-               on_token=on_token, on_question=on_question, progress=progress, on_warning=on_warning)
+    def on_question(i: int, question: str) -> None:
+        if i > 0:
+            end_answer(i - 1)
+        if len(questions) > 1:
+            console.say(f"question {i + 1} of {len(questions)}: {question}")
+
+    def on_token(i: int, token: int) -> None:
+        piece = streams[i].push(token)
+        if piece:
+            console.text(piece)
+
+    if doc_ids is not None:
+        console.say(f"reading the document: {len(doc_ids):,} tokens in {-(-len(doc_ids) // block)} block(s) of "
+                    f"{block}" + (", scored with the question's queries (once per question)"
+                                  if plan.question_scoring else ""))
+    else:
+        console.say(f"answering from {s.load_cache}: a document of {plan.saved['tokens']:,} tokens, read before")
+    with console.prefill_progress(len(doc_ids) if doc_ids is not None else 0, block) as advance:
+        session = open_session(None, longest if doc_ids is not None else 0)
+        result = run(session, model, document_ids=None if doc_ids is None else torch.tensor(doc_ids, dtype=torch.long),
+                     questions=questions, max_new_tokens=s.max_new_tokens,
+                     new_sampler=new_sampler_factory(s.temperature, s.top_p, s.seed), chat=s.chat,
+                     save_cache=s.save_cache, load_cache=s.load_cache, made_from=made_from, on_token=on_token,
+                     on_question=on_question, progress=advance, on_warning=console.warn)
+    if questions:
+        end_answer(len(questions) - 1)
+    if s.save_cache is not None:
+        from .units import human_bytes
+
+        console.say(f"saved the document's cache to {s.save_cache} "
+                    f"({human_bytes(result.report['document']['snapshot_bytes'])}): `edgekv ask {s.save_cache} "
+                    "--question ...` answers from it")
+    return result

@@ -183,7 +183,7 @@ def test_kept_positions_and_logits_match_engine(model, prompt, policy, budget):
     evictions = 0
     for s in range(0, PROMPT, B):
         chunk = prompt[s: s + B]
-        extra = eng._extra_for(len(chunk))  # the engine's own rule: pseudo rows on evicting blocks
+        extra = eng.extra_rows_for(len(chunk))  # the engine's own rule: pseudo rows on evicting blocks
         want = eng.step(chunk, extra=extra).numpy()
         got = rt.step_block(chunk.numpy())
         assert _rel(got, want) < 1e-3

@@ -157,8 +157,8 @@ def _same_state(rt, eng, layer):
 def test_caches_updated_in_place(model, imported, prompt):
     rt = _runtime(model, imported, KeyDiffPolicy(), 13)
     ptrs = [c.data_ptr() for c in rt.caches]
-    out = rt.vm["prefill_block"](*[tvm.runtime.tensor(a) for a in (
-        np.zeros(B, "int64"), np.arange(B, dtype="int64"), np.array([B], "int32"))], *rt._tail)
+    out = rt.call_prefill_block(*[tvm.runtime.tensor(a) for a in (
+        np.zeros(B, "int64"), np.arange(B, dtype="int64"), np.array([B], "int32"))])
     assert [t.data_ptr() for t in list(out)[1:]] == ptrs  # the outputs are the input buffers
     rt.reset()
     rt.prefill(prompt.numpy())

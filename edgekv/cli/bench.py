@@ -40,7 +40,7 @@ def bench_cmd(
     from ..budget import parse_budget
     from ..corpus import natural_token_ids
     from ..evaluation.command import check_output_folder
-    from ..job import write_json_atomic
+    from ..output_files import write_json_atomic
     from ..models import load_model
 
     try:

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from ..artifact import Keys, Manifest, is_artifact
 from ..artifact.staging import replace_dir, staging_dir
 from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET
 from ..errors import USER_ERRORS, InputError
@@ -75,38 +76,40 @@ def compile_cmd(
                 shutil.rmtree(tmp, ignore_errors=True)
         for w in caught:  # re-said with the final directory (the build wrote a staging one)
             err.print(f"[yellow]{w.category.__name__}:[/] {str(w.message).replace(str(tmp), str(output))}")
-        manifest = result.manifest
+        manifest = Manifest.of(result.manifest)
         table = Table(title=f"edgekv compile · {loaded.model_id} · {policy} · N={n} B={block}")
         table.add_column("item")
         table.add_column("value", justify="right")
         table.add_row("artifact", str(output))
-        table.add_row("target", json.dumps(manifest["target"]["tvm"]))
-        table.add_row("attention sites rewritten", str(manifest["num_layers"]))
+        table.add_row("target", json.dumps(manifest.target.tvm))
+        table.add_row("attention sites rewritten", str(manifest.num_layers))
         table.add_row("weights", weights_summary(manifest))
-        plan = manifest["memory_plan"]
+        plan = manifest.memory_plan
         table.add_row("KV cache format", "int8 codes + float16 scales" if kv_dtype == "int8" else "fp32")
-        if manifest.get("question_rows"):
-            table.add_row("question rows (scoring every block)", str(manifest["question_rows"]))
+        if manifest.question_rows:
+            table.add_row("question rows (scoring every block)", str(manifest.question_rows))
         table.add_row("plan: weights / KV cache / activations",
-                      f"{human_bytes(plan['weights_bytes'])} / {human_bytes(plan['cache_bytes'])} / "
-                      f"{human_bytes(plan['activation_bytes'])}")
+                      f"{human_bytes(plan.weights_bytes)} / {human_bytes(plan.cache_bytes)} / "
+                      f"{human_bytes(plan.activation_bytes)}")
         table.add_row("compile time", f"{time.perf_counter() - t0:.1f} s")
-        toolchain = (manifest.get("device") or {}).get("toolchain") or {}
+        toolchain = manifest.toolchain
         if toolchain:
-            table.add_row("device toolchain", str(toolchain.get("status", "")))
-            if toolchain.get("finish"):
-                table.add_row("finish on a machine with it", str(toolchain["finish"]).replace("<artifact dir>", str(output)))
+            table.add_row("device toolchain", str(toolchain.get(Keys.Toolchain.STATUS, "")))
+            if toolchain.get(Keys.Toolchain.FINISH):
+                table.add_row("finish on a machine with it",
+                              str(toolchain[Keys.Toolchain.FINISH]).replace("<artifact dir>", str(output)))
         out.print(table)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
 
 
-def weights_summary(manifest: dict) -> str:
+def weights_summary(manifest: Manifest) -> str:
     """``q4 (Q4_1 × 210, Q8_0 × 1, fp32 × 61; 98.9 MiB)`` from an artifact's manifest."""
-    w = manifest.get("weights") or {"format": "fp32"}
-    parts = ", ".join(f"{k} × {v}" for k, v in (w.get("tensors") or {}).items())
-    size = f"; {human_bytes(w['bytes'])}" if "bytes" in w else ""
-    return f"{w['format']} ({parts}{size})" if parts else w["format"]
+    W = Keys.Weights
+    w = manifest.weights or {W.FORMAT: "fp32"}
+    parts = ", ".join(f"{k} × {v}" for k, v in (w.get(W.TENSORS) or {}).items())
+    size = f"; {human_bytes(w[W.BYTES])}" if W.BYTES in w else ""
+    return f"{w[W.FORMAT]} ({parts}{size})" if parts else w[W.FORMAT]
 
 
 def check_static_cache(cfg, budget: int, block: int) -> None:
@@ -126,7 +129,7 @@ def check_output_dir(output: Path) -> None:
     if output.exists() and not output.is_dir():
         raise InputError(f"-o {output} is a file; give a directory for the artifact (a new or empty one, or an "
                          "earlier artifact to replace)")
-    if output.is_dir() and any(output.iterdir()) and not (output / "manifest.json").is_file():
+    if output.is_dir() and any(output.iterdir()) and not is_artifact(output):
         raise InputError(f"-o {output} exists and is not an edgekv artifact; choose an empty or new directory")
     parent = output.parent if str(output.parent) else Path(".")
     if parent.exists() and not parent.is_dir():

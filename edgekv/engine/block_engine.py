@@ -260,7 +260,7 @@ class BlockEngine:
         try:
             for start in range(0, prompt_ids.numel(), self.block):
                 chunk = prompt_ids[start : start + self.block]
-                extra = self._extra_for(chunk.numel())
+                extra = self.extra_rows_for(chunk.numel())
                 outs.append(self.step(chunk, all_logits=all_logits, extra=extra))
                 if progress is not None:
                     progress(chunk.numel())
@@ -283,9 +283,10 @@ class BlockEngine:
                               "question rows; make it with question_rows of at least the question's length")
         return ids, torch.arange(end, end + ids.numel(), dtype=torch.long)
 
-    def _extra_for(self, b: int):
+    def extra_rows_for(self, b: int):
         """Extra rows go with blocks that trigger eviction in some layer: the question's (when
-        ``prefill`` has one), else the policy's pseudo rows (DapQ)."""
+        ``prefill`` has one), else the policy's pseudo rows (DapQ). Public for whoever steps the
+        engine block by block (``step(chunk, extra=...)``) as ``prefill`` does."""
         extra = self._question if self._question is not None else self.policy.extra_tokens()
         if extra is None:
             return None

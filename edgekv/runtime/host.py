@@ -366,6 +366,13 @@ class HostRuntime:
         """One ``prefill_block`` call (all its outputs)."""
         return self._prefill(*self._step_inputs(ids, start), *self._tail)
 
+    def call_prefill_block(self, tokens, positions, n_valid):
+        """The compiled ``prefill_block`` called as it is, on these VM tensors (the block's token
+        ids, their positions, how many are real) and this runtime's caches and weights; returns all
+        its outputs. Nothing else is done (no position, stats or policy step): for tools that time
+        or inspect the compiled function itself."""
+        return self._prefill(tokens, positions, n_valid, *self._tail)
+
     def question_ids(self, question, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, positions end…) of a question that scores the blocks, or a clear error."""
         from ..policies.base import PolicyError

@@ -82,7 +82,10 @@ def _write_result(path: str, data: dict) -> None:
 
 
 def _run_artifact(job: dict, ids, events: _Events, sampler: _Sampler, progress) -> dict:
-    """A compiled artifact through the host runtime (TVM Relax VM); report keys as run_eager's."""
+    """A compiled artifact through the host runtime (TVM Relax VM). Its report is not
+    ``run_report.build_report``'s: `edgekv simulate` keeps the runtime's own record
+    (``HostRuntime.report()``: the manifest's policy, target and memory plan as written, the raw
+    stats) with the timing keys its summary reads, under ``engine: artifact``."""
     from ..runtime import HostRuntime
 
     rt = HostRuntime(job["artifact"])
@@ -171,7 +174,8 @@ def main(job_path: str) -> int:
         import torch
 
         from ..engine import Sampler
-        from ..job import run_eager
+        from ..engine.session import open_eager_session
+        from ..job import run
         from .source import build_model
 
         if job.get("threads"):
@@ -201,10 +205,10 @@ def main(job_path: str) -> int:
         events.emit(kind="stage", stage="loaded", status=sampler.sample(), weight_bytes=model.weight_bytes)
         stage = "run"
 
-        result = run_eager(model, ids, policy_name=job["policy"], policy_args=job.get("policy_args") or {},
-                           budget=str(job["budget"]), block=int(job["block"]),
-                           max_new_tokens=int(job["max_new_tokens"]), sampler=Sampler(),
-                           progress=progress)
+        max_new = int(job["max_new_tokens"])
+        session = open_eager_session(model, job["policy"], job.get("policy_args") or {}, str(job["budget"]),
+                                     int(job["block"]), int(ids.numel()) + max_new, None)
+        result = run(session, model, prompt_ids=ids, max_new_tokens=max_new, new_sampler=Sampler, progress=progress)
         sampler.sample()
         sampler.stop.set()
         events.emit(kind="stage", stage="done", status=_status())

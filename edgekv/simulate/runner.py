@@ -79,7 +79,7 @@ class Outcome:
 
 def plan_for(target: Target, policy: str, policy_args: dict, budget: int, block: int,
              max_tokens: int | None = None) -> MemoryPlan:
-    """The engine's static plan, exactly as ``run_eager`` computes it (no weights loaded);
+    """The engine's static plan, exactly as ``engine.session.open_eager_session`` computes it (no weights loaded);
     ``max_tokens`` = prompt + output bounds the cache as it does in the engine."""
     from ..memory import cache_capacity
 

@@ -85,7 +85,7 @@ def profile_block(rt, reps: int = 3) -> dict:
         nv = tvm.runtime.tensor(np.array([B], "int32"))
         rt.vm.set_instrument(instr)
         t0 = time.perf_counter()
-        rt._prefill(tok, pos, nv, *rt._tail)
+        rt.call_prefill_block(tok, pos, nv)
         totals.append(time.perf_counter() - t0)
         rt.vm.set_instrument(None) if hasattr(rt.vm, "set_instrument") else None
         for k, v in agg.items():

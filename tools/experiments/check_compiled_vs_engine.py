@@ -68,7 +68,7 @@ def main() -> None:
     first_mismatch = None
     for b, start in enumerate(range(0, ids.numel(), args.block)):
         chunk = ids[start:start + args.block]
-        ref = engine.step(chunk, extra=engine._extra_for(chunk.numel()))  # pseudo rows as in engine.prefill
+        ref = engine.step(chunk, extra=engine.extra_rows_for(chunk.numel()))  # pseudo rows as in engine.prefill
         got = rt.step_block(chunk.numpy())
         for layer in range(model.config.num_layers):
             a = engine.kept_positions(layer).numpy()

@@ -65,7 +65,8 @@ def save(path: Path, data: dict) -> None:
 def one_run(model, text: str, policy: str, budget: int | None, threads: int) -> dict:
     """``edgekv run --chat --prompt-file F --policy P --budget N`` (budget None: the full cache)."""
     from edgekv.engine import Sampler
-    from edgekv.job import encode_prompt, run_eager
+    from edgekv.engine.session import open_eager_session
+    from edgekv.job import encode_prompt, run
     from edgekv.memory import kv_cache_bytes
     from edgekv.threads import apply_threads
 
@@ -74,8 +75,8 @@ def one_run(model, text: str, policy: str, budget: int | None, threads: int) -> 
     n = int(ids.numel())
     b = str(budget if budget is not None else max(n + MAX_NEW, 128))
     t0 = time.perf_counter()
-    res = run_eager(model, ids, policy_name=policy if budget is not None else "full", policy_args={}, budget=b,
-                    block=128, max_new_tokens=MAX_NEW, sampler=Sampler())
+    session = open_eager_session(model, policy if budget is not None else "full", {}, b, 128, n + MAX_NEW, None)
+    res = run(session, model, prompt_ids=ids, max_new_tokens=MAX_NEW, new_sampler=Sampler)
     full_kv = kv_cache_bytes(model.config, n + len(res.generated_ids))
     return {"prompt_tokens": n, "answer": res.text.strip(), "generated_tokens": len(res.generated_ids),
             "seconds": round(time.perf_counter() - t0, 1),
