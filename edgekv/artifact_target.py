@@ -10,26 +10,26 @@ from .artifact.manifest import Keys, Manifest, ToolchainStatus
 _TVM = Keys.TvmTarget
 
 
-def artifact_runs_here(manifest: Manifest | dict) -> bool:
+def artifact_runs_here(manifest: Manifest) -> bool:
     """A host-built artifact (LLVM without a cross triple, no device) runs on this machine's CPU; an
     OpenCL one whose host code is this machine's (``--target opencl-host``) runs here through the
     native runtime's OpenCL device (``needs_native_device``)."""
-    target = Manifest.of(manifest).target
+    target = manifest.target
     return (target.kind == "llvm" and _TVM.MTRIPLE not in target.tvm and not target.host) \
         or needs_native_device(manifest)
 
 
-def needs_native_device(manifest: Manifest | dict) -> bool:
+def needs_native_device(manifest: Manifest) -> bool:
     """An artifact the native runtime runs on a device here (OpenCL kernels, this machine as the host):
     TVM's Python runtime (HostRuntime) has no OpenCL, so only the native runtime runs it."""
-    target = Manifest.of(manifest).target
+    target = manifest.target
     host = target.host or {}
     return target.kind == "opencl" and host.get(_TVM.KIND) == "llvm" and _TVM.MTRIPLE not in host
 
 
-def device_artifact_message(path, manifest: Manifest | dict) -> str:
+def device_artifact_message(path, manifest: Manifest) -> str:
     """Why a device artifact does not run here, and how to run it where it belongs."""
-    m = Manifest.of(manifest)
+    m = manifest
     name = m.target.profile or m.target.tvm.get(_TVM.KIND, "another target")
     where = m.target.mtriple or m.target.kind
     tool = m.toolchain

@@ -22,7 +22,7 @@ from .manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, Keys, Manifes
 
 __all__ = ["ARTIFACT_FORMAT", "ARTIFACT_VERSION", "MANIFEST", "PARAMS_FILE", "PROGRAM_FILE", "TOKENIZER_DIR",
            "TOKENIZER_FILE", "ArtifactError", "Keys", "Manifest", "check_runs_here", "crc32_file", "edgekv_version",
-           "is_artifact", "read_manifest", "sha256_file", "verify_artifact"]
+           "is_artifact", "sha256_file", "verify_artifact"]
 
 PARAMS_FILE = "params.safetensors"
 PROGRAM_FILE = "program.ekv"
@@ -65,19 +65,13 @@ def is_artifact(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / MANIFEST).is_file()
 
 
-def read_manifest(path: str | Path) -> dict:
-    """``path/manifest.json`` as its JSON object, checked (``Manifest.read``: format, version,
-    every field's type)."""
-    return Manifest.read(path).raw
-
-
-def verify_artifact(path: str | Path, manifest: Manifest | dict, *, check_hashes: bool = True,
+def verify_artifact(path: str | Path, manifest: Manifest, *, check_hashes: bool = True,
                     tvm_version: str | None = None) -> None:
     """Files present and (with ``check_hashes``) equal to their sha256; the artifact made by this
     edgekv version; ``tvm_version``: the TVM that will run it (HostRuntime) must be the one that
     built it."""
     path = Path(path)
-    m = Manifest.of(manifest)
+    m = manifest
     files = m.files
     tok = files.get(Keys.Files.TOKENIZER)
     if tok and isinstance(tok.sha256, dict):  # the HF tokenizer directory, file by file

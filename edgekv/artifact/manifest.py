@@ -594,11 +594,6 @@ class Manifest:
         )
 
     @classmethod
-    def of(cls, manifest: "Manifest | dict") -> "Manifest":
-        """A ``Manifest`` as is, a dict checked (for callers that still hold the JSON object)."""
-        return manifest if isinstance(manifest, Manifest) else cls.from_json(manifest)
-
-    @classmethod
     def read(cls, path: str | Path) -> "Manifest":
         """``path/manifest.json``, refused (``ArtifactError``) when the directory or the file is
         missing, the JSON is corrupt, it is not an edgekv manifest, its format version is not

@@ -76,7 +76,7 @@ def compile_cmd(
                 shutil.rmtree(tmp, ignore_errors=True)
         for w in caught:  # re-said with the final directory (the build wrote a staging one)
             err.print(f"[yellow]{w.category.__name__}:[/] {str(w.message).replace(str(tmp), str(output))}")
-        manifest = Manifest.of(result.manifest)
+        manifest = Manifest.from_json(result.manifest)
         table = Table(title=f"edgekv compile · {loaded.model_id} · {policy} · N={n} B={block}")
         table.add_column("item")
         table.add_column("value", justify="right")

@@ -125,9 +125,8 @@ class ManifestWork:
         return Work(self.decode_step.flops, self.decode_step.bytes * k)
 
 
-def work_from_manifest(manifest: Manifest | dict, cfg: ModelConfig) -> WorkModel:
+def work_from_manifest(manifest: Manifest, cfg: ModelConfig) -> WorkModel:
     """Counts the artifact recorded from its graph (``graph_work.count_module``), else geometry."""
-    manifest = Manifest.of(manifest)
     W, C = Keys.Work, Keys.WorkCount
     n_static = manifest.budget + manifest.block
     w = manifest.work

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = ap.parse_args(argv)
 
-    from edgekv.artifact import read_manifest
+    from edgekv.artifact import Manifest
     from edgekv.evaluation.report import provenance
     from edgekv.models import sources
 
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
         if not (p / "program.ekv").is_file():
             ap.error(f"{p}: no artifact (build it: edgekv compile {MODEL} --budget 1k --block 128 --policy keydiff "
                      f"--weights {'q4' if p == args.q4 else 'fp32'} -o {p})")
-        budget = read_manifest(p)["budget"]
+        budget = Manifest.read(p).budget
         if args.tokens > budget:
             ap.error(f"--tokens {args.tokens} exceeds {p}'s budget N = {budget}: eviction would mix into the comparison")
 
