@@ -328,6 +328,12 @@ def test_finish_links_with_the_named_toolchain(model, imported, tmp_path_factory
         ("model.so", so.stat().st_size, crc32_file(so))
     assert m["files"]["program"]["sha256"] == sha256_file(art / "program.ekv")
     assert m["files"]["library"]["sha256"] == sha256_file(so)
+    # the command that artifacts compiled before the compiler moved into stages record still finishes
+    import subprocess
+
+    legacy = subprocess.run([sys.executable, "-m", "edgekv.compiler.targets", "finish", str(art)],
+                            capture_output=True, text=True)
+    assert legacy.returncode == 0 and "wrote" in legacy.stdout, legacy.stderr
     assert m["files"]["library_objects"]["name"] == "model.tar"
     assert finish(art) == so
 

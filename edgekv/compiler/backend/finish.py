@@ -155,7 +155,7 @@ def finish(out_dir: str | Path) -> Path:
     return so
 
 
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     if len(argv) == 1:
         try:
             print(f"wrote {finish(argv[0])}")
@@ -168,4 +168,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+    raise SystemExit(main(sys.argv[1:]))
