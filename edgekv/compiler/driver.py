@@ -128,6 +128,7 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
 
     ex, info, lowered = built.executable, built.device, built.lowered
     code = device_code(ex, tgt.tvm)
+    D, T = Keys.Device, Keys.Toolchain
     if tgt.ptx:  # the kernels the native runtime's CUDA device loads (cuModuleLoadDataEx)
         from .backend.cuda_ptx import compile_ptx, nvrtc_version
 
@@ -136,7 +137,6 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
         cu = next(n for n in code if n.endswith(".cu"))
         code[cu.removesuffix(".cu") + ".ptx"] = compile_ptx(code[cu].decode(), arch)
         info[D.PTX] = {Keys.Ptx.ARCH: arch, Keys.Ptx.NVRTC: nvrtc_version()}
-    D, T = Keys.Device, Keys.Toolchain
     info[D.CODE] = {name: len(data) for name, data in code.items()}
     if tgt.kind == "llvm":
         info[D.ELF_MACHINE] = sorted({elf_machine(d) for d in code.values()} - {None})
