@@ -20,11 +20,12 @@ def artifact_runs_here(manifest: Manifest) -> bool:
 
 
 def needs_native_device(manifest: Manifest) -> bool:
-    """An artifact the native runtime runs on a device here (OpenCL kernels, this machine as the host):
-    TVM's Python runtime (HostRuntime) has no OpenCL, so only the native runtime runs it."""
+    """An artifact the native runtime runs on a device here (OpenCL kernels, or CUDA PTX from
+    ``--target cuda-host``, with this machine as the host): TVM's Python runtime (HostRuntime) has
+    no OpenCL and does not load the PTX, so only the native runtime runs it."""
     target = manifest.target
     host = target.host or {}
-    return target.kind == "opencl" and host.get(_TVM.KIND) == "llvm" and _TVM.MTRIPLE not in host
+    return target.kind in ("opencl", "cuda") and host.get(_TVM.KIND) == "llvm" and _TVM.MTRIPLE not in host
 
 
 def device_artifact_message(path, manifest: Manifest) -> str:

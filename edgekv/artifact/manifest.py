@@ -147,6 +147,7 @@ class Keys:
         TOOLCHAIN = "toolchain"
         NATIVE_RUNTIME = "native_runtime"
         FILES = "files"
+        PTX = "ptx"  # cuda-host: how the kernels' PTX was made (Keys.Ptx)
 
     class Toolchain:  # the target profile's ``toolchain`` (compile/*.json) plus what the build adds
         STATUS = "status"
@@ -161,6 +162,10 @@ class Keys:
     class NativeRuntime:
         DEVICE = "device"
         KERNELS = "kernels"
+
+    class Ptx:
+        ARCH = "arch"
+        NVRTC = "nvrtc"
 
     class Files:
         LIBRARY = "library"
@@ -343,6 +348,8 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.Device.TOOLCHAIN, OBJECT, "the toolchain step that makes it loadable", keys=K.Toolchain),
         Field(K.Device.NATIVE_RUNTIME, OBJECT, "the device kernels the native runtime runs", keys=K.NativeRuntime),
         Field(K.Device.FILES, LIST, "the generated code files, under device/"),
+        Field(K.Device.PTX, OBJECT, "cuda-host: the PTX's arch (compute_<digits>) and the NVRTC that wrote it",
+              keys=K.Ptx),
     ),
     K.Toolchain: (
         Field(K.Toolchain.STATUS, STR, "complete, needs-toolchain or finished (ToolchainStatus)"),
@@ -355,8 +362,12 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.Toolchain.LINKED_WITH, STR, "the command that linked it (finished)"),
     ),
     K.NativeRuntime: (
-        Field(K.NativeRuntime.DEVICE, STR, "the native runtime's device (opencl)"),
+        Field(K.NativeRuntime.DEVICE, STR, "the native runtime's device (opencl, cuda)"),
         Field(K.NativeRuntime.KERNELS, INT, "device kernels in the program"),
+    ),
+    K.Ptx: (
+        Field(K.Ptx.ARCH, STR, "the GPU generation the PTX targets (sm_80: compute_80, JITted forward)"),
+        Field(K.Ptx.NVRTC, STR, "the NVRTC version that wrote it (the driver must be at least as new)"),
     ),
     K.Files: (
         Field(K.Files.LIBRARY, OBJECT, "model.so (or model.tar until finished)", keys=K.FileEntry),

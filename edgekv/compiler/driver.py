@@ -94,6 +94,10 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     check_question_rows(policy, int(question_rows))
     tgt = CompileTarget.resolve(target)
     check_policy_builds_for(policy, tgt.tvm, kv_dtype, question_rows)
+    if tgt.ptx:  # cuda-host: its kernels become PTX with NVRTC; refused before any work without it
+        from .backend.cuda_ptx import load_nvrtc
+
+        load_nvrtc()
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         say("importing the ONNX graph")
         imported = model.import_graph(block)
@@ -125,6 +129,14 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
     ex, info, lowered = built.executable, built.device, built.lowered
     code = device_code(ex, tgt.tvm)
     D, T = Keys.Device, Keys.Toolchain
+    if tgt.ptx:  # the kernels the native runtime's CUDA device loads (cuModuleLoadDataEx)
+        from .backend.cuda_ptx import compile_ptx, nvrtc_version
+
+        arch = str(tgt.tvm.get("arch", "sm_80"))
+        say(f"compiling the CUDA kernels to PTX for {arch} with NVRTC")
+        cu = next(n for n in code if n.endswith(".cu"))
+        code[cu.removesuffix(".cu") + ".ptx"] = compile_ptx(code[cu].decode(), arch)
+        info[D.PTX] = {Keys.Ptx.ARCH: arch, Keys.Ptx.NVRTC: nvrtc_version()}
     info[D.CODE] = {name: len(data) for name, data in code.items()}
     if tgt.kind == "llvm":
         info[D.ELF_MACHINE] = sorted({elf_machine(d) for d in code.values()} - {None})
@@ -139,13 +151,15 @@ def _device_artifact(model: Any, policy: Any, budget: int, block: int, target: s
     info[D.TOOLCHAIN] = tool
     manifest = build_manifest(model, policy, built.spec, budget, block, tgt.profile, target, tgt.tvm, lowered,
                               built.plan, host=tgt.host, device=info, weights=built.weights)
-    # a CPU or OpenCL build carries the flat program (program.ekv) the native runtime runs
+    # a CPU, OpenCL or cuda-host build carries the flat program (program.ekv) the native runtime runs
     result = BuildResult(out_dir=Path(out_dir) if out_dir else None, manifest=manifest, executable=ex,
                          params=lowered.params, final_module=built.final_module, policy=policy, device_code=code)
     if built.device_kernels is not None:
-        source = next(n for n in code if n.endswith("." + SOURCE_SUFFIX[tgt.kind]))
+        suffix = "ptx" if tgt.ptx else SOURCE_SUFFIX[tgt.kind]  # what the runtime's device loads
+        source = next(n for n in code if n.endswith("." + suffix))
         result.device_kernels = {"kind": tgt.kind, "source": f"{DEVICE_DIR}/{source}",
-                                 "kernels": built.device_kernels, "kinds": info.get(D.EDGEKV_KERNELS, {})}
+                                 "kernels": built.device_kernels, "kinds": info.get(D.EDGEKV_KERNELS, {}),
+                                 "arch": str(tgt.tvm.get("arch", "")) if tgt.ptx else None}
         manifest[Keys.DEVICE][D.NATIVE_RUNTIME] = {Keys.NativeRuntime.DEVICE: tgt.kind,
                                                    Keys.NativeRuntime.KERNELS: len(built.device_kernels)}
     if out_dir is not None:

@@ -5,7 +5,8 @@
  * logits come out — so the session touches buffers only through these calls.
  *
  * A buffer handle is what a kernel's DLTensor.data carries: a pointer for the CPU, a buffer
- * descriptor for OpenCL (TVM's host code passes it back to the device's `call` unchanged). */
+ * descriptor for OpenCL, a device address for CUDA (TVM's host code passes it back to the
+ * device's `call` unchanged). */
 #ifndef EKV_DEVICE_H
 #define EKV_DEVICE_H
 
@@ -20,7 +21,7 @@
 typedef struct ekv_device ekv_device;
 
 struct ekv_device {
-  const char *name; /* "cpu", "opencl" */
+  const char *name; /* "cpu", "opencl: ...", "cuda: ..." */
   DLDevice dl;      /* what the kernels' DLTensors carry */
   int host_memory;  /* buffers are host memory: read, write and map them in place */
   ekv_error err;    /* the last failure's message */
@@ -54,5 +55,19 @@ ekv_device *ekv_device_cpu(void);
  * allocated. A runtime built without OpenCL headers refuses, saying how to build one with. */
 ekv_status ekv_device_opencl_open(ekv_error *err, const ekv_program *prog, const char *source_path,
                                   uint64_t plan_bytes, ekv_device **out);
+
+/* The CUDA device for a cuda-host program: the driver (libcuda.so.1) found with dlopen, the GPU
+ * EDGEKV_CUDA_DEVICE names (else the first) checked against the PTX's generation and the plan,
+ * and the program's kernels JITted from the PTX at `ptx_path`. Always built (it needs no CUDA
+ * headers); with no driver or no GPU it refuses, saying what the artifact needs. */
+ekv_status ekv_device_cuda_open(ekv_error *err, const ekv_program *prog, const char *ptx_path, uint64_t plan_bytes,
+                                ekv_device **out);
+
+/* ekv_runtime_devices() lists the CUDA device after OpenCL's where it is built (not on Android) */
+#ifdef EDGEKV_WITH_CUDA
+#define EKV_CUDA_DEVICE_NAME ",cuda"
+#else
+#define EKV_CUDA_DEVICE_NAME ""
+#endif
 
 #endif

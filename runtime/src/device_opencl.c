@@ -536,7 +536,7 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
-const char *ekv_runtime_devices(void) { return "cpu,opencl"; }
+const char *ekv_runtime_devices(void) { return "cpu,opencl" EKV_CUDA_DEVICE_NAME; }
 
 static void release(ocl_device *d) {
   if (d == NULL) return;

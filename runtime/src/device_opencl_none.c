@@ -2,7 +2,7 @@
  * how to get a runtime that runs it. */
 #include "device.h"
 
-const char *ekv_runtime_devices(void) { return "cpu"; }
+const char *ekv_runtime_devices(void) { return "cpu" EKV_CUDA_DEVICE_NAME; }
 
 ekv_status ekv_device_opencl_open(ekv_error *err, const ekv_program *prog, const char *source_path,
                                   uint64_t plan_bytes, ekv_device **out) {

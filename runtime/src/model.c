@@ -97,19 +97,20 @@ static ekv_status read_program(ekv_model *m, const char *dir) {
   return EKV_OK;
 }
 
-/* The device the program was compiled for: the CPU, or OpenCL (its kernels built from the
- * artifact's device source, checked against the program's size and CRC first). */
+/* The device the program was compiled for: the CPU, OpenCL or CUDA (its kernels built from the
+ * artifact's device source — OpenCL C, or PTX — checked against the program's size and CRC first). */
 static ekv_status open_device(ekv_model *m, const char *dir) {
   const char *kind = ekv_program_str(&m->prog, "device");
   if (kind[0] == '\0' || strcmp(kind, "cpu") == 0) {
     m->device = ekv_device_cpu();
     return EKV_OK;
   }
-  if (strcmp(kind, "opencl") != 0)
+  if (strcmp(kind, "opencl") != 0 && strcmp(kind, "cuda") != 0)
     return ekv_fail(&m->err, EKV_ERR_MISMATCH, "the artifact was compiled for a %s device, which this runtime has no "
-                    "backend for; compile it with --target host or --target opencl-host", kind);
+                    "backend for; compile it with --target host, opencl-host or cuda-host", kind);
   char path[PATH_MAX];
   EKV_TRY(check_file(m, dir, "device_source", 1, path, sizeof path, NULL));
+  if (strcmp(kind, "cuda") == 0) return ekv_device_cuda_open(&m->err, &m->prog, path, m->plan_bytes, &m->device);
   return ekv_device_opencl_open(&m->err, &m->prog, path, m->plan_bytes, &m->device);
 }
 

@@ -357,7 +357,8 @@ def _device_kernels_called(source: str, recorded: dict) -> list:
     with a kernel TVM did not hand to the recorder (the runtime could not launch it)."""
     import re
 
-    names = sorted(set(re.findall(r"__kernel\s+void\s+(\w+)\s*\(", source)))
+    # OpenCL C names its kernels `__kernel void name(`, PTX `.entry name(` (cuda-host)
+    names = sorted(set(re.findall(r"__kernel\s+void\s+(\w+)\s*\(", source) + re.findall(r"\.entry\s+(\w+)\s*\(", source)))
     missing = [n for n in names if n not in recorded]
     if not names or missing:
         raise ProgramExportError(f"device kernels without a launch description: {', '.join(missing) or 'all'}")
@@ -384,12 +385,14 @@ def write_program(result, out, weight_offsets: dict[str, tuple[int, int]], tgt: 
     if m.prepare_min_prompt is not None:
         functions.append(("prepare", 4))
         settings["prepare_min_prompt"] = int(m.prepare_min_prompt)
-    device = getattr(result, "device_kernels", None)  # a GPU build: {"kind", "source", "kernels"}
+    device = getattr(result, "device_kernels", None)  # a GPU build: {"kind", "source", "kernels", "arch"}
     if device is not None:
         source = out / device["source"]
         settings.update({"device": device["kind"], "device_source_name": device["source"],
                          "device_source_bytes": source.stat().st_size, "device_source_crc32": crc32_file(source),
                          "arena_align": DEVICE_ARENA_ALIGN})
+        if device.get("arch"):  # cuda-host: the PTX's GPU generation (the runtime checks the GPU's)
+            settings["device_arch"] = device["arch"]
     prog = build_program(result.final_module, functions=functions, params=result.params,
                          weight_offsets=weight_offsets, num_layers=int(m.num_layers), cache_fields=fields,
                          cache_init=cache_init(m), settings=settings,

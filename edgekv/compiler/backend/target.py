@@ -19,9 +19,9 @@ from ...profiles import profile_dir
 from ..errors import CompileError
 
 PROFILE_DIR = profile_dir("targets")
-DEVICE_TARGETS = ("cuda", "opencl", "opencl-host", "metal", "hexagon", "android-cpu", "aarch64-linux")
+DEVICE_TARGETS = ("cuda", "cuda-host", "opencl", "opencl-host", "metal", "hexagon", "android-cpu", "aarch64-linux")
 GPU_KINDS = ("cuda", "opencl", "metal", "vulkan", "rocm", "webgpu")
-NATIVE_DEVICES = ("opencl",)  # GPU kinds the native runtime runs (runtime/src/device_opencl.c)
+NATIVE_DEVICES = ("opencl", "cuda")  # GPU kinds the native runtime runs (runtime/src/device_opencl.c, device_cuda.c)
 NO_FP64_KINDS = ("metal", "opencl", "vulkan", "webgpu")  # default of a profile's demote_float64
 
 
@@ -115,9 +115,17 @@ class CompileTarget:
 
     @property
     def native_runtime(self) -> bool:
-        """The native runtime runs the build (CPU targets and OpenCL): it gets ``program.ekv``
-        and the per-prompt ``prepare`` function."""
-        return not self.is_gpu or self.kind in NATIVE_DEVICES
+        """The native runtime runs the build (CPU targets, OpenCL, and CUDA where the profile says
+        ``native_runtime``: cuda-host): it gets ``program.ekv`` and the per-prompt ``prepare``
+        function. The ``cuda`` profile stays a TVM-runtime build (HostRuntime with tvm.cuda())."""
+        if not self.is_gpu:
+            return True
+        return self.kind in NATIVE_DEVICES and bool(self.profile.get("native_runtime", self.kind == "opencl"))
+
+    @property
+    def ptx(self) -> bool:
+        """The build's CUDA C is compiled to PTX at compile time (``backend/cuda_ptx.py``)."""
+        return self.kind == "cuda" and self.profile.get("device_code") == "ptx"
 
     @property
     def demote_float64(self) -> bool:

@@ -265,6 +265,8 @@ public final class ManifestKeys {
         public static final String NATIVE_RUNTIME = "native_runtime";
         /** the generated code files, under device/ */
         public static final String FILES = "files";
+        /** cuda-host: the PTX's arch (compute_<digits>) and the NVRTC that wrote it */
+        public static final String PTX = "ptx";
     }
 
     public static final class Toolchain {
@@ -293,10 +295,20 @@ public final class ManifestKeys {
         private NativeRuntime() {
         }
 
-        /** the native runtime's device (opencl) */
+        /** the native runtime's device (opencl, cuda) */
         public static final String DEVICE = "device";
         /** device kernels in the program */
         public static final String KERNELS = "kernels";
+    }
+
+    public static final class Ptx {
+        private Ptx() {
+        }
+
+        /** the GPU generation the PTX targets (sm_80: compute_80, JITted forward) */
+        public static final String ARCH = "arch";
+        /** the NVRTC version that wrote it (the driver must be at least as new) */
+        public static final String NVRTC = "nvrtc";
     }
 
     public static final class Files {
