@@ -49,6 +49,7 @@ def cpu_name() -> str:
 def build_runtime(out: Path) -> Path:
     """edgekv-run, Release, from runtime/ (the binary the check runs)."""
     build = out / "runtime-build"
+    shutil.rmtree(build, ignore_errors=True)  # a cache from another checkout would refuse this one
     subprocess.run(["cmake", "-S", str(ROOT / "runtime"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                     "-DEDGEKV_BUILD_CLI=ON"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)], check=True,
