@@ -8,6 +8,7 @@ were prepared), device memory against the plan, and the exit status (a crash at 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -40,7 +41,8 @@ def assemble(parts: list[Path], work: Path) -> tuple[dict, dict]:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(dest, "wb") as f:
                 for name, _ in info["chunks"]:
-                    f.write(blobs[name].read_bytes())
+                    data = blobs[name].read_bytes()
+                    f.write(gzip.decompress(data) if name.endswith(".gz") else data)
             os.chmod(dest, info["mode"])
         digest = hashlib.sha256(dest.read_bytes()).hexdigest()
         if digest != info["sha256"]:
@@ -90,9 +92,9 @@ def run_case(work: Path, case: dict, reports: Path, timeout: float) -> dict:
 
 
 def repeat_open(work: Path, case: dict, times: int, timeout: float) -> dict:
-    """Open, run and close the artifact `times` times in one process (edgekv-run --repeat)."""
+    """Open, run and close the artifact `times` times in one process (edgekv-run --repeat-open)."""
     cmd = [str(work / "bin" / "edgekv-run"), str(work / case["artifact"]), *case["args"], "--quiet",
-           "--repeat", str(times)]
+           "--repeat-open", str(times)]
     try:
         res = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
         return {"name": case["name"] + f" open/close x{times}", "exit": res.returncode, "stderr_tail": res.stderr[-400:]}
