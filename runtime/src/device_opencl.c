@@ -318,7 +318,10 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
                             const char *options, cl_program *out) {
   char cached[4096];
   cache_path(d, source_path, (uint32_t)ekv_program_int(prog, "device_source_crc32", 0), options, cached, sizeof cached);
-  if ((*out = build_from_cache(d, cached, options)) != NULL) return EKV_OK;
+  if ((*out = build_from_cache(d, cached, options)) != NULL) {
+    if (d->trace_release) trace_object(d, "create program (cached binary)", *out, d->context, 0);
+    return EKV_OK;
+  }
   size_t size = 0;
   char *source = read_file(source_path, &size);
   if (source == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", source_path);
@@ -327,6 +330,7 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
   *out = d->cl.CreateProgramWithSource(d->context, 1, sources, &size, &rc);
   free(source);
   if (*out == NULL || rc != CL_SUCCESS) return cl_failed(err, "clCreateProgramWithSource", rc);
+  if (d->trace_release) trace_object(d, "create program", *out, d->context, 0);
   if (!build(d, *out, options)) return build_failed(err, d, *out, source_path, options);
   save_binary(d, *out, cached);
   return EKV_OK;
