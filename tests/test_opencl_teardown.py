@@ -189,3 +189,70 @@ def test_release_order_check_catches_what_it_promises():
         check_release_order("\n".join(fix[:5]))
     with pytest.raises(AssertionError, match="released while"):
         check_release_order("\n".join(fix[:4] + fix[6:]))
+
+
+REPEAT_OPEN_JAVA = """
+import com.edgekv.demo.EdgeKv;
+import java.util.Arrays;
+
+/** The app's native methods (EdgeKv, through android/jni/edgekv_jni.c): open, run and close an
+ *  artifact's models repeatedly, two at once, closed in alternating order. */
+public class RepeatOpen {
+    public static void main(String[] args) throws Exception {
+        EdgeKv.loadLibraries();
+        int rounds = Integer.parseInt(args[1]);
+        String[] parts = args[2].split(",");
+        int[] prompt = new int[parts.length];
+        for (int i = 0; i < parts.length; i++) prompt[i] = Integer.parseInt(parts[i]);
+        int[] first = null;
+        for (int r = 0; r < rounds; r++) {
+            long[] models = {EdgeKv.modelOpen(args[0], 2, 0), EdgeKv.modelOpen(args[0], 2, 0)};
+            long[] sessions = {EdgeKv.sessionNew(models[0]), EdgeKv.sessionNew(models[1])};
+            for (int k = 0; k < 2; k++) {
+                int[] ids = EdgeKv.generate(sessions[k], prompt, 6, 0f, 1f, 0L, null, null);
+                if (first == null) first = ids;
+                if (!Arrays.equals(first, ids)) throw new AssertionError("round " + r + ": other ids");
+            }
+            int a = r % 2, b = 1 - a;
+            EdgeKv.sessionFree(sessions[a]);
+            EdgeKv.modelClose(models[a]);
+            EdgeKv.sessionFree(sessions[b]);
+            EdgeKv.modelClose(models[b]);
+        }
+        System.out.println("jni repeat-open ok " + Arrays.toString(first));
+    }
+}
+"""
+
+
+def test_jni_bridge_opens_and_closes_an_opencl_model_repeatedly_under_asan(artifact, tmp_path_factory):
+    """The JNI bridge on a desktop JVM (as tests/test_android_app.py runs it), built with gcc's
+    ASan + UBSan, on the OpenCL artifact on PoCL."""
+    from test_android_app import _build_bridge, run
+
+    reason = native.opencl_unavailable_reason() if native.available() else "the native runtime is not built"
+    if reason:
+        pytest.skip(reason)
+    bridge = _build_bridge(tmp_path_factory.mktemp("jni-asan"), sanitize=True)
+    src = tmp_path_factory.mktemp("repeat-java")
+    (src / "RepeatOpen.java").write_text(REPEAT_OPEN_JAVA)
+    made = run(["javac", "--release", "8", "-cp", bridge["classes"], "-d", bridge["classes"], src / "RepeatOpen.java"])
+    assert made.returncode == 0, made.stdout + made.stderr
+    asan = run(["gcc", "-print-file-name=libasan.so"]).stdout.strip()
+    env = dict(os.environ)
+    # as in test_android_app: the sanitizer first; the runtime preloaded for model.so's FFI symbol;
+    # the JVM handles SIGSEGV itself and its allocations are not ours to leak-check
+    env["LD_PRELOAD"] = f"{os.path.realpath(asan)} {bridge['lib'] / 'libedgekv_runtime.so'}"
+    # the JVM's threads set their own signal stacks: ASan's own (use_sigaltstack) fails to unmap
+    # at a JVM thread's exit ("unable to unmap"), a sanitizer/JVM clash, not the bridge's
+    env["ASAN_OPTIONS"] = ("handle_segv=0:allow_user_segv_handler=1:use_sigaltstack=0:detect_leaks=0:"
+                           "abort_on_error=0:exitcode=99")
+    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1:exitcode=98"
+    env["EDGEKV_OPENCL_TRACE_RELEASE"] = "1"
+    res = run(["java", "-Xss4m", f"-Djava.library.path={bridge['lib']}", "-cp", bridge["classes"], "RepeatOpen",
+               artifact, ROUNDS, PROMPT_IDS], env=env, timeout=600)
+    bad = [m for m in SANITIZER_MARKS if m in res.stderr]
+    other = "\n".join(ln for ln in res.stderr.splitlines() if not ln.startswith("edgekv opencl: "))
+    assert res.returncode == 0 and not bad, f"exit {res.returncode}, {bad}\n{res.stdout[-2000:]}\n{other[-6000:]}"
+    assert "jni repeat-open ok" in res.stdout
+    assert check_release_order(res.stderr)["context"] == ROUNDS
