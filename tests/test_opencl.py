@@ -130,8 +130,9 @@ def test_opencl_errors(need_opencl, pairs, tmp_path):
     prog.settings["device_source_bytes"] = src.stat().st_size
     prog.settings["device_source_crc32"] = crc32_file(src)
     pf.write(prog, broken / "program.ekv")
-    with pytest.raises(ArtifactError, match="does not build on opencl"):
+    with pytest.raises(ArtifactError, match="does not build on opencl") as refused:
         native.NativeRuntime(broken)
+    assert "error" in str(refused.value).split("does not build on", 1)[1], refused.value  # the driver's log
     # a device with less memory than the plan (PoCL's memory, pretended small by the plan)
     big = tmp_path / "big"
     shutil.copytree(ocl, big)
