@@ -1,6 +1,6 @@
 """Every OpenCL target's device source is valid OpenCL C (issue 35): the tiny model compiled for
 ``opencl`` (the phone form: aarch64 Android host, dlight's Adreno/Mali schedules) and
-``opencl-host`` (x86 host), fp32 and q4 weights, each ``device/kernels.cl`` passes clang's
+``opencl-host`` (x86 host), fp32 and q4 weights (and q8 for the phone form), each ``device/kernels.cl`` passes clang's
 OpenCL front end (``clang -x cl -cl-std=CL1.2 -fsyntax-only``) and builds on PoCL. Also the
 arena layout of a GPU program: every region at a multiple of the alignment that NVIDIA's
 sub-buffers need (512 bytes), which also covers PoCL, Intel, Adreno, Mali (128) and AMD (256).
@@ -26,7 +26,8 @@ from edgekv.compiler.backend.program import DEVICE_ARENA_ALIGN  # noqa: E402
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
 
-FORMS = [(t, w) for t in ("opencl", "opencl-host") for w in ("fp32", "q4")]
+# q8 on the phone form too: its int8 quants are read contiguously, and stay vectorised there
+FORMS = [(t, w) for t in ("opencl", "opencl-host") for w in ("fp32", "q4")] + [("opencl", "q8")]
 CL_STD = "-cl-std=CL1.2"
 
 
