@@ -122,7 +122,8 @@ def test_opencl_errors(need_opencl, pairs, tmp_path):
     src = broken / "device" / "kernels.cl"
     for cached in src.parent.glob("kernels.cl.*.bin"):
         cached.unlink()
-    text = src.read_text().replace("__kernel void", "__kernel void @", 1)
+    # every kernel broken: a build log longer than a fixed buffer (read whole, its size asked first)
+    text = src.read_text().replace("__kernel void", "__kernel void @")
     src.write_text(text)
     prog = pf.read(broken / "program.ekv")
     from edgekv.artifact import crc32_file
@@ -130,8 +131,9 @@ def test_opencl_errors(need_opencl, pairs, tmp_path):
     prog.settings["device_source_bytes"] = src.stat().st_size
     prog.settings["device_source_crc32"] = crc32_file(src)
     pf.write(prog, broken / "program.ekv")
-    with pytest.raises(ArtifactError, match="does not build on opencl"):
+    with pytest.raises(ArtifactError, match="does not build on opencl") as refused:
         native.NativeRuntime(broken)
+    assert "error" in str(refused.value).split("does not build on", 1)[1], refused.value  # the driver's log
     # a device with less memory than the plan (PoCL's memory, pretended small by the plan)
     big = tmp_path / "big"
     shutil.copytree(ocl, big)

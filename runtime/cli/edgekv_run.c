@@ -7,6 +7,7 @@
  *              [--verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
  *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
  *   edgekv-run ARTIFACT --load-cache F --question Q ...
+ *   edgekv-run ARTIFACT --prompt ... --repeat-open N   (open, run, close N times: a teardown check)
  *
  * Exit status: 0 done, 2 bad input or artifact (the message says what to change), 130 cancelled. */
 #include <errno.h>
@@ -30,7 +31,7 @@ typedef struct {
   const char *artifact, *prompt, *prompt_file, *prompt_ids, *report, *save_cache, *load_cache;
   const char *questions[MAX_QUESTIONS];
   int n_questions;
-  int chat, max_new, threads, allow_beyond, verify_weights, quiet, check_only, warmup, ignore_eos;
+  int chat, max_new, threads, allow_beyond, verify_weights, quiet, check_only, warmup, ignore_eos, repeat_open;
   float temperature, top_p;
   uint64_t seed, mem_limit;
 } options;
@@ -64,7 +65,9 @@ static void usage(FILE *f) {
         "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
         "  --threads          kernel threads (default: every online core)\n"
         "  --warmup           run the prompt's first block once before the timed run (benchmarks)\n"
-        "  --ignore-eos       decode exactly --max-new-tokens tokens (benchmarks)\n",
+        "  --ignore-eos       decode exactly --max-new-tokens tokens (benchmarks)\n"
+        "  --repeat-open N    open the artifact twice, run the prompt greedily on each, free and close them; N rounds\n"
+        "                     in one process, each round's ids compared with the first's (a driver's teardown check)\n",
         f);
 }
 
@@ -120,14 +123,14 @@ static int parse_args(int argc, char **argv, options *o) {
       {"check", no_argument, 0, 'C'},              {"help", no_argument, 0, 'h'},
       {"warmup", no_argument, 0, 'W'},             {"ignore-eos", no_argument, 0, 'E'},
       {"question", required_argument, 0, 'Q'},     {"save-cache", required_argument, 0, 'S'},
-      {"load-cache", required_argument, 0, 'L'},
+      {"load-cache", required_argument, 0, 'L'},   {"repeat-open", required_argument, 0, 'R'},
       {0, 0, 0, 0}};
   o->max_new = 64;
   o->top_p = 1.0f;
   long v;
   int c;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWEQ:S:L:", LONG, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWEQ:S:L:R:", LONG, NULL)) != -1) {
     switch (c) {
       case 'p': o->prompt = optarg; break;
       case 'f': o->prompt_file = optarg; break;
@@ -171,6 +174,10 @@ static int parse_args(int argc, char **argv, options *o) {
         break;
       case 'S': o->save_cache = optarg; break;
       case 'L': o->load_cache = optarg; break;
+      case 'R':
+        if (!parse_int(optarg, 1, 100000, &v)) return fail("--repeat-open %s: give a count of rounds from 1 to 100000", optarg, "");
+        o->repeat_open = (int)v;
+        break;
       case 'h': usage(stdout); exit(0);
       default:
         usage(stderr);
@@ -191,6 +198,8 @@ static int parse_args(int argc, char **argv, options *o) {
     return 0;
   }
   if (sources != 1) return fail("give one of --prompt, --prompt-file or --prompt-ids%s%s", "", "");
+  if (o->repeat_open > 0 && (o->n_questions > 0 || o->save_cache != NULL || o->report != NULL))
+    return fail("--repeat-open runs the prompt only: drop --question, --save-cache and --report%s%s", "", "");
   if (o->prompt_ids != NULL && (o->n_questions > 0)) return fail("--question needs a text document (--prompt or --prompt-file)%s%s", "", "");
   return 0;
 }
@@ -589,12 +598,76 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
   return st;
 }
 
+/* One model of the artifact: open, a session, the prompt run greedily (ids into out), freed and
+ * closed in the order an app does. Returns 0, or 2 with the error printed. */
+static int open_run_close(const options *o, const ekv_model_options *mo, ekv_model **model, ekv_session **s,
+                          int32_t *out, size_t *n_out) {
+  if (ekv_model_open(o->artifact, mo, model) != EKV_OK) return fail("%s%s", ekv_model_last_error(*model), "");
+  if (ekv_session_new(*model, s) != EKV_OK) return fail("%s%s", ekv_session_last_error(*s), "");
+  int32_t *ids = NULL;
+  size_t n = 0;
+  int rc = encode_prompt(o, *model, &ids, &n);
+  ekv_sampler *greedy = NULL;
+  if (rc == 0 && ekv_sampler_new(0.0f, 1.0f, 0, &greedy) != EKV_OK) rc = fail("cannot make a sampler%s%s", "", "");
+  if (rc == 0 && ekv_session_generate(*s, ids, n, o->max_new, greedy, NULL, NULL, NULL, out, (size_t)o->max_new,
+                                      n_out) != EKV_OK)
+    rc = fail("%s%s", ekv_session_last_error(*s), "");
+  ekv_sampler_free(greedy);
+  free(ids);
+  return rc;
+}
+
+/* --repeat-open N: N rounds in one process, each opening the artifact twice (a GPU artifact's two
+ * models share one device: its kernels, queue and context), running the prompt on both, then
+ * freeing the sessions and closing the models in the opposite order of opening. A driver that
+ * crashes in teardown crashes here (exit 139 from the shell); the ids of every run must match
+ * round 1's. */
+static int repeat_open(const options *o) {
+  ekv_model_options mo;
+  ekv_model_options_init(&mo);
+  mo.threads = o->threads;
+  mo.mem_limit_bytes = o->mem_limit;
+  size_t cap = (size_t)o->max_new + 1;
+  int32_t *first = calloc(cap, sizeof *first), *got = calloc(cap, sizeof *got);
+  size_t n_first = 0;
+  int rc = first != NULL && got != NULL ? 0 : fail("out of memory%s%s", "", "");
+  for (int round = 1; rc == 0 && round <= o->repeat_open; round++) {
+    ekv_model *m[2] = {NULL, NULL};
+    ekv_session *s[2] = {NULL, NULL};
+    char device[256] = ""; /* a copy: the name belongs to the device, gone after the last close */
+    for (int k = 0; k < 2 && rc == 0; k++) {
+      size_t n_got = 0;
+      rc = open_run_close(o, &mo, &m[k], &s[k], got, &n_got);
+      if (rc != 0) break;
+      if (round == 1 && k == 0) {
+        memcpy(first, got, sizeof *got * n_got);
+        n_first = n_got;
+      } else if (n_got != n_first || memcmp(first, got, sizeof *got * n_got) != 0) {
+        rc = fail("--repeat-open: a run gave other ids than round 1's first run%s%s", "", "");
+      }
+      ekv_model_info info;
+      ekv_model_get_info(m[k], &info);
+      snprintf(device, sizeof device, "%s", info.device);
+    }
+    for (int k = 1; k >= 0; k--) ekv_session_free(s[k]);
+    for (int k = 1; k >= 0; k--) ekv_model_close(m[k]);
+    if (rc == 0 && !o->quiet)
+      fprintf(stderr, "edgekv-run: round %d of %d: 2 models opened, %zu ids each, freed and closed (%s)\n", round,
+              o->repeat_open, n_first, device);
+  }
+  free(first);
+  free(got);
+  if (rc == 0) printf("repeat-open: %d rounds ok\n", o->repeat_open);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   options o;
   memset(&o, 0, sizeof o);
   int rc = parse_args(argc, argv, &o);
   if (rc != 0) return rc;
   if (check_report_path(o.report) != 0) return 2;
+  if (o.repeat_open > 0) return repeat_open(&o);
   ekv_model_options mo;
   ekv_model_options_init(&mo);
   mo.threads = o.threads;

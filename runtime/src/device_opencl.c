@@ -61,6 +61,7 @@ typedef struct {
 typedef struct {
   uint32_t magic;
   cl_mem mem;
+  cl_mem parent; /* a view: the arena buffer it is a sub-buffer of (released after it), else NULL */
   size_t bytes;
   int counted; /* an allocation or upload (counted in bytes_now), not a view */
 } cl_buffer;
@@ -71,6 +72,7 @@ typedef struct {
   ocl_device *dev;
   cl_kernel kernel; /* NULL: __tvm_set_device, a no-op here (one device per model) */
   ekv_device_kernel desc; /* the device's own copy: it may outlive the model that opened it */
+  cl_mem *bound; /* desc.n_args: the buffer each argument holds now (unbound before that buffer's release) */
 } ocl_kernel;
 
 struct ocl_device {
@@ -85,9 +87,12 @@ struct ocl_device {
   ocl_kernel *kernels;
   uint32_t n_kernels;
   char *names; /* the kernels' names and argument kinds, copied from the program */
+  cl_mem *bound; /* every kernel's bound buffer arguments (ocl_kernel.bound points into it) */
   ocl_kernel set_device;
   size_t base_align;
   int trace; /* EDGEKV_OPENCL_TRACE=1: every launch on stderr (debugging a device's kernels) */
+  int trace_release; /* EDGEKV_OPENCL_TRACE_RELEASE=1: every create and release of an OpenCL object on stderr */
+  int queued; /* work was enqueued since the last clFinish: finish before releasing anything */
   char options[256]; /* the OpenCL C compiler's options (EDGEKV_OPENCL_OPTIONS) */
   char label[256];
   /* one device per artifact in a process: models of the same artifact share its library, whose
@@ -105,6 +110,17 @@ static const char *LIBRARIES[] = {"libOpenCL.so.1", "libOpenCL.so", "/vendor/lib
 
 static ekv_status cl_failed(ekv_error *err, const char *what, cl_int code) {
   return ekv_fail(err, EKV_ERR_DEVICE, "OpenCL %s failed (error %d)", what, (int)code);
+}
+
+/* EDGEKV_OPENCL_TRACE_RELEASE=1: one line per OpenCL object created or released, with its
+ * parent (a sub-buffer's buffer, a kernel's program), so that a crash in a driver shows the last
+ * object touched. */
+static void trace_object(ocl_device *d, const char *what, const void *handle, const void *parent, size_t bytes) {
+  fprintf(stderr, "edgekv opencl: %s %p", what, handle);
+  if (parent != NULL) fprintf(stderr, " of %p", parent);
+  if (bytes != 0) fprintf(stderr, " (%zu bytes)", bytes);
+  fprintf(stderr, " [device %p]\n", (const void *)d);
+  fflush(stderr);
 }
 
 static ekv_status load_api(ekv_error *err, ocl_device *d) {
@@ -269,13 +285,43 @@ static void save_binary(ocl_device *d, cl_program program, const char *cached) {
   free(bin);
 }
 
+/* A build that failed: the driver's whole log on stderr (it can be long: the size is asked for
+ * first), and in the error the log from its first "error" on, as much as the message holds. */
+static ekv_status build_failed(ekv_error *err, ocl_device *d, cl_program program, const char *source_path,
+                               const char *options) {
+  size_t size = 0;
+  char *log = NULL;
+  if (d->cl.GetProgramBuildInfo(program, d->device, CL_PROGRAM_BUILD_LOG, 0, NULL, &size) == CL_SUCCESS && size > 1 &&
+      (log = malloc(size + 1)) != NULL &&
+      d->cl.GetProgramBuildInfo(program, d->device, CL_PROGRAM_BUILD_LOG, size, log, NULL) != CL_SUCCESS) {
+    free(log);
+    log = NULL;
+  }
+  if (log != NULL) {
+    log[size] = '\0';
+    fprintf(stderr, "edgekv opencl: build log of %s on %s (options '%s'):\n%s\n", source_path, d->label, options, log);
+  }
+  const char *from = log != NULL && strstr(log, "error") != NULL ? strstr(log, "error") : log;
+  if (from != NULL)
+    for (char *c = (char *)from; *c; c++)
+      if (*c == '\n' || *c == '\r') *c = ' ';
+  ekv_status st = ekv_fail(err, EKV_ERR_DEVICE, "%s does not build on %s%s%s%s: %s", source_path, d->label,
+                           options[0] ? " (options '" : "", options, options[0] ? "')" : "",
+                           from != NULL && from[0] ? from : "the driver gave no build log");
+  free(log);
+  return st;
+}
+
 /* One build of the device source with `options`: from a binary cached beside the source, else
  * from the source (and the binary kept). */
 static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *prog, const char *source_path,
                             const char *options, cl_program *out) {
   char cached[4096];
   cache_path(d, source_path, (uint32_t)ekv_program_int(prog, "device_source_crc32", 0), options, cached, sizeof cached);
-  if ((*out = build_from_cache(d, cached, options)) != NULL) return EKV_OK;
+  if ((*out = build_from_cache(d, cached, options)) != NULL) {
+    if (d->trace_release) trace_object(d, "create program (cached binary)", *out, d->context, 0);
+    return EKV_OK;
+  }
   size_t size = 0;
   char *source = read_file(source_path, &size);
   if (source == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", source_path);
@@ -284,14 +330,8 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
   *out = d->cl.CreateProgramWithSource(d->context, 1, sources, &size, &rc);
   free(source);
   if (*out == NULL || rc != CL_SUCCESS) return cl_failed(err, "clCreateProgramWithSource", rc);
-  if (!build(d, *out, options)) {
-    char log[400] = "";
-    d->cl.GetProgramBuildInfo(*out, d->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
-    for (char *c = log; *c; c++)
-      if (*c == '\n') *c = ' ';
-    return ekv_fail(err, EKV_ERR_DEVICE, "%s does not build on %s: %s", source_path, d->label,
-                    log[0] ? log : "(no build log)");
-  }
+  if (d->trace_release) trace_object(d, "create program", *out, d->context, 0);
+  if (!build(d, *out, options)) return build_failed(err, d, *out, source_path, options);
   save_binary(d, *out, cached);
   return EKV_OK;
 }
@@ -314,11 +354,17 @@ static ekv_status build_program(ekv_error *err, ocl_device *d, const ekv_program
 static ekv_status create_kernels(ekv_error *err, ocl_device *d, const ekv_program *prog) {
   d->n_kernels = prog->n_device_kernels;
   d->kernels = ekv_alloc(sizeof(ocl_kernel) * (d->n_kernels + 1u), EKV_MEM_RUNTIME);
-  size_t blob = 1;
-  for (uint32_t k = 0; k < d->n_kernels; k++) blob += strlen(prog->device_kernels[k].name) + 1 + prog->device_kernels[k].n_args;
+  size_t blob = 1, n_args = 1;
+  for (uint32_t k = 0; k < d->n_kernels; k++) {
+    blob += strlen(prog->device_kernels[k].name) + 1 + prog->device_kernels[k].n_args;
+    n_args += prog->device_kernels[k].n_args;
+  }
   d->names = ekv_alloc(blob, EKV_MEM_RUNTIME);
-  if (d->kernels == NULL || d->names == NULL) return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot allocate the device kernel table");
+  d->bound = ekv_alloc(sizeof(cl_mem) * n_args, EKV_MEM_RUNTIME); /* zero-filled: nothing bound */
+  if (d->kernels == NULL || d->names == NULL || d->bound == NULL)
+    return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot allocate the device kernel table");
   char *at = d->names;
+  cl_mem *bound = d->bound;
   for (uint32_t k = 0; k < d->n_kernels; k++) {
     cl_int rc = 0;
     ocl_kernel *ok = &d->kernels[k];
@@ -330,8 +376,11 @@ static ekv_status create_kernels(ekv_error *err, ocl_device *d, const ekv_progra
     at += strlen(src->name) + 1;
     ok->desc.args = memcpy(at, src->args, src->n_args);
     at += src->n_args;
+    ok->bound = bound;
+    bound += src->n_args;
     cl_program from = d->unoptimised != NULL && (src->flags & EKV_DKERNEL_EVICTION) ? d->unoptimised : d->program;
     ok->kernel = d->cl.CreateKernel(from, ok->desc.name, &rc);
+    if (d->trace_release) trace_object(d, "create kernel", ok->kernel, from, 0);
     if (ok->kernel == NULL || rc != CL_SUCCESS)
       return ekv_fail(err, EKV_ERR_MISMATCH, "the device source has no kernel %s (clCreateKernel: %d): the program "
                       "and the device source come from different compiles; recompile the artifact", ok->desc.name,
@@ -343,6 +392,28 @@ static ekv_status create_kernels(ekv_error *err, ocl_device *d, const ekv_progra
 
 /* ---- buffers -------------------------------------------------------------------------------- */
 
+/* Teardown, the same on every driver: nothing is released while the queue may still use it (the
+ * queue is finished first), no kernel keeps a released buffer as an argument, views (sub-buffers)
+ * go before the arena they are cut from, and a handle is never used after its release. */
+static void drain(ocl_device *d) {
+  if (d->queued && d->queue != NULL) d->cl.Finish(d->queue);
+  d->queued = 0;
+}
+
+/* Kernels are shared by every session of the model; a buffer about to be released leaves the
+ * argument slots it was set in (an OpenCL driver may keep, or look at, what a kernel holds). */
+static void unbind(ocl_device *d, cl_mem mem) {
+  static const cl_mem none = NULL;
+  for (uint32_t k = 0; d->kernels != NULL && k < d->n_kernels; k++) {
+    ocl_kernel *ok = &d->kernels[k];
+    for (uint32_t i = 0; ok->bound != NULL && ok->kernel != NULL && i < ok->desc.n_args; i++)
+      if (ok->bound[i] == mem) {
+        d->cl.SetKernelArg(ok->kernel, i, sizeof none, &none);
+        ok->bound[i] = NULL;
+      }
+  }
+}
+
 static void count(ocl_device *d, size_t bytes, int sign) {
   if (sign > 0) {
     d->base.bytes_now += bytes;
@@ -352,14 +423,15 @@ static void count(ocl_device *d, size_t bytes, int sign) {
   }
 }
 
-static cl_buffer *wrap(ocl_device *d, cl_mem mem, size_t bytes, int counted) {
+static cl_buffer *wrap(ocl_device *d, cl_mem mem, cl_mem parent, size_t bytes, int counted) {
   cl_buffer *b = ekv_alloc(sizeof *b, EKV_MEM_RUNTIME);
   if (b == NULL) {
+    if (d->trace_release) trace_object(d, "release", mem, parent, bytes);
     d->cl.ReleaseMemObject(mem);
     ekv_fail(&d->base.err, EKV_ERR_NO_MEMORY, "out of host memory");
     return NULL;
   }
-  *b = (cl_buffer){BUFFER_MAGIC, mem, bytes, counted};
+  *b = (cl_buffer){BUFFER_MAGIC, mem, parent, bytes, counted};
   if (counted) count(d, bytes, +1);
   return b;
 }
@@ -373,13 +445,17 @@ static void *ocl_alloc(ekv_device *base, size_t bytes) {
     return NULL;
   }
   static const unsigned char zero = 0; /* buffers start zero-filled, as the CPU device's do */
+  if (d->trace_release) trace_object(d, "create buffer", mem, NULL, bytes);
   rc = d->cl.EnqueueFillBuffer(d->queue, mem, &zero, 1, 0, bytes, 0, NULL, NULL);
+  d->queued = 1;
   if (rc != CL_SUCCESS) {
+    drain(d);
+    if (d->trace_release) trace_object(d, "release buffer", mem, NULL, bytes);
     d->cl.ReleaseMemObject(mem);
     cl_failed(&base->err, "clEnqueueFillBuffer", rc);
     return NULL;
   }
-  return wrap(d, mem, bytes, 1);
+  return wrap(d, mem, NULL, bytes, 1);
 }
 
 static void *ocl_upload(ekv_device *base, const void *host, size_t bytes) {
@@ -390,7 +466,8 @@ static void *ocl_upload(ekv_device *base, const void *host, size_t bytes) {
     cl_failed(&base->err, "clCreateBuffer (a weight)", rc);
     return NULL;
   }
-  return wrap(d, mem, bytes, 1);
+  if (d->trace_release) trace_object(d, "create weight buffer", mem, NULL, bytes);
+  return wrap(d, mem, NULL, bytes, 1);
 }
 
 static void *ocl_view(ekv_device *base, void *parent, size_t offset, size_t bytes) {
@@ -408,14 +485,18 @@ static void *ocl_view(ekv_device *base, void *parent, size_t offset, size_t byte
     cl_failed(&base->err, "clCreateSubBuffer", rc);
     return NULL;
   }
-  return wrap(d, mem, bytes, 0);
+  if (d->trace_release) trace_object(d, "create sub-buffer", mem, p->mem, bytes);
+  return wrap(d, mem, p->mem, bytes, 0);
 }
 
 static void ocl_free(ekv_device *base, void *handle) {
   ocl_device *d = (ocl_device *)base;
   cl_buffer *b = handle;
   if (b == NULL) return;
-  if (b->magic != BUFFER_MAGIC) abort(); /* not a buffer of this device: a runtime bug */
+  if (b->magic != BUFFER_MAGIC) abort(); /* not a buffer of this device (or freed twice): a runtime bug */
+  drain(d);
+  unbind(d, b->mem);
+  if (d->trace_release) trace_object(d, b->parent != NULL ? "release sub-buffer" : "release buffer", b->mem, b->parent, b->bytes);
   d->cl.ReleaseMemObject(b->mem);
   if (b->counted) count(d, b->bytes, -1);
   b->magic = 0;
@@ -436,12 +517,14 @@ static ekv_status ocl_read(ekv_device *base, const void *handle, size_t offset, 
   const cl_buffer *b = handle;
   if (!ekv_range_ok(offset, bytes, b->bytes)) return ekv_fail(&base->err, EKV_ERR_INVALID_ARG, "read past a buffer");
   cl_int rc = d->cl.EnqueueReadBuffer(d->queue, b->mem, CL_TRUE, offset, bytes, dst, 0, NULL, NULL);
+  if (rc == CL_SUCCESS) d->queued = 0; /* an in-order queue: everything before the read is done */
   return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clEnqueueReadBuffer (after the program's kernels)", rc);
 }
 
 static ekv_status ocl_finish(ekv_device *base) {
   ocl_device *d = (ocl_device *)base;
   cl_int rc = d->cl.Finish(d->queue);
+  if (rc == CL_SUCCESS) d->queued = 0;
   return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clFinish", rc);
 }
 
@@ -488,6 +571,7 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
         if (a->type_index != kTVMFFIOpaquePtr || b == NULL || b->magic != BUFFER_MAGIC)
           return launch_error(k, "a buffer argument is not a device buffer", 0);
         rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_mem), &b->mem);
+        k->bound[i] = b->mem;
         break;
       }
       case EKV_DARG_I32: {
@@ -531,6 +615,7 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
     fprintf(stderr, "edgekv opencl: %s groups %zux%zux%zu local %zux%zux%zu\n", desc->name, groups[0], groups[1],
             groups[2], local[0], local[1], local[2]);
   cl_int rc = d->cl.EnqueueNDRangeKernel(d->queue, k->kernel, 3, NULL, global, local, 0, NULL, NULL);
+  d->queued = 1;
   return rc == CL_SUCCESS ? 0 : launch_error(k, "clEnqueueNDRangeKernel", rc);
 }
 
@@ -538,19 +623,39 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
 
 const char *ekv_runtime_devices(void) { return "cpu,opencl" EKV_CUDA_DEVICE_NAME; }
 
+/* The device's own objects, in reverse order of creation, once its queue is finished: kernels,
+ * then the programs they came from, the queue, the context. Every buffer was released before
+ * (sessions and the model drop theirs before closing the device). */
 static void release(ocl_device *d) {
   if (d == NULL) return;
-  for (uint32_t k = 0; d->kernels != NULL && k < d->n_kernels; k++)
-    if (d->kernels[k].kernel != NULL) d->cl.ReleaseKernel(d->kernels[k].kernel);
+  if (d->queue != NULL) d->cl.Finish(d->queue);
+  d->queued = 0;
+  for (uint32_t k = d->n_kernels; d->kernels != NULL && k-- > 0;)
+    if (d->kernels[k].kernel != NULL) {
+      if (d->trace_release) trace_object(d, "release kernel", d->kernels[k].kernel, NULL, 0);
+      d->cl.ReleaseKernel(d->kernels[k].kernel);
+      d->kernels[k].kernel = NULL;
+    }
   ekv_free(d->kernels);
   ekv_free(d->names);
-  if (d->program != NULL) d->cl.ReleaseProgram(d->program);
-  if (d->unoptimised != NULL) d->cl.ReleaseProgram(d->unoptimised);
+  ekv_free(d->bound);
+  d->kernels = NULL;
+  if (d->unoptimised != NULL) {
+    if (d->trace_release) trace_object(d, "release program", d->unoptimised, NULL, 0);
+    d->cl.ReleaseProgram(d->unoptimised);
+  }
+  if (d->program != NULL) {
+    if (d->trace_release) trace_object(d, "release program", d->program, NULL, 0);
+    d->cl.ReleaseProgram(d->program);
+  }
   if (d->queue != NULL) {
-    d->cl.Finish(d->queue);
+    if (d->trace_release) trace_object(d, "release queue", d->queue, NULL, 0);
     d->cl.ReleaseCommandQueue(d->queue);
   }
-  if (d->context != NULL) d->cl.ReleaseContext(d->context);
+  if (d->context != NULL) {
+    if (d->trace_release) trace_object(d, "release context", d->context, NULL, 0);
+    d->cl.ReleaseContext(d->context);
+  }
   /* the ICD loader stays loaded: drivers keep threads and handlers that dlclose would pull away */
   ekv_free(d);
 }
@@ -580,6 +685,7 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
                          .finish = ocl_finish, .close = ocl_close};
   snprintf(d->label, sizeof d->label, "opencl");
   d->trace = getenv("EDGEKV_OPENCL_TRACE") != NULL && getenv("EDGEKV_OPENCL_TRACE")[0] == '1';
+  d->trace_release = getenv("EDGEKV_OPENCL_TRACE_RELEASE") != NULL && getenv("EDGEKV_OPENCL_TRACE_RELEASE")[0] == '1';
 
   ekv_status st = load_api(err, d);
   if (st == EKV_OK) st = pick_device(err, d);
@@ -590,10 +696,12 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
   cl_int rc = CL_SUCCESS;
   if (st == EKV_OK) {
     d->context = d->cl.CreateContext(NULL, 1, &d->device, NULL, NULL, &rc);
+    if (d->trace_release) trace_object(d, "create context", d->context, NULL, 0);
     if (d->context == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateContext", rc);
   }
   if (st == EKV_OK) {
     d->queue = d->cl.CreateCommandQueue(d->context, d->device, 0, &rc);
+    if (d->trace_release) trace_object(d, "create queue", d->queue, d->context, 0);
     if (d->queue == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateCommandQueue", rc);
   }
   if (st == EKV_OK) st = build_program(err, d, prog, source_path);

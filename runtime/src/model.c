@@ -224,7 +224,9 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
 
 void ekv_model_close(ekv_model *m) {
   if (m == NULL) return;
-  for (uint32_t i = 0; m->uploaded != NULL && i < m->prog.n_buffers; i++)
+  /* the weights in reverse order of upload, once the device is done with them; then the device */
+  if (m->device != NULL && m->uploaded != NULL && m->device->finish != NULL) m->device->finish(m->device);
+  for (uint32_t i = m->prog.n_buffers; m->uploaded != NULL && i-- > 0;)
     if (m->uploaded[i] != NULL) m->device->drop(m->device, m->uploaded[i]);
   ekv_free(m->uploaded);
   if (m->device != NULL) m->device->close(m->device);

@@ -118,14 +118,26 @@ void ekv_session_free(ekv_session *s) {
   if (s == NULL) return;
   if (s->model != NULL) ekv_snapshot_release(s);
   ekv_device *dev = s->model != NULL ? s->model->device : NULL;
-  for (uint32_t i = 0; dev != NULL && i < s->model->prog.n_buffers; i++) {
+  uint32_t n = dev != NULL ? s->model->prog.n_buffers : 0;
+  /* device buffers in reverse order of creation, after the device's queue is done with them:
+   * the arena's views (sub-buffers), then the caches and inputs, then the arena itself */
+  if (dev != NULL && dev->finish != NULL) dev->finish(dev);
+  for (uint32_t i = n; s->views != NULL && i-- > 0;)
+    if (s->views[i] != NULL) {
+      dev->drop(dev, s->views[i]);
+      s->views[i] = NULL;
+    }
+  for (uint32_t i = n; i-- > 0;) {
     if (s->staging != NULL && s->owned != NULL && s->staging[i] != NULL && s->staging[i] != s->owned[i] &&
         s->model->prog.buffers[i].kind == EKV_BUF_INPUT)
       ekv_free(s->staging[i]);
-    if (s->views != NULL && s->views[i] != NULL) dev->drop(dev, s->views[i]);
-    if (s->owned != NULL && s->owned[i] != NULL) dev->free(dev, s->owned[i]);
+    if (s->owned != NULL && s->owned[i] != NULL) {
+      dev->free(dev, s->owned[i]);
+      s->owned[i] = NULL;
+    }
   }
   if (dev != NULL && s->arena != NULL) dev->free(dev, s->arena);
+  s->arena = NULL;
   ekv_free(s->logits_host);
   ekv_free(s->question);
   ekv_free(s->views);

@@ -27,6 +27,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import CompileError
+from .byte_gathers import DevectorizeByteGathers
 from ..kernels.attention import build_block_attention_kernel_gpu
 from ..kernels.select import build_select_compact_kernel_gpu
 from ..policy_kernels import KERNELS, kernel_spec, policy_tag, site_params
@@ -213,6 +214,8 @@ def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = Non
     else:
         from tvm.relax.backend.gpu_generic import pipeline as P
     check = check or CheckAllOnDevice()
+    # OpenCL C has no packed 8-bit gathers: dlight's Android schedules make them (byte_gathers.py)
+    fixes = [DevectorizeByteGathers()] if kind == "opencl" else []
 
     @tvm.transform.module_pass(opt_level=0, name="edgekv.GPUPipeline")
     def _pipeline(mod, _ctx):
@@ -221,7 +224,7 @@ def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = Non
                 P.library_dispatch_passes(target)
                 + [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                    relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-                   default_schedule(), check]
+                   default_schedule(), *fixes, check]
                 + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)
 
