@@ -199,6 +199,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     from .backend.cpu_schedule import cpu_pipeline
     from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline
     from .backend.program import capture_final_module
+    from .passes.gpu_fusion import FuseForGPU
 
     mod = lowered.mod
     tvm_target = target.tvm_target()
@@ -211,6 +212,9 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
+    fusion = FuseForGPU(list(FUNCTIONS))
+    mod = fusion(mod)
+    info[D.GPU_FUSION] = dict(fusion.folded)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
