@@ -197,7 +197,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     ``program.ekv`` for the native runtime — and OpenCL each device kernel's launch description
     (``backend/device_kernels.py``); other GPU targets (CUDA, Metal) have no native runtime."""
     from .backend.cpu_schedule import cpu_pipeline
-    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline
+    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gemv_schedule_of, gpu_pipeline
     from .backend.program import capture_final_module
     from .passes.gpu_fusion import FuseForGPU
 
@@ -219,15 +219,17 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
     check = CheckAllOnDevice()
+    gemv = gemv_schedule_of(target.profile)
+    info[D.GPU_FUSION]["gemv_schedule"] = gemv
     if target.native_runtime:
         from .backend.device_kernels import record_device_kernels
 
-        pipeline = capture_final_module(lambda t: gpu_pipeline(t, check), final)(tvm_target)
+        pipeline = capture_final_module(lambda t: gpu_pipeline(t, check, gemv), final)(tvm_target)
         with record_device_kernels(target.kind) as kernels:
             ex = tvm.compile(mod, target=tvm_target, relax_pipeline=pipeline)
         final["device_kernels"] = kernels
     else:
-        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check))
+        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check, gemv))
     info[D.EDGEKV_KERNELS] = replace.replaced
     info[D.DEVICE_FUNCTIONS] = check.device_functions
     info[D.SYMBOLIC_SHAPES] = check.symbolic

@@ -152,7 +152,7 @@ def schedule_trials(work: Path, choices: list[str], blocks: int, decode: int) ->
     out = {}
     for choice in choices:
         profile = dict(resolve_target("opencl-host")[0])
-        profile["gpu_schedule"] = {**profile.get("gpu_schedule", {}), "q4_gemv": choice}
+        profile["gpu_schedule"] = {**profile.get("gpu_schedule", {}), "gemv": choice}
         art = work / f"sched-{choice}"
         if art.exists():
             shutil.rmtree(art)
@@ -209,7 +209,7 @@ def markdown(doc: dict) -> str:
     if doc.get("schedules"):
         s = doc["schedules"]
         lines += ["", "## q4 GEMV schedule candidates (PoCL)", "", s.get("about", ""), "",
-                  "| q4_gemv schedule | GEMV ms / token | all kernels ms / token | launches / token |",
+                  "| gpu_schedule.gemv | GEMV ms / token | all kernels ms / token | launches / token |",
                   "|---|---|---|---|"]
         for choice, t in s["trials"].items():
             lines.append(f"| `{choice}` | {t['gemv_ms_per_token']:.3f} | {t['decode_token_ms']:.3f} | "
