@@ -19,7 +19,10 @@
   7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
                         builds the native runtime runs (CPU targets and OpenCL)
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
-                        edgekv's GPU kernels in place (ReplaceKernels), dlight for the rest, nothing
+                        fewer launches (``passes/gpu_fusion.py``: matmuls without their reshapes so
+                        the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
+                        in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
+                        profile's ``gpu_schedule.gemv``), nothing
                         left on the host (CheckAllOnDevice); CPUs: ``backend/cpu_schedule.py``; then
                         ``tvm.compile``, keeping the final Relax module for ``program.ekv``
 

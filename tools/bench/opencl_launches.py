@@ -209,11 +209,13 @@ def markdown(doc: dict) -> str:
     if doc.get("schedules"):
         s = doc["schedules"]
         lines += ["", "## q4 GEMV schedule candidates (PoCL)", "", s.get("about", ""), "",
-                  "| gpu_schedule.gemv | GEMV ms / token | all kernels ms / token | launches / token |",
-                  "|---|---|---|---|"]
+                  "| gpu_schedule.gemv | GEMV ms / token | all kernels ms / token | GEMV share | launches / token |",
+                  "|---|---|---|---|---|"]
         for choice, t in s["trials"].items():
             lines.append(f"| `{choice}` | {t['gemv_ms_per_token']:.3f} | {t['decode_token_ms']:.3f} | "
-                         f"{_fmt(t['launches_per_token'])} |")
+                         f"{100 * t['gemv_ms_per_token'] / t['decode_token_ms']:.0f}% | {_fmt(t['launches_per_token'])} |")
+        lines += ["", "The GEMV share of the token's kernel time is the figure to compare: the machine is shared, "
+                      "and a busy moment stretches every kernel of a run alike."]
         lines += ["", f"Command: `{s['provenance']['command']}` (commit {s['provenance']['commit']})."]
     return "\n".join(lines) + "\n"
 
@@ -228,12 +230,16 @@ def main(argv=None) -> int:
                     help="compile SmolLM2 q4 KeyDiff N=512 B=128 for opencl-host with this checkout, then measure it")
     ap.add_argument("--schedules", nargs="?", const="dlight-gemv,dlight-lowbatch,rows-256,rows-64",
                     help="q4 GEMV schedule choices to compare on a SmolLM2-shaped model (comma separated)")
+    ap.add_argument("--render", action="store_true", help="only rewrite the markdown from the JSON")
     ap.add_argument("--blocks", type=int, default=2, help="full prompt blocks before the measured token / block")
     ap.add_argument("--decode", type=int, default=8, help="decode tokens measured")
     ap.add_argument("--work", type=Path, default=Path("/tmp/edgekv-opencl-launches"))
     ap.add_argument("--json", type=Path, default=RESULTS / "opencl_launches.json")
     ap.add_argument("--md", type=Path, default=RESULTS / "opencl_launches.md")
     args = ap.parse_args(argv)
+    if args.render:
+        args.md.write_text(markdown(json.loads(args.json.read_text())))
+        return 0
     if not (args.artifact or args.compile or args.schedules):
         ap.error("give --artifact LABEL=DIR, --compile LABEL or --schedules")
     prov = provenance([sys.executable, *sys.argv])
