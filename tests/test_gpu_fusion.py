@@ -80,3 +80,22 @@ def test_fusion_leaves_a_matmul_whose_output_has_other_uses():
     fusion = FuseForGPU(["decode"])
     fusion(bb.get())
     assert fusion.folded == {"matmul_reshapes": 0, "rms_norms": 0}
+
+
+def test_gemv_schedule_is_the_profiles_choice():
+    """``gpu_schedule.gemv`` in a target profile picks the GEMV rule; each choice binds the q4 GEMV to
+    GPU threads; an unknown choice is refused naming the known ones."""
+    from edgekv.compiler.backend.gpu_schedule import (GEMV_SCHEDULES, GPUKernelError, default_schedule,
+                                                      gemv_schedule_of, unbound_functions)
+    from edgekv.compiler.backend.target import resolve_target
+
+    assert gemv_schedule_of(resolve_target("opencl-host")[0]) in GEMV_SCHEDULES
+    assert gemv_schedule_of({"name": "p"}) == "dlight-gemv"
+    with pytest.raises(GPUKernelError, match="rows-64"):
+        gemv_schedule_of({"name": "p", "gpu_schedule": {"gemv": "fastest"}})
+    target = tvm.target.Target({"kind": "opencl", "max_num_threads": 256, "thread_warp_size": 1})
+    for choice in GEMV_SCHEDULES:
+        mod = tvm.IRModule({"gemv": build_gpu_quant_matmul((1, 1, K), Q4_1, K, N).with_attr("global_symbol", "gemv")})
+        with target:
+            scheduled = default_schedule(choice)(mod)
+        assert unbound_functions(scheduled) == [], choice
