@@ -4,7 +4,7 @@ kernel — on a GPU every kernel is a launch, and a decode token of a small mode
 Two rewrites, each leaving every value computed as before (same operations, same order within
 an element; only how the operations are grouped into kernels changes):
 
-* **Quantised matmuls on the activations' own shape.** torch.export writes ``linear`` on a
+* **Quantised GEMVs on the activations' own shape.** torch.export writes ``linear`` on a
   ``[1, T, K]`` activation as ``reshape → [T, K]``, the matmul, ``reshape → [1, T, N]``; the
   quantised GPU matmul (``kernels/quant_dense.build_gpu_quant_matmul``) then sits between two
   reshapes. FuseOps fuses only elementwise consumers into a matmul's epilogue, and a reshape is
@@ -12,7 +12,9 @@ an element; only how the operations are grouped into kernels changes):
   ``up_proj`` each became a kernel of their own. Here the matmul takes the ``[1, T, K]``
   activation and writes ``[1, T, N]`` (a kernel of the same definition over a leading 1), both
   reshapes go, and those elementwise ops join the matmul as its epilogue (dlight's GEMV and
-  Matmul rules schedule epilogues).
+  Matmul rules schedule epilogues). Decode GEMVs only (T = 1): the prefill GEMMs keep their
+  reshapes, as dlight's Matmul rule with a fused epilogue ran them 3x slower on PoCL, and a
+  GEMM's launch is shared by a whole block.
 * **RMSNorm as one operator.** HF's ``w · (x · rsqrt(mean(x², -1) + eps))`` chain became two
   kernels (FuseOps does not fuse the square into the mean's reduction); ``nn.rms_norm`` computes
   the same expression (the sum of squares over the row, / K, + eps, rsqrt, · x, · w) in one.
@@ -115,6 +117,8 @@ class _Plan:
             xs3, out3 = shape_of(x3), shape_of(after[0][0])
             if xs3 is None or out3 is None or xs3[:-1] != out3[:-1] or xs3[-1] != q[1] or out3[-1] != q[2]:
                 continue
+            if xs3[-2] != 1:  # GEMVs only: dlight's Matmul rule with an epilogue made the prefill GEMMs
+                continue      # 3x slower on PoCL (docs/results/opencl_launches.md); a GEMM's launch is amortised
             self.matmuls[var] = (x3, *q, out3, after[0][0])
         folded = set(self.matmuls)
         self.dropped = {v for v in self.value  # activation reshapes whose every use is a folded matmul
