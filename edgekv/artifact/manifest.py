@@ -142,6 +142,7 @@ class Keys:
         EDGEKV_KERNELS = "edgekv_kernels"
         DEVICE_FUNCTIONS = "device_functions"
         SYMBOLIC_SHAPES = "symbolic_shapes"
+        GPU_FUSION = "gpu_fusion"
         CODE = "code"
         ELF_MACHINE = "elf_machine"
         TOOLCHAIN = "toolchain"
@@ -343,6 +344,7 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.Device.EDGEKV_KERNELS, OBJECT, "PrimFunc → the kind of edgekv kernel that replaced it"),
         Field(K.Device.DEVICE_FUNCTIONS, (LIST, STR), "the functions compiled for the device"),
         Field(K.Device.SYMBOLIC_SHAPES, OBJECT, "PrimFunc → its symbolic shape variables"),
+        Field(K.Device.GPU_FUSION, OBJECT, "GPU builds: what passes/gpu_fusion.py rewrote (rewrite → count)"),
         Field(K.Device.CODE, OBJECT, "generated code file → bytes"),
         Field(K.Device.ELF_MACHINE, LIST, "the ELF machines of the generated objects"),
         Field(K.Device.TOOLCHAIN, OBJECT, "the toolchain step that makes it loadable", keys=K.Toolchain),

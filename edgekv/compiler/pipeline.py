@@ -19,7 +19,10 @@
   7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
                         builds the native runtime runs (CPU targets and OpenCL)
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
-                        edgekv's GPU kernels in place (ReplaceKernels), dlight for the rest, nothing
+                        fewer launches (``passes/gpu_fusion.py``: matmuls without their reshapes so
+                        the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
+                        in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
+                        profile's ``gpu_schedule.gemv``), nothing
                         left on the host (CheckAllOnDevice); CPUs: ``backend/cpu_schedule.py``; then
                         ``tvm.compile``, keeping the final Relax module for ``program.ekv``
 
@@ -197,8 +200,9 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     ``program.ekv`` for the native runtime — and OpenCL each device kernel's launch description
     (``backend/device_kernels.py``); other GPU targets (CUDA, Metal) have no native runtime."""
     from .backend.cpu_schedule import cpu_pipeline
-    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gpu_pipeline
+    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gemv_schedule_of, gpu_pipeline
     from .backend.program import capture_final_module
+    from .passes.gpu_fusion import FuseForGPU
 
     mod = lowered.mod
     tvm_target = target.tvm_target()
@@ -211,19 +215,24 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
+    fusion = FuseForGPU(list(FUNCTIONS))
+    mod = fusion(mod)
+    info[D.GPU_FUSION] = dict(fusion.folded)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
     check = CheckAllOnDevice()
+    gemv = gemv_schedule_of(target.profile)
+    info[D.GPU_FUSION]["gemv_schedule"] = gemv
     if target.native_runtime:
         from .backend.device_kernels import record_device_kernels
 
-        pipeline = capture_final_module(lambda t: gpu_pipeline(t, check), final)(tvm_target)
+        pipeline = capture_final_module(lambda t: gpu_pipeline(t, check, gemv), final)(tvm_target)
         with record_device_kernels(target.kind) as kernels:
             ex = tvm.compile(mod, target=tvm_target, relax_pipeline=pipeline)
         final["device_kernels"] = kernels
     else:
-        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check))
+        ex = tvm.compile(mod, target=tvm_target, relax_pipeline=gpu_pipeline(tvm_target, check, gemv))
     info[D.EDGEKV_KERNELS] = replace.replaced
     info[D.DEVICE_FUNCTIONS] = check.device_functions
     info[D.SYMBOLIC_SHAPES] = check.symbolic

@@ -73,7 +73,21 @@ typedef struct {
   cl_kernel kernel; /* NULL: __tvm_set_device, a no-op here (one device per model) */
   ekv_device_kernel desc; /* the device's own copy: it may outlive the model that opened it */
   cl_mem *bound; /* desc.n_args: the buffer each argument holds now (unbound before that buffer's release) */
+  uint64_t launches, ns;   /* EDGEKV_OPENCL_PROFILE=1: launches and their device time (profiling events) */
 } ocl_kernel;
+
+/* EDGEKV_OPENCL_PROFILE=1: the queue records profiling events; every launch keeps its event until
+ * the next drain (a blocking read, a finish, a full list or the close), which adds END - START to
+ * its kernel. The three entry points are looked up only then, so cl_api stays OpenCL 1.2's core. */
+#define PROFILE_PENDING 1024
+typedef struct {
+  CL_FN(GetEventProfilingInfo);
+  CL_FN(WaitForEvents);
+  CL_FN(ReleaseEvent);
+  cl_event events[PROFILE_PENDING];
+  ocl_kernel *of[PROFILE_PENDING];
+  uint32_t n;
+} ocl_profile;
 
 struct ocl_device {
   ekv_device base; /* first: an ekv_device * is an ocl_device * */
@@ -93,6 +107,7 @@ struct ocl_device {
   int trace; /* EDGEKV_OPENCL_TRACE=1: every launch on stderr (debugging a device's kernels) */
   int trace_release; /* EDGEKV_OPENCL_TRACE_RELEASE=1: every create and release of an OpenCL object on stderr */
   int queued; /* work was enqueued since the last clFinish: finish before releasing anything */
+  ocl_profile *profile; /* EDGEKV_OPENCL_PROFILE=1, else NULL: per-kernel device time, printed at close */
   char options[256]; /* the OpenCL C compiler's options (EDGEKV_OPENCL_OPTIONS) */
   char label[256];
   /* one device per artifact in a process: models of the same artifact share its library, whose
@@ -390,6 +405,52 @@ static ekv_status create_kernels(ekv_error *err, ocl_device *d, const ekv_progra
   return EKV_OK;
 }
 
+/* ---- profiling (EDGEKV_OPENCL_PROFILE=1) ------------------------------------------------------- */
+
+static ekv_status profile_open(ekv_error *err, ocl_device *d) {
+  const char *on = getenv("EDGEKV_OPENCL_PROFILE");
+  if (on == NULL || on[0] != '1') return EKV_OK;
+  d->profile = ekv_alloc(sizeof *d->profile, EKV_MEM_RUNTIME);
+  if (d->profile == NULL) return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot allocate the OpenCL profile");
+  memset(d->profile, 0, sizeof *d->profile);
+  void *fn[3] = {dlsym(d->lib, "clGetEventProfilingInfo"), dlsym(d->lib, "clWaitForEvents"),
+                 dlsym(d->lib, "clReleaseEvent")};
+  if (fn[0] == NULL || fn[1] == NULL || fn[2] == NULL)
+    return ekv_fail(err, EKV_ERR_DEVICE, "EDGEKV_OPENCL_PROFILE=1: the OpenCL library lacks the event functions");
+  memcpy(&d->profile->GetEventProfilingInfo, &fn[0], sizeof fn[0]);
+  memcpy(&d->profile->WaitForEvents, &fn[1], sizeof fn[1]);
+  memcpy(&d->profile->ReleaseEvent, &fn[2], sizeof fn[2]);
+  return EKV_OK;
+}
+
+/* Wait for the pending launches and add each one's device time to its kernel. */
+static void profile_drain(ocl_device *d) {
+  ocl_profile *p = d->profile;
+  if (p == NULL || p->n == 0) return;
+  p->WaitForEvents(p->n, p->events);
+  for (uint32_t i = 0; i < p->n; i++) {
+    cl_ulong start = 0, end = 0;
+    if (p->GetEventProfilingInfo(p->events[i], CL_PROFILING_COMMAND_START, sizeof start, &start, NULL) == CL_SUCCESS &&
+        p->GetEventProfilingInfo(p->events[i], CL_PROFILING_COMMAND_END, sizeof end, &end, NULL) == CL_SUCCESS &&
+        end >= start)
+      p->of[i]->ns += end - start;
+    p->ReleaseEvent(p->events[i]);
+  }
+  p->n = 0;
+}
+
+/* One line per launched kernel, for tools/bench/opencl_launches.py: name, launches, device ns. */
+static void profile_report(ocl_device *d) {
+  if (d->profile == NULL) return;
+  profile_drain(d);
+  for (uint32_t k = 0; d->kernels != NULL && k < d->n_kernels; k++)
+    if (d->kernels[k].launches > 0)
+      fprintf(stderr, "edgekv opencl profile: %s launches %llu ns %llu\n", d->kernels[k].desc.name,
+              (unsigned long long)d->kernels[k].launches, (unsigned long long)d->kernels[k].ns);
+  ekv_free(d->profile);
+  d->profile = NULL;
+}
+
 /* ---- buffers -------------------------------------------------------------------------------- */
 
 /* Teardown, the same on every driver: nothing is released while the queue may still use it (the
@@ -518,6 +579,7 @@ static ekv_status ocl_read(ekv_device *base, const void *handle, size_t offset, 
   if (!ekv_range_ok(offset, bytes, b->bytes)) return ekv_fail(&base->err, EKV_ERR_INVALID_ARG, "read past a buffer");
   cl_int rc = d->cl.EnqueueReadBuffer(d->queue, b->mem, CL_TRUE, offset, bytes, dst, 0, NULL, NULL);
   if (rc == CL_SUCCESS) d->queued = 0; /* an in-order queue: everything before the read is done */
+  profile_drain(d);
   return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clEnqueueReadBuffer (after the program's kernels)", rc);
 }
 
@@ -525,6 +587,7 @@ static ekv_status ocl_finish(ekv_device *base) {
   ocl_device *d = (ocl_device *)base;
   cl_int rc = d->cl.Finish(d->queue);
   if (rc == CL_SUCCESS) d->queued = 0;
+  profile_drain(d);
   return rc == CL_SUCCESS ? EKV_OK : cl_failed(&base->err, "clFinish", rc);
 }
 
@@ -614,9 +677,17 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
   if (d->trace)
     fprintf(stderr, "edgekv opencl: %s groups %zux%zux%zu local %zux%zux%zu\n", desc->name, groups[0], groups[1],
             groups[2], local[0], local[1], local[2]);
-  cl_int rc = d->cl.EnqueueNDRangeKernel(d->queue, k->kernel, 3, NULL, global, local, 0, NULL, NULL);
+  ocl_profile *p = d->profile;
+  if (p != NULL && p->n == PROFILE_PENDING) profile_drain(d);
+  cl_event *event = p != NULL ? &p->events[p->n] : NULL;
+  cl_int rc = d->cl.EnqueueNDRangeKernel(d->queue, k->kernel, 3, NULL, global, local, 0, NULL, event);
+  if (rc != CL_SUCCESS) return launch_error(k, "clEnqueueNDRangeKernel", rc);
   d->queued = 1;
-  return rc == CL_SUCCESS ? 0 : launch_error(k, "clEnqueueNDRangeKernel", rc);
+  if (p != NULL) {
+    p->of[p->n++] = (ocl_kernel *)k; /* the device's own table entry */
+    ((ocl_kernel *)k)->launches++;
+  }
+  return 0;
 }
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
@@ -628,6 +699,7 @@ const char *ekv_runtime_devices(void) { return "cpu,opencl" EKV_CUDA_DEVICE_NAME
  * (sessions and the model drop theirs before closing the device). */
 static void release(ocl_device *d) {
   if (d == NULL) return;
+  profile_report(d);
   if (d->queue != NULL) d->cl.Finish(d->queue);
   d->queued = 0;
   for (uint32_t k = d->n_kernels; d->kernels != NULL && k-- > 0;)
@@ -699,8 +771,10 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
     if (d->trace_release) trace_object(d, "create context", d->context, NULL, 0);
     if (d->context == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateContext", rc);
   }
+  if (st == EKV_OK) st = profile_open(err, d);
   if (st == EKV_OK) {
-    d->queue = d->cl.CreateCommandQueue(d->context, d->device, 0, &rc);
+    cl_command_queue_properties props = d->profile != NULL ? CL_QUEUE_PROFILING_ENABLE : 0;
+    d->queue = d->cl.CreateCommandQueue(d->context, d->device, props, &rc);
     if (d->trace_release) trace_object(d, "create queue", d->queue, d->context, 0);
     if (d->queue == NULL || rc != CL_SUCCESS) st = cl_failed(err, "clCreateCommandQueue", rc);
   }

@@ -197,17 +197,91 @@ def _plain_matmul_rule():
     return PlainMatmul()
 
 
-def default_schedule():
-    """dlight's default GPU rules for everything that is not an edgekv kernel."""
+def default_schedule(gemv: str = "dlight-gemv"):
+    """dlight's default GPU rules for everything that is not an edgekv kernel; the GEMVs' rule is
+    ``gemv`` (a target profile's ``gpu_schedule.gemv``: ``gemv_rules``)."""
     from tvm.s_tir import dlight as dl
 
-    return dl.ApplyDefaultSchedule(_plain_matmul_rule(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+    return dl.ApplyDefaultSchedule(_plain_matmul_rule(), *gemv_rules(gemv), dl.gpu.Reduction(),
                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
 
-def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = None):
-    """TVM 0.27's Relax pipeline for ``target``'s kind with dlight default schedules and the
-    on-device check. The edgekv kernels must already be replaced (``ReplaceKernels``)."""
+# ---- the GEMV schedule, a target profile's choice (``"gpu_schedule": {"gemv": ...}``) ----------------
+# Chosen by measurement (tools/bench/opencl_launches.py --schedules, docs/results/opencl_launches.md):
+# what is fastest on PoCL (OpenCL on a CPU) need not be on a GPU, so each profile names its own.
+GEMV_SCHEDULES = {
+    "dlight-gemv": "dlight's GEMV rule: a work-group per output row (its own per-target tile sizes)",
+    "dlight-lowbatch": "dlight's LowBatchGEMV rule first, then its GEMV rule",
+    "rows-64": "one work-item per output row, K in a register loop, 64 work-items per group",
+    "rows-256": "one work-item per output row, K in a register loop, 256 work-items per group",
+}
+
+
+def gemv_schedule_of(profile: dict) -> str:
+    """The GEMV schedule a target profile names (default ``dlight-gemv``); an unknown one is refused."""
+    choice = str((profile.get("gpu_schedule") or {}).get("gemv", "dlight-gemv"))
+    if choice not in GEMV_SCHEDULES:
+        raise GPUKernelError(f"target profile '{profile.get('name')}': gpu_schedule.gemv '{choice}' is not one of "
+                             f"{', '.join(GEMV_SCHEDULES)}")
+    return choice
+
+
+def gemv_rules(choice: str) -> list:
+    """The dlight rules that schedule the GEMVs for ``choice`` (``GEMV_SCHEDULES``)."""
+    from tvm.s_tir import dlight as dl
+
+    if choice == "dlight-gemv":
+        return [dl.gpu.GEMV()]
+    if choice == "dlight-lowbatch":
+        return [dl.gpu.LowBatchGEMV(), dl.gpu.GEMV()]
+    if choice.startswith("rows-"):
+        return [_rows_gemv_rule(int(choice.split("-")[1])), dl.gpu.GEMV()]
+    raise GPUKernelError(f"unknown GEMV schedule '{choice}' (known: {', '.join(GEMV_SCHEDULES)})")
+
+
+def _rows_gemv_rule(threads: int):
+    """A GEMV (one row of activations times a weight, with an elementwise epilogue) scheduled as one
+    work-item per output element: the dequantising dot product over K runs in a register, no
+    shared memory and no barrier. On a CPU device (PoCL) work-items are vector lanes and loop
+    iterations, so a cross-work-item reduction only costs; on a GPU it leaves K unsplit."""
+    from tvm import s_tir
+    from tvm.s_tir.dlight.analysis import is_gemv, normalize_prim_func
+    from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+    from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+
+    class RowsGEMV(GPUScheduleRule):
+        def apply(self, func, target, _tunable):  # noqa: D401
+            if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+                return None
+            sch = s_tir.Schedule(func)
+            infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+            if infos is None or len(infos) not in (1, 2) or (len(infos) == 2 and not infos[1].is_injective()):
+                return None
+            info = infos[0]
+            kinds = "".join(i.kind for i in info.iters)
+            if not (kinds.endswith("R") and kinds.count("R") == 1 and set(kinds[:-1]) <= {"S"}):
+                return None
+            if is_gemv(sch, info) is None:
+                return None
+            block = info.block_rv
+            loops = sch.get_loops(block)
+            bx, tx = sch.split(sch.fuse(*loops[:-1]), factors=[None, threads])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            if len(infos) == 2:  # the epilogue reads the sum from a register
+                sch.set_scope(block, 0, "local")
+                sch.reverse_compute_at(infos[1].block_rv, tx)
+            else:
+                sch.reverse_compute_at(sch.cache_write(block, 0, "local"), tx)
+            sch.decompose_reduction(block, sch.get_loops(block)[-1])
+            return sch
+
+    return RowsGEMV()
+
+
+def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = None, gemv: str = "dlight-gemv"):
+    """TVM 0.27's Relax pipeline for ``target``'s kind with dlight default schedules (the GEMVs'
+    by ``gemv``) and the on-device check. The edgekv kernels must already be replaced (``ReplaceKernels``)."""
     kind = target.kind.name
     if kind == "cuda":
         from tvm.relax.backend.cuda import pipeline as P
@@ -224,7 +298,7 @@ def gpu_pipeline(target: tvm.target.Target, check: CheckAllOnDevice | None = Non
                 P.library_dispatch_passes(target)
                 + [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                    relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-                   default_schedule(), *fixes, check]
+                   default_schedule(gemv), *fixes, check]
                 + P.dataflow_lower_passes(target) + P.finalize_passes(target))
             return seq(mod)
 
