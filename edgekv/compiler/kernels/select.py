@@ -232,7 +232,7 @@ def work_group_select_macro(NB: int, NT: int = GPU_SELECT_THREADS):
     sum (two levels) tells the thread holding the (ties to keep)-th tie, which writes its index.
     About 30 barriers per head whatever n is, against the n − keep rounds of a minimum search.
 
-    Scratch: ``part`` [≥ 17·NT] float32 (the counts, then their slice sums behind them), ``cnt`` [NT] int32, ``slc`` [16]
+    Scratch: ``part`` [≥ 17·NT + 16] float32 (the counts, their slice sums, the bins), ``cnt`` [NT] int32, ``slc`` [16]
     int32, ``res`` [2] uint32 — shared; ``dig`` [16] int32, ``st`` [4] int32, ``pre`` [1] uint32 —
     local (per thread)."""
     if NT % 16 or NT // 16 > 16:
@@ -271,13 +271,20 @@ def work_group_select_macro(NB: int, NT: int = GPU_SELECT_THREADS):
             if tx < 16 * NSL:
                 part[16 * NT + tx] = T.Cast("float32", st[3])
             T.tvm_storage_sync("shared")
-            # every thread: the bin totals in digit order, the first bin that reaches the evictions left
+            # threads 0..15: bin tx's total over the slices
+            st[3] = 0
+            if tx < 16:
+                for s in T.serial(NSL):
+                    st[3] = st[3] + T.Cast("int32", part[16 * NT + s * 16 + tx])
+            T.tvm_storage_sync("shared")
+            if tx < 16:
+                part[17 * NT + tx] = T.Cast("float32", st[3])
+            T.tvm_storage_sync("shared")
+            # every thread: the bins in digit order, the first that reaches the evictions left
             st[1] = 0
             st[2] = -1
             for d in T.serial(16):
-                st[3] = 0
-                for s in T.serial(NSL):
-                    st[3] = st[3] + T.Cast("int32", part[16 * NT + s * 16 + d])
+                st[3] = T.Cast("int32", part[17 * NT + d])
                 if st[2] < 0:
                     if st[1] + st[3] >= st[0]:
                         st[2] = d
@@ -363,7 +370,7 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
     CH = max(1, min(64, 2048 // (H * D)))  # rows per head and chunk: ≤ 16 KiB of staged K and V
     if H * CH > NT:
         raise ValueError(f"GPU select: {H} KV heads need more than {NT} threads")
-    STAGE = max(17 * NT, 2 * H * CH * D)
+    STAGE = max(17 * NT + 16, 2 * H * CH * D)
     NCH = (NB + CH - 1) // CH
     find_cut = work_group_select_macro(NB, NT)
 
@@ -408,8 +415,15 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
                         row[0] = T.min(row[0], j * NT + tx)
             cnt[tx] = row[0]
             T.tvm_storage_sync("shared")
+            if tx < NT // 16:  # the minimum in two levels: 16 slices of 16 threads
+                for k in T.serial(16):
+                    row[0] = T.min(row[0], cnt[tx * 16 + k])
+            T.tvm_storage_sync("shared")
+            if tx < NT // 16:
+                cnt[tx] = row[0]
+            T.tvm_storage_sync("shared")
             row[0] = cnt[0]
-            for t in T.serial(NT):
+            for t in T.serial(NT // 16):
                 row[0] = T.min(row[0], cnt[t])
             first[h] = row[0] // CH  # the first chunk that moves: every row before it stays
             base[h] = first[h] * CH  # kept rows before the chunk being compacted

@@ -233,7 +233,7 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                     T.reads()
                     T.writes()
                     # the work-group selection's scratch (kernels/select.py, work_group_select_macro)
-                    part = T.sblock_alloc_buffer((17 * NT,), "float32", scope="shared")
+                    part = T.sblock_alloc_buffer((17 * NT + 16,), "float32", scope="shared")
                     cnt = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
                     slc = T.sblock_alloc_buffer((16,), "int32", scope="shared")
                     res = T.sblock_alloc_buffer((2,), "uint32", scope="shared")
