@@ -309,11 +309,13 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                     nf3: T.let[T.int32] = fill[0]
                     nv3: T.let[T.int32] = n_valid[0]
                     keep3: T.let[T.int32] = d2o_budget[0]
-                    if MERGE and nf3 + nv3 > keep3:
-                        if tx == 0:
+                    # (no barrier under a branch: PoCL's optimiser corrupts memory with one here)
+                    if tx == 0:
+                        if MERGE and nf3 + nv3 > keep3:
                             update_tau(gone, best, nf3 + nv3 - keep3, d2o_tau, thr_sh, total)
-                        T.tvm_storage_sync("shared")
-                        thr[0] = thr_sh[0]  # a register: shared values may not steer branches
+                    T.tvm_storage_sync("shared")
+                    thr[0] = thr_sh[0]  # a register: shared values may not steer branches
+                    if MERGE and nf3 + nv3 > keep3:
                         for u in T.serial(HP):
                             if u * NT + tx < H * D:
                                 if (u * NT + tx) % D == 0:
@@ -328,7 +330,8 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                                                     den_all[(u * NT + tx) // D, target[(u * NT + tx) // D, i]] + \
                                                     T.if_then_else(COUNT_DEN, T.float32(1),
                                                                    weight(best[(u * NT + tx) // D, i]))
-                        T.tvm_storage_sync("shared")
+                    T.tvm_storage_sync("shared")
+                    if MERGE and nf3 + nv3 > keep3:
                         for u in T.serial(HP):
                             if u * NT + tx < H * D:
                                 fold_column(k_cache, v_cache, k_blk, v_blk, k_new, v_new, gone, best, target, thr,
