@@ -24,6 +24,7 @@ updated state of the old rows too.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from .common import check_dtype
@@ -43,15 +44,17 @@ def evicted_mask_macro(NB: int, lanes: int = 16):
     @T.macro
     def mark_evicted(score, h, n, keep, key, gone, lo, hi, cnt):
         # order-preserving int32 key of each score (NaN → INT32_MAX: never evicted;
-        # −0.0 → +0.0 so they tie as floats do); padding rows get INT32_MAX too
+        # −0.0 → 0, the key of +0.0, so they tie as floats do: an explicit test, since TVM folds
+        # the `x + 0.0` that would do it and `x != x`); padding rows get INT32_MAX too
         for i in T.serial(NB):
             key[i] = T.if_then_else(
                 i < n,
-                T.if_then_else(score[h, i] != score[h, i], T.int32(2147483647),
-                               T.if_then_else(T.reinterpret("int32", score[h, i] + T.float32(0)) < 0,
-                                              T.bitwise_xor(T.reinterpret("int32", score[h, i] + T.float32(0)),
-                                                            T.int32(2147483647)),
-                                              T.reinterpret("int32", score[h, i] + T.float32(0)))),
+                T.if_then_else(T.isnan(score[h, i]), T.int32(2147483647),
+                               T.if_then_else(score[h, i] == T.float32(0), T.int32(0),
+                                              T.if_then_else(T.reinterpret("int32", score[h, i]) < 0,
+                                                             T.bitwise_xor(T.reinterpret("int32", score[h, i]),
+                                                                           T.int32(2147483647)),
+                                                             T.reinterpret("int32", score[h, i])))),
                 T.int32(2147483647))
         # thr = the E-th smallest key (E = n − keep evictions): bisection over the int32
         # range, each step one vectorisable counting pass over the candidates
@@ -197,156 +200,308 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
 
 # ---- GPU version (same signatures; swapped in by gpu_schedule.ReplaceKernels) ----------------------
 
+GPU_SELECT_THREADS = 256  # one work-group; 16 slices of 16 threads (the two-level reductions below)
+_RADIX_PASSES = 8  # 4-bit digits of the 32-bit key
+
+
+def order_key(x):
+    """The order-preserving uint32 key of float32 ``x`` (a TIR expression): ``a < b`` as floats iff
+    ``key(a) < key(b)``; −0.0 and +0.0 get the same key (they tie, as floats compare), NaN the
+    largest (it is never evicted while a number is, as on the CPU)."""
+    bits = T.reinterpret("uint32", x)
+    return T.if_then_else(
+        T.isnan(x), T.uint32(0xFFFFFFFF),
+        T.if_then_else(x == T.float32(0), T.uint32(0x80000000),
+                       T.if_then_else(T.bitwise_and(bits, T.uint32(0x80000000)) != T.uint32(0),
+                                      T.bitwise_not(bits), T.bitwise_or(bits, T.uint32(0x80000000)))))
+
+
+def work_group_select_macro(NB: int, NT: int = GPU_SELECT_THREADS):
+    """``find_cut(score, h, n, keep, tx, part, cnt, slc, res, dig, st, pre)``, run by all ``NT`` threads of a
+    work-group in uniform control flow: of head ``h``'s first ``n`` candidates (n > keep) the kept
+    set is the ``keep`` largest scores, ties keeping the lower index (``topk_keep``), i.e. candidate
+    i is kept iff ``key(i) > res[0]`` or (``key(i) == res[0]`` and ``i < res[1]``), where
+    ``res[0]`` is the (n − keep)-th smallest key and ``res[1]`` the index of the first tie at it
+    that is evicted.
+
+    Radix select: 8 passes over the 4-bit digits of the key, high digit first; each pass counts,
+    per thread, the candidates whose higher digits equal the threshold's so far, by digit
+    (16 registers); the 16 × NT counts go through shared memory (``part``, as float32: exact below
+    2^24) into 16 bin totals (two levels of 16), and every thread picks the same digit. Then the
+    tie cut: each thread counts the ties in its contiguous range of candidates, an exclusive prefix
+    sum (two levels) tells the thread holding the (ties to keep)-th tie, which writes its index.
+    About 30 barriers per head whatever n is, against the n − keep rounds of a minimum search.
+
+    Scratch: ``part`` [≥ 17·NT + 16] float32 (the counts, their slice sums, the bins), ``cnt`` [NT] int32, ``slc`` [16]
+    int32, ``res`` [2] uint32 — shared; ``dig`` [16] int32, ``st`` [4] int32, ``pre`` [1] uint32 —
+    local (per thread)."""
+    if NT % 16 or NT // 16 > 16:
+        raise ValueError(f"work-group select: {NT} threads is not 16 × (1..16)")
+    NSL = NT // 16  # slices of 16 threads
+    C = (NB + NT - 1) // NT  # candidates per thread: strided in the histogram, contiguous in the cut
+
+    @T.macro
+    def find_cut(score, h, n, keep, tx, part, cnt, slc, res, dig, st, pre):
+        # st: evictions left, running count, digit, bin total; pre: the threshold's digits so far
+        st[0] = n - keep
+        pre[0] = T.uint32(0)
+        for p in T.serial(_RADIX_PASSES):
+            for d in T.unroll(16):
+                dig[d] = 0
+            for j in T.serial(C):
+                if j * NT + tx < n:
+                    # candidates that still match the threshold's higher digits, by their digit p
+                    if T.bitwise_and(order_key(score[h, T.min(j * NT + tx, NB - 1)]),
+                                     T.bitwise_not(T.shift_right(T.uint32(0xFFFFFFFF), T.Cast("uint32", 4 * p)))) \
+                            == pre[0]:
+                        for d in T.unroll(16):
+                            dig[d] = dig[d] + T.Cast("int32", T.bitwise_and(
+                                T.shift_right(order_key(score[h, T.min(j * NT + tx, NB - 1)]),
+                                              T.Cast("uint32", 28 - 4 * p)), T.uint32(15)) == T.uint32(d))
+            for d in T.unroll(16):
+                part[d * NT + tx] = T.Cast("float32", dig[d])
+            T.tvm_storage_sync("shared")
+            # thread (slice s, bin b) sums bin b over the 16 threads of slice s
+            st[3] = 0
+            if tx < 16 * NSL:
+                for k in T.serial(16):
+                    st[3] = st[3] + T.Cast("int32", part[(tx % 16) * NT + (tx // 16) * 16 + k])
+            # (TVM's barrier planner cannot tell the slice sums' slots from the counts' slots)
+            T.tvm_storage_sync("shared")
+            if tx < 16 * NSL:
+                part[16 * NT + tx] = T.Cast("float32", st[3])
+            T.tvm_storage_sync("shared")
+            # threads 0..15: bin tx's total over the slices
+            st[3] = 0
+            if tx < 16:
+                for s in T.serial(NSL):
+                    st[3] = st[3] + T.Cast("int32", part[16 * NT + s * 16 + tx])
+            T.tvm_storage_sync("shared")
+            if tx < 16:
+                part[17 * NT + tx] = T.Cast("float32", st[3])
+            T.tvm_storage_sync("shared")
+            # every thread: the bins in digit order, the first that reaches the evictions left
+            st[1] = 0
+            st[2] = -1
+            for d in T.serial(16):
+                st[3] = T.Cast("int32", part[17 * NT + d])
+                if st[2] < 0:
+                    if st[1] + st[3] >= st[0]:
+                        st[2] = d
+                        st[0] = st[0] - st[1]
+                    else:
+                        st[1] = st[1] + st[3]
+            pre[0] = T.bitwise_or(pre[0], T.shift_left(T.Cast("uint32", st[2]), T.Cast("uint32", 28 - 4 * p)))
+            T.tvm_storage_sync("shared")  # part is rewritten by the next pass
+        # st[0] ties at pre[0] are evicted, the highest indices: the first evicted tie is the
+        # (ties − st[0])-th one (0-based) in index order
+        st[1] = 0
+        for j in T.serial(C):
+            if tx * C + j < n:
+                st[1] = st[1] + T.Cast("int32", order_key(score[h, T.min(tx * C + j, NB - 1)]) == pre[0])
+        cnt[tx] = st[1]
+        T.tvm_storage_sync("shared")
+        # (every phase that reads shared memory ends at a barrier before the next one writes it:
+        # TVM may give two scratch buffers one slot, and its barrier planner cannot add barriers
+        # under the branch this runs in)
+        st[3] = 0
+        if tx < NSL:
+            for k in T.serial(16):
+                st[3] = st[3] + cnt[tx * 16 + k]
+        T.tvm_storage_sync("shared")
+        if tx < NSL:
+            slc[tx] = st[3]
+        T.tvm_storage_sync("shared")
+        st[2] = 0  # ties before this thread's range
+        for s in T.serial(NSL):
+            if s < tx // 16:
+                st[2] = st[2] + slc[s]
+        for k in T.serial(16):
+            if k < tx % 16:
+                st[2] = st[2] + cnt[(tx // 16) * 16 + k]
+        st[3] = 0  # all ties
+        for s in T.serial(NSL):
+            st[3] = st[3] + slc[s]
+        T.tvm_storage_sync("shared")
+        st[1] = -1
+        for j in T.serial(C):
+            if tx * C + j < n:
+                if order_key(score[h, T.min(tx * C + j, NB - 1)]) == pre[0]:
+                    if st[2] == st[3] - st[0]:
+                        st[1] = tx * C + j
+                    st[2] = st[2] + 1
+        if tx == 0:
+            res[0] = pre[0]
+        if st[1] >= 0:  # one thread holds it
+            res[1] = T.Cast("uint32", st[1])
+        T.tvm_storage_sync("shared")
+
+    return find_cut
+
+
 def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
                                     dtype: str = "float32", with_score: bool = True, num_state: int = 0):
     """GPU top-N select + in-place compaction, the signature of ``kernels/select.py`` (score or
     append-only × with or without per-entry state ``state [S, H, N]`` / ``cand_state [S, H, N + B]``).
 
-    One thread block per KV head, NT threads.
+    One launch of one work-group of 256 threads for all KV heads, ``fill`` updated at its end: one
+    work-group is what lets the kernel read ``fill`` and then write it without a second launch
+    (work-groups of one launch cannot wait for each other), and every step below spreads a head's
+    candidates or rows over all the threads.
 
-    Append (n = fill + n_valid ≤ N, and always without a score): the block rows are copied behind
-    the cache (rows past N dropped: ``full`` refuses such runs on the host), and the candidate state
-    of every row [0, n) is written to ``state``.
+    Append (n = fill + n_valid ≤ N, and always without a score): the block rows of every head are
+    copied behind the cache (rows past N dropped: ``full`` refuses such runs on the host), and the
+    candidate state of every row [0, n) is written to ``state``.
 
-    Selection: ``n − N`` rounds; each round every thread scans its strided candidates for the
-    lowest score not yet evicted (``<=`` while scanning upwards, so among equal scores the
-    highest index), a shared-memory tree reduction with the same rule picks the round's
-    victim, and its bit is set in a shared bitset. NaN never compares ≤, so it is never evicted.
+    Selection, per head: ``work_group_select_macro`` — a radix select of the (n − N)-th smallest
+    order-preserving key and the index where evicted ties begin, so the kept set is exactly the
+    CPU kernel's (top N by score, ties keeping the lower index; NaN never evicted).
 
-    Compaction: candidates are walked in chunks of ``CH`` rows. Each chunk's K/V rows are
-    staged in shared memory (coalesced), every thread derives the destination of each kept
-    row from the bitset (a running count, identical in all threads), then the rows are
-    written out (state rows straight from ``cand_state``, a separate buffer). A destination is
-    never above its source, chunks go upwards and a chunk is fully read before it is written,
-    so the compaction is in place and race-free."""
+    Compaction, in place: rows before the first evicted candidate stay where they are. From there
+    candidates are walked in chunks of ``CH`` rows of every head: the chunk's rows are staged in
+    shared memory, a row's destination is the chunk's base plus the kept rows before it in the
+    chunk, then the kept rows are written. A destination is never above its source and a chunk
+    is fully read before it is written, so it is race-free; state rows come from ``cand_state``."""
     check_dtype(dtype)
     H, N, B, D = num_kv_heads, budget, block, head_dim
     S = int(num_state)
     NB = N + B
-    NT = 128
-    WORDS = (NB + 31) // 32
-    CH = 32
-    LD = (CH * D + NT - 1) // NT
-    SCAN = (NB + NT - 1) // NT
+    NT = GPU_SELECT_THREADS
+    CH = max(1, min(64, 2048 // (H * D)))  # rows per head and chunk: ≤ 16 KiB of staged K and V
+    if H * CH > NT:
+        raise ValueError(f"GPU select: {H} KV heads need more than {NT} threads")
+    STAGE = max(17 * NT + 16, 2 * H * CH * D)
+    NCH = (NB + CH - 1) // CH
+    find_cut = work_group_select_macro(NB, NT)
+
+    def kept(score, h, i, thr, cut):
+        key = order_key(score[h, T.min(i, NB - 1)])
+        return tirx.any(key > thr, tirx.all(key == thr, i < cut))
 
     @T.macro
-    def append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv):
-        for u in T.serial((B * D + NT - 1) // NT):
-            if u * NT + tx < nv * D:
-                if nf + (u * NT + tx) // D < N:
-                    k_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
-                        k_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
-                    v_cache[h, T.min(nf + (u * NT + tx) // D, N - 1), (u * NT + tx) % D] = \
-                        v_blk[0, h, T.min((u * NT + tx) // D, B - 1), (u * NT + tx) % D]
-        for u in T.serial((B + NT - 1) // NT):
-            if u * NT + tx < nv:
-                if nf + u * NT + tx < N:
-                    pos_cache[h, T.min(nf + u * NT + tx, N - 1)] = pos_blk[T.min(u * NT + tx, B - 1)]
+    def append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, tx, nf, nv):
+        for u in T.serial((H * B * D + NT - 1) // NT):
+            if u * NT + tx < H * B * D:
+                if (u * NT + tx) // D % B < nv and nf + (u * NT + tx) // D % B < N:
+                    k_cache[(u * NT + tx) // (B * D), T.min(nf + (u * NT + tx) // D % B, N - 1), (u * NT + tx) % D] = \
+                        k_blk[0, (u * NT + tx) // (B * D), (u * NT + tx) // D % B, (u * NT + tx) % D]
+                    v_cache[(u * NT + tx) // (B * D), T.min(nf + (u * NT + tx) // D % B, N - 1), (u * NT + tx) % D] = \
+                        v_blk[0, (u * NT + tx) // (B * D), (u * NT + tx) // D % B, (u * NT + tx) % D]
+        for u in T.serial((H * B + NT - 1) // NT):
+            if u * NT + tx < H * B:
+                if (u * NT + tx) % B < nv and nf + (u * NT + tx) % B < N:
+                    pos_cache[(u * NT + tx) // B, T.min(nf + (u * NT + tx) % B, N - 1)] = pos_blk[(u * NT + tx) % B]
         if S > 0:
-            for u in T.serial((N + NT - 1) // NT):
-                if u * NT + tx < T.min(nf + nv, N):
-                    for s in T.serial(S):
-                        state[s, h, T.min(u * NT + tx, N - 1)] = cand_state[s, h, T.min(u * NT + tx, NB - 1)]
+            for u in T.serial((S * H * N + NT - 1) // NT):
+                if u * NT + tx < S * H * N:
+                    if (u * NT + tx) % N < nf + nv:
+                        state[(u * NT + tx) // (H * N), (u * NT + tx) // N % H, (u * NT + tx) % N] = \
+                            cand_state[(u * NT + tx) // (H * N), (u * NT + tx) // N % H, (u * NT + tx) % N]
 
     @T.macro
-    def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, h, tx, nf, nv,
-              gone, rv, ri, k_sh, v_sh, p_sh, dst, bv, bi, cnt, ov, oi, word):
+    def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, tx, nf, nv,
+              part, cnt, slc, res, dig, st, pre, dst, p_sh, ccount, thr, cut, base, first, row, start):
         n = nf + nv
-        for u in T.serial((WORDS + NT - 1) // NT):
-            if u * NT + tx < WORDS:
-                gone[u * NT + tx] = T.uint32(0)
-        T.tvm_storage_sync("shared")
-        for _e in T.serial(n - N):
-            bv[0] = T.float32("inf")
-            bi[0] = -1
-            for u in T.serial(SCAN):
-                if u * NT + tx < n:
-                    word[0] = gone[(u * NT + tx) // 32]
-                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (u * NT + tx) % 32)),
-                                     T.uint32(1)) == T.uint32(0):
-                        if score[h, u * NT + tx] <= bv[0]:
-                            bv[0] = score[h, u * NT + tx]
-                            bi[0] = u * NT + tx
-            rv[tx] = bv[0]
-            ri[tx] = bi[0]
+        for h in T.serial(H):
+            find_cut(score, h, n, N, tx, part, cnt, slc, res, dig, st, pre)
+            thr[h] = res[0]
+            cut[h] = T.Cast("int32", res[1])
             T.tvm_storage_sync("shared")
-            for lvl in T.unroll(7):  # NT = 128 = 2^7
-                if tx < T.shift_right(64, lvl):
-                    ov[0] = rv[tx + T.shift_right(64, lvl)]
-                    oi[0] = ri[tx + T.shift_right(64, lvl)]
-                T.tvm_storage_sync("shared")
-                if tx < T.shift_right(64, lvl):
-                    if oi[0] >= 0:
-                        if (bi[0] < 0) or (ov[0] < bv[0]) or (ov[0] == bv[0] and oi[0] > bi[0]):
-                            bv[0] = ov[0]
-                            bi[0] = oi[0]
-                            rv[tx] = ov[0]
-                            ri[tx] = oi[0]
-                T.tvm_storage_sync("shared")
-            if tx == 0:
-                bi[0] = ri[0]
-                if bi[0] >= 0:
-                    gone[bi[0] // 32] = T.bitwise_or(
-                        gone[bi[0] // 32], T.shift_left(T.uint32(1), T.Cast("uint32", bi[0] % 32)))
+            # the first evicted candidate: the first tie cut, or an earlier key below the threshold
+            row[0] = cut[h]
+            for j in T.serial((NB + NT - 1) // NT):
+                if j * NT + tx < n:
+                    if order_key(score[h, T.min(j * NT + tx, NB - 1)]) < thr[h]:
+                        row[0] = T.min(row[0], j * NT + tx)
+            cnt[tx] = row[0]
             T.tvm_storage_sync("shared")
-        cnt[0] = 0
-        for it in T.serial((n + CH - 1) // CH):
-            # stage the chunk's rows (cache rows or block rows)
-            for u in T.serial(LD):
-                if u * NT + tx < CH * D:
-                    if it * CH + (u * NT + tx) // D < n:
-                        k_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
-                            it * CH + (u * NT + tx) // D < nf,
-                            k_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
-                            k_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
-                                  (u * NT + tx) % D])
-                        v_sh[(u * NT + tx) // D, (u * NT + tx) % D] = T.if_then_else(
-                            it * CH + (u * NT + tx) // D < nf,
-                            v_cache[h, T.min(it * CH + (u * NT + tx) // D, N - 1), (u * NT + tx) % D],
-                            v_blk[0, h, T.min(T.max(it * CH + (u * NT + tx) // D - nf, 0), B - 1),
-                                  (u * NT + tx) % D])
-            if tx < CH:
-                if it * CH + tx < n:
-                    p_sh[tx] = T.if_then_else(it * CH + tx < nf,
-                                              pos_cache[h, T.min(it * CH + tx, N - 1)],
-                                              pos_blk[T.min(T.max(it * CH + tx - nf, 0), B - 1)])
-            # destinations (-1 = dropped), the same running count in every thread
-            for r in T.serial(CH):
-                if it * CH + r < n:
-                    word[0] = gone[(it * CH + r) // 32]
-                    if T.bitwise_and(T.shift_right(word[0], T.Cast("uint32", (it * CH + r) % 32)),
-                                     T.uint32(1)) == T.uint32(0):
-                        if cnt[0] < N:
-                            if tx == 0:
-                                dst[r] = cnt[0]
-                            cnt[0] = cnt[0] + 1
-                        elif tx == 0:
-                            dst[r] = -1
-                    elif tx == 0:
-                        dst[r] = -1
-                elif tx == 0:
-                    dst[r] = -1
+            if tx < NT // 16:  # the minimum in two levels: 16 slices of 16 threads
+                for k in T.serial(16):
+                    row[0] = T.min(row[0], cnt[tx * 16 + k])
             T.tvm_storage_sync("shared")
-            for u in T.serial(LD):
-                if u * NT + tx < CH * D:
-                    oi[0] = dst[(u * NT + tx) // D]
-                    if oi[0] >= 0:
-                        k_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
-                            k_sh[(u * NT + tx) // D, (u * NT + tx) % D]
-                        v_cache[h, T.min(oi[0], N - 1), (u * NT + tx) % D] = \
-                            v_sh[(u * NT + tx) // D, (u * NT + tx) % D]
-            if tx < CH:
-                oi[0] = dst[tx]
-                if oi[0] >= 0:
-                    pos_cache[h, T.min(oi[0], N - 1)] = p_sh[tx]
+            if tx < NT // 16:
+                cnt[tx] = row[0]
+            T.tvm_storage_sync("shared")
+            row[0] = cnt[0]
+            for t in T.serial(NT // 16):
+                row[0] = T.min(row[0], cnt[t])
+            first[h] = row[0] // CH  # the first chunk that moves: every row before it stays
+            base[h] = first[h] * CH  # kept rows before the chunk being compacted
+            T.tvm_storage_sync("shared")
+        if S > 0:  # the unmoved kept rows' state (moved rows get theirs with the compaction)
+            for u in T.serial((S * H * N + NT - 1) // NT):
+                if u * NT + tx < S * H * N:
+                    if (u * NT + tx) % N < first[(u * NT + tx) // N % H] * CH:
+                        state[(u * NT + tx) // (H * N), (u * NT + tx) // N % H, (u * NT + tx) % N] = \
+                            cand_state[(u * NT + tx) // (H * N), (u * NT + tx) // N % H, (u * NT + tx) % N]
+        start[0] = NCH
+        for h in T.serial(H):
+            start[0] = T.min(start[0], first[h])
+        # (a loop over the chunks that move, not a condition in every chunk: the barriers inside
+        # must not sit under a branch)
+        for c in T.serial(start[0], (n + CH - 1) // CH):
+            # destinations: one thread per (head, row) counts the kept rows before it in the chunk
+            if tx < H * CH:
+                dst[tx] = -1
+                if c >= first[tx // CH] and c * CH + tx % CH < n:
+                    if kept(score, tx // CH, c * CH + tx % CH, thr[tx // CH], cut[tx // CH]):
+                        row[0] = base[tx // CH]
+                        for r in T.serial(CH):
+                            if r < tx % CH:
+                                row[0] = row[0] + T.Cast("int32", kept(score, tx // CH, c * CH + r,
+                                                                       thr[tx // CH], cut[tx // CH]))
+                        dst[tx] = row[0]
+                if tx % CH == 0:  # the chunk's kept rows of the head: the next chunk's base
+                    row[0] = 0
+                    for r in T.serial(CH):
+                        if c * CH + r < n:
+                            row[0] = row[0] + T.Cast("int32", kept(score, tx // CH, c * CH + r,
+                                                                   thr[tx // CH], cut[tx // CH]))
+                    ccount[tx // CH] = row[0]
+                if c * CH + tx % CH < n:
+                    p_sh[tx] = T.if_then_else(c * CH + tx % CH < nf,
+                                              pos_cache[tx // CH, T.min(c * CH + tx % CH, N - 1)],
+                                              pos_blk[T.min(T.max(c * CH + tx % CH - nf, 0), B - 1)])
+            # stage the chunk's K and V rows (cache rows or block rows), coalesced over d
+            for u in T.serial((H * CH * D + NT - 1) // NT):
+                if u * NT + tx < H * CH * D:
+                    if c * CH + (u * NT + tx) // D % CH < n:
+                        part[u * NT + tx] = T.if_then_else(
+                            c * CH + (u * NT + tx) // D % CH < nf,
+                            k_cache[(u * NT + tx) // (CH * D), T.min(c * CH + (u * NT + tx) // D % CH, N - 1),
+                                    (u * NT + tx) % D],
+                            k_blk[0, (u * NT + tx) // (CH * D),
+                                  T.min(T.max(c * CH + (u * NT + tx) // D % CH - nf, 0), B - 1), (u * NT + tx) % D])
+                        part[H * CH * D + u * NT + tx] = T.if_then_else(
+                            c * CH + (u * NT + tx) // D % CH < nf,
+                            v_cache[(u * NT + tx) // (CH * D), T.min(c * CH + (u * NT + tx) // D % CH, N - 1),
+                                    (u * NT + tx) % D],
+                            v_blk[0, (u * NT + tx) // (CH * D),
+                                  T.min(T.max(c * CH + (u * NT + tx) // D % CH - nf, 0), B - 1), (u * NT + tx) % D])
+            T.tvm_storage_sync("shared")
+            for h in T.serial(H):
+                if c >= first[h]:
+                    base[h] = base[h] + ccount[h]
+            for u in T.serial((H * CH * D + NT - 1) // NT):
+                if u * NT + tx < H * CH * D:
+                    row[0] = dst[(u * NT + tx) // D]
+                    if row[0] >= 0:
+                        k_cache[(u * NT + tx) // (CH * D), T.min(row[0], N - 1), (u * NT + tx) % D] = part[u * NT + tx]
+                        v_cache[(u * NT + tx) // (CH * D), T.min(row[0], N - 1), (u * NT + tx) % D] = \
+                            part[H * CH * D + u * NT + tx]
+            if tx < H * CH:
+                row[0] = dst[tx]
+                if row[0] >= 0:
+                    pos_cache[tx // CH, T.min(row[0], N - 1)] = p_sh[tx]
                     if S > 0:
                         for s in T.serial(S):
-                            state[s, h, T.min(oi[0], N - 1)] = cand_state[s, h, T.min(it * CH + tx, NB - 1)]
+                            state[s, tx // CH, T.min(row[0], N - 1)] = \
+                                cand_state[s, tx // CH, T.min(c * CH + tx % CH, NB - 1)]
             T.tvm_storage_sync("shared")
 
     @T.macro
     def launch(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, state, cand_state):
-        for h in T.thread_binding(H, thread="blockIdx.x"):
+        for _g in T.thread_binding(1, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("select"):
                     T.reads()
@@ -354,31 +509,33 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
                     nf: T.let[T.int32] = fill[0]
                     nv: T.let[T.int32] = n_valid[0]
                     if with_score:
-                        gone = T.sblock_alloc_buffer((WORDS,), "uint32", scope="shared")
-                        rv = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-                        ri = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
-                        k_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
-                        v_sh = T.sblock_alloc_buffer((CH, D), "float32", scope="shared")
-                        p_sh = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
-                        dst = T.sblock_alloc_buffer((CH,), "int32", scope="shared")
-                        bv = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        bi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        ov = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        oi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        word = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        part = T.sblock_alloc_buffer((STAGE,), "float32", scope="shared")
+                        cnt = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                        slc = T.sblock_alloc_buffer((16,), "int32", scope="shared")
+                        res = T.sblock_alloc_buffer((2,), "uint32", scope="shared")
+                        dst = T.sblock_alloc_buffer((H * CH,), "int32", scope="shared")
+                        p_sh = T.sblock_alloc_buffer((H * CH,), "int32", scope="shared")
+                        ccount = T.sblock_alloc_buffer((H,), "int32", scope="shared")
+                        thr = T.sblock_alloc_buffer((H,), "uint32", scope="local")
+                        cut = T.sblock_alloc_buffer((H,), "int32", scope="local")
+                        base = T.sblock_alloc_buffer((H,), "int32", scope="local")
+                        first = T.sblock_alloc_buffer((H,), "int32", scope="local")
+                        row = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        start = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        dig = T.sblock_alloc_buffer((16,), "int32", scope="local")
+                        st = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                        pre = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                         if nf + nv <= N:
-                            append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv)
+                            append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, tx, nf, nv)
                         else:
-                            evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state,
-                                  h, tx, nf, nv, gone, rv, ri, k_sh, v_sh, p_sh, dst, bv, bi, cnt, ov, oi, word)
+                            evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, tx,
+                                  nf, nv, part, cnt, slc, res, dig, st, pre, dst, p_sh, ccount, thr, cut, base,
+                                  first, row, start)
                     else:
-                        append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, h, tx, nf, nv)
-        for _b in T.thread_binding(1, thread="blockIdx.x"):
-            for _t in T.thread_binding(1, thread="threadIdx.x"):
-                with T.sblock("fill"):
-                    T.reads()
-                    T.writes()
-                    fill[0] = T.min(fill[0] + n_valid[0], N)
+                        append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, tx, nf, nv)
+                    # every thread has read fill (nf) before it changes: the one work-group's barrier
+                    T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        fill[0] = T.min(nf + nv, N)
 
     return select_kernel(StepShapes(H, N, B, D, S=S), launch, with_score=with_score, gpu=True)

@@ -122,19 +122,22 @@ def build_d2o_score_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int,
 
 def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
                                merge: str = "weighted", threshold: str = "ema", beta: float = 0.7, eps: float = 1e-12):
-    """``build_d2o_evict_kernel`` thread-bound, the same four steps as separate launches.
-    (1) one thread block per KV head: thread 0 finds the evicted set (``evicted_mask_macro`` over
-    shared memory: 33 counting passes, negligible next to the matching), then the 128 threads
-    normalise candidates and match evicted entries (one evicted entry per thread, a loop over the
-    kept ones). (2) τ: one thread. (3) merge: one thread block per KV head, one thread per channel
-    (targets shared by several evicted entries need no atomics; thread 0 first tallies which rows
-    are hit and their denominators). (4) compaction: one thread per channel, the row order walked
-    by every thread (kept[j] ≥ j keeps it in place), thread 0 moving positions and state."""
+    """``build_d2o_evict_kernel`` thread-bound, its four steps in two launches, none of one work-item.
+    (1) one work-group per KV head: its 128 threads find the evicted set together
+    (``work_group_select_macro``: a radix select, the CPU kernel's set and tie rule), then normalise
+    candidates and match evicted entries (one evicted entry per thread, a loop over the kept ones).
+    (2) one work-group for all heads: τ (thread 0, summed in the CPU kernel's order), the merge
+    (a thread per (head, channel) column; targets shared by several evicted entries need no atomics:
+    each head's channel-0 thread first tallies which rows are hit and their denominators), the
+    compaction (the same columns, each walked in row order: kept[j] ≥ j keeps it in place; the
+    channel-0 thread moves positions and state), then ``fill`` after a barrier — which is why it
+    is one work-group: every thread reads ``fill`` before it changes."""
+    from tvm import tirx
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..kernels.common import check_dtype
     from ..kernels.signature import StepShapes
-    from ..kernels.select import evicted_mask_macro
+    from ..kernels.select import order_key, work_group_select_macro
     from .d2o_shared import MERGE_MODES, evict_signature, merge_weight_fn, update_tau_macro
 
     check_dtype(dtype)
@@ -152,8 +155,67 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
     NT = GPU_THREADS
     KPT = (NB + NT - 1) // NT
     CP = (B * D + NT - 1) // NT
-    mark_evicted = evicted_mask_macro(NB, lanes=1)  # run by one GPU thread: no vector lanes
+    find_cut = work_group_select_macro(NB, NT)
     update_tau = update_tau_macro(H, NB, float(beta), threshold == "ema")
+
+    HP = (H * D + NT - 1) // NT  # (head, channel) columns per thread
+
+    @T.macro
+    def fold_column(k_cache, v_cache, k_blk, v_blk, k_new, v_new, gone, best, target, thr, den_all, hit_all, w,
+                    h, c, nf3):
+        for j in T.serial(NB):
+            if hit_all[h, j] == 1:
+                if j < nf3:
+                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
+                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
+                else:
+                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
+                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
+        for i in T.serial(NB):
+            if gone[h, i] == 1:
+                if best[h, i] >= thr[0]:
+                    w[0] = weight(best[h, i])
+                    if target[h, i] < nf3:
+                        k_cache[h, T.min(target[h, i], N - 1), c] = k_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
+                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                        v_cache[h, T.min(target[h, i], N - 1), c] = v_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
+                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                    else:
+                        k_new[h, T.min(target[h, i] - nf3, B - 1), c] = k_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
+                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+                        v_new[h, T.min(target[h, i] - nf3, B - 1), c] = v_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
+                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
+        for j in T.serial(NB):
+            if hit_all[h, j] == 1:
+                if j < nf3:
+                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                else:
+                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
+
+    @T.macro
+    def compact_column(k_cache, v_cache, pos_cache, pos_blk, k_new, v_new, gone, acc, acc_cand, cnt4, h, c, nf4, nv4):
+        # the kept rows of column (h, c) in candidate order; kept[j] ≥ j keeps it in place
+        cnt4[0] = 0
+        for i in T.serial(NB):
+            if i < nf4 + nv4:
+                if gone[h, i] == 0:
+                    if cnt4[0] < N:
+                        if i < nf4:
+                            if cnt4[0] != i:
+                                k_cache[h, cnt4[0], c] = k_cache[h, T.min(i, N - 1), c]
+                                v_cache[h, cnt4[0], c] = v_cache[h, T.min(i, N - 1), c]
+                                if c == 0:
+                                    pos_cache[h, cnt4[0]] = pos_cache[h, T.min(i, N - 1)]
+                        else:
+                            k_cache[h, cnt4[0], c] = k_new[h, T.min(i - nf4, B - 1), c]
+                            v_cache[h, cnt4[0], c] = v_new[h, T.min(i - nf4, B - 1), c]
+                            if c == 0:
+                                pos_cache[h, cnt4[0]] = pos_blk[T.min(i - nf4, B - 1)]
+                        if c == 0:
+                            acc[0, h, cnt4[0]] = acc_cand[h, i]
+                        cnt4[0] = cnt4[0] + 1
 
     @T.macro
     def d2o_evict_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score, acc_cand, d2o_budget, acc, d2o_tau):
@@ -163,7 +225,6 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
         unit = T.alloc_buffer((H, NB, D), "float32")
         k_new = T.alloc_buffer((H, B, D), "float32")
         v_new = T.alloc_buffer((H, B, D), "float32")
-        thr = T.alloc_buffer((1,), "float32")
         den_all = T.alloc_buffer((H, NB), "float32")  # per row: Σ weights (or counts) merged into it
         hit_all = T.alloc_buffer((H, NB), "int32")  # per row: 1 when something merges into it
         for h in T.thread_binding(H, thread="blockIdx.x"):
@@ -171,13 +232,14 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                 with T.sblock("d2o_match"):
                     T.reads()
                     T.writes()
-                    # thread 0's selection scratch is thread-private: the sync pass allows no shared
-                    # loads in branch conditions, and the bisection branches on them
-                    key = T.sblock_alloc_buffer((NB,), "int32", scope="local")
-                    row = T.sblock_alloc_buffer((NB,), "int32", scope="local")
-                    lo = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                    hi = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                    cnt = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                    # the work-group selection's scratch (kernels/select.py, work_group_select_macro)
+                    part = T.sblock_alloc_buffer((17 * NT + 16,), "float32", scope="shared")
+                    cnt = T.sblock_alloc_buffer((NT,), "int32", scope="shared")
+                    slc = T.sblock_alloc_buffer((16,), "int32", scope="shared")
+                    res = T.sblock_alloc_buffer((2,), "uint32", scope="shared")
+                    dig = T.sblock_alloc_buffer((16,), "int32", scope="local")
+                    st = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                    pre = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                     red = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     nf: T.let[T.int32] = fill[0]
                     n: T.let[T.int32] = fill[0] + n_valid[0]
@@ -195,10 +257,15 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                             target[h, T.min(u * NT + tx, NB - 1)] = 0
                     T.tvm_storage_sync("shared")
                     if n > keep:
-                        if tx == 0:
-                            mark_evicted(score, h, n, keep, key, row, lo, hi, cnt)
-                            for i in T.serial(NB):
-                                gone[h, i] = row[i]
+                        find_cut(score, h, n, keep, tx, part, cnt, slc, res, dig, st, pre)
+                        # (pre[0] holds the threshold in every thread; shared values may not steer branches)
+                        st[1] = T.Cast("int32", res[1])
+                        for u in T.serial(KPT):
+                            if u * NT + tx < n:
+                                gone[h, T.min(u * NT + tx, NB - 1)] = T.if_then_else(tirx.any(
+                                    order_key(score[h, T.min(u * NT + tx, NB - 1)]) > pre[0],
+                                    tirx.all(order_key(score[h, T.min(u * NT + tx, NB - 1)]) == pre[0],
+                                             u * NT + tx < st[1])), 0, 1)
                     T.tvm_storage_sync("shared")
                     if MERGE and n > keep:
                         for u in T.serial(KPT):
@@ -225,96 +292,57 @@ def build_d2o_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_
                                                 if red[0] > best[h, T.min(u * NT + tx, NB - 1)]:
                                                     best[h, T.min(u * NT + tx, NB - 1)] = red[0]
                                                     target[h, T.min(u * NT + tx, NB - 1)] = j
-        for _b in T.thread_binding(1, thread="blockIdx.x"):
-            for _t in T.thread_binding(1, thread="threadIdx.x"):
-                with T.sblock("d2o_tau"):
+        # τ, the merge and the compaction: one work-group for every head, so that fill (read by
+        # all of it) is updated at its end after a barrier instead of by a launch of one work-item.
+        # A thread owns (head, channel) columns; τ is summed by thread 0 in the CPU kernel's order
+        # (the same float rounding), the merge targets tallied per head by its channel-0 thread.
+        for _g in T.thread_binding(1, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("d2o_merge_compact"):
                     T.reads()
                     T.writes()
                     total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    n2: T.let[T.int32] = fill[0] + n_valid[0]
-                    if MERGE and n2 > d2o_budget[0]:
-                        update_tau(gone, best, n2 - d2o_budget[0], d2o_tau, thr, total)
-        for h in T.thread_binding(H, thread="blockIdx.x"):
-            for c in T.thread_binding(D, thread="threadIdx.x"):
-                with T.sblock("d2o_fold"):
-                    T.reads()
-                    T.writes()
+                    thr_sh = T.sblock_alloc_buffer((1,), "float32", scope="shared")  # the merge threshold
+                    thr = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    nf3: T.let[T.int32] = fill[0]
-                    if MERGE and fill[0] + n_valid[0] > d2o_budget[0]:
-                        if c == 0:
-                            for j in T.serial(NB):
-                                den_all[h, j] = T.float32(0)
-                                hit_all[h, j] = 0
-                            for i in T.serial(NB):
-                                if gone[h, i] == 1:
-                                    if best[h, i] >= thr[0]:
-                                        hit_all[h, target[h, i]] = 1
-                                        den_all[h, target[h, i]] = den_all[h, target[h, i]] + T.if_then_else(
-                                            COUNT_DEN, T.float32(1), weight(best[h, i]))
-                        T.tvm_storage_sync("shared")
-                        for j in T.serial(NB):
-                            if hit_all[h, j] == 1:
-                                if j < nf3:
-                                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
-                                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] * T.float32(SELF_W)
-                                else:
-                                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
-                                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] * T.float32(SELF_W)
-                        for i in T.serial(NB):
-                            if gone[h, i] == 1:
-                                if best[h, i] >= thr[0]:
-                                    w[0] = weight(best[h, i])
-                                    if target[h, i] < nf3:
-                                        k_cache[h, T.min(target[h, i], N - 1), c] = k_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
-                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
-                                        v_cache[h, T.min(target[h, i], N - 1), c] = v_cache[h, T.min(target[h, i], N - 1), c] + w[0] * T.if_then_else(
-                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
-                                    else:
-                                        k_new[h, T.min(target[h, i] - nf3, B - 1), c] = k_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
-                                            i < nf3, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
-                                        v_new[h, T.min(target[h, i] - nf3, B - 1), c] = v_new[h, T.min(target[h, i] - nf3, B - 1), c] + w[0] * T.if_then_else(
-                                            i < nf3, v_cache[h, T.min(i, N - 1), c], v_blk[0, h, T.min(T.max(i - nf3, 0), B - 1), c])
-                        for j in T.serial(NB):
-                            if hit_all[h, j] == 1:
-                                if j < nf3:
-                                    k_cache[h, T.min(j, N - 1), c] = k_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
-                                    v_cache[h, T.min(j, N - 1), c] = v_cache[h, T.min(j, N - 1), c] / (den_all[h, j] + T.float32(SELF_W))
-                                else:
-                                    k_new[h, T.min(j - nf3, B - 1), c] = k_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
-                                    v_new[h, T.min(j - nf3, B - 1), c] = v_new[h, T.min(j - nf3, B - 1), c] / (den_all[h, j] + T.float32(SELF_W))
-        for h in T.thread_binding(H, thread="blockIdx.x"):
-            for c in T.thread_binding(D, thread="threadIdx.x"):
-                with T.sblock("d2o_compact"):
-                    T.reads()
-                    T.writes()
                     cnt4 = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                    nf4: T.let[T.int32] = fill[0]
-                    cnt4[0] = 0
-                    for i in T.serial(NB):
-                        if i < fill[0] + n_valid[0]:
-                            if gone[h, i] == 0:
-                                if cnt4[0] < N:
-                                    if i < nf4:
-                                        if cnt4[0] != i:
-                                            k_cache[h, cnt4[0], c] = k_cache[h, T.min(i, N - 1), c]
-                                            v_cache[h, cnt4[0], c] = v_cache[h, T.min(i, N - 1), c]
-                                            if c == 0:
-                                                pos_cache[h, cnt4[0]] = pos_cache[h, T.min(i, N - 1)]
-                                    else:
-                                        k_cache[h, cnt4[0], c] = k_new[h, T.min(i - nf4, B - 1), c]
-                                        v_cache[h, cnt4[0], c] = v_new[h, T.min(i - nf4, B - 1), c]
-                                        if c == 0:
-                                            pos_cache[h, cnt4[0]] = pos_blk[T.min(i - nf4, B - 1)]
-                                    if c == 0:
-                                        acc[0, h, cnt4[0]] = acc_cand[h, i]
-                                    cnt4[0] = cnt4[0] + 1
-        for _b in T.thread_binding(1, thread="blockIdx.x"):
-            for _t in T.thread_binding(1, thread="threadIdx.x"):
-                with T.sblock("d2o_fill"):
-                    T.reads()
-                    T.writes()
-                    fill[0] = T.min(fill[0] + n_valid[0], d2o_budget[0])
+                    nf3: T.let[T.int32] = fill[0]
+                    nv3: T.let[T.int32] = n_valid[0]
+                    keep3: T.let[T.int32] = d2o_budget[0]
+                    # (no barrier under a branch: PoCL's optimiser corrupts memory with one here)
+                    if tx == 0:
+                        if MERGE and nf3 + nv3 > keep3:
+                            update_tau(gone, best, nf3 + nv3 - keep3, d2o_tau, thr_sh, total)
+                    T.tvm_storage_sync("shared")
+                    thr[0] = thr_sh[0]  # a register: shared values may not steer branches
+                    if MERGE and nf3 + nv3 > keep3:
+                        for u in T.serial(HP):
+                            if u * NT + tx < H * D:
+                                if (u * NT + tx) % D == 0:
+                                    for j in T.serial(NB):
+                                        den_all[(u * NT + tx) // D, j] = T.float32(0)
+                                        hit_all[(u * NT + tx) // D, j] = 0
+                                    for i in T.serial(NB):
+                                        if gone[(u * NT + tx) // D, i] == 1:
+                                            if best[(u * NT + tx) // D, i] >= thr[0]:
+                                                hit_all[(u * NT + tx) // D, target[(u * NT + tx) // D, i]] = 1
+                                                den_all[(u * NT + tx) // D, target[(u * NT + tx) // D, i]] = \
+                                                    den_all[(u * NT + tx) // D, target[(u * NT + tx) // D, i]] + \
+                                                    T.if_then_else(COUNT_DEN, T.float32(1),
+                                                                   weight(best[(u * NT + tx) // D, i]))
+                    T.tvm_storage_sync("shared")
+                    if MERGE and nf3 + nv3 > keep3:
+                        for u in T.serial(HP):
+                            if u * NT + tx < H * D:
+                                fold_column(k_cache, v_cache, k_blk, v_blk, k_new, v_new, gone, best, target, thr,
+                                            den_all, hit_all, w, (u * NT + tx) // D, (u * NT + tx) % D, nf3)
+                    for u in T.serial(HP):
+                        if u * NT + tx < H * D:
+                            compact_column(k_cache, v_cache, pos_cache, pos_blk, k_new, v_new, gone, acc, acc_cand,
+                                           cnt4, (u * NT + tx) // D, (u * NT + tx) % D, nf3, nv3)
+                    T.tvm_storage_sync("shared")  # every thread has read fill before it changes
+                    if tx == 0:
+                        fill[0] = T.min(nf3 + nv3, keep3)
 
     return evict_signature(StepShapes(H, N, B, D), d2o_evict_gpu, gpu=True)
 
