@@ -255,6 +255,8 @@ public final class ManifestKeys {
         public static final String DEVICE_FUNCTIONS = "device_functions";
         /** PrimFunc -> its symbolic shape variables */
         public static final String SYMBOLIC_SHAPES = "symbolic_shapes";
+        /** GPU builds: what passes/gpu_fusion.py rewrote (rewrite -> count) */
+        public static final String GPU_FUSION = "gpu_fusion";
         /** generated code file -> bytes */
         public static final String CODE = "code";
         /** the ELF machines of the generated objects */
