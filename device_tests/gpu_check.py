@@ -102,6 +102,33 @@ def repeat_open(work: Path, case: dict, times: int, timeout: float) -> dict:
         return {"name": case["name"] + f" open/close x{times}", "exit": "timeout"}
 
 
+def launches(work: Path, case: dict, timeout: float) -> dict:
+    """Kernel launches per decode token (runs of 1 and 17 new tokens, launch traces counted) and,
+    on OpenCL, the device time per kernel from profiling events (EDGEKV_OPENCL_PROFILE=1)."""
+    prompt = [a for a in case["args"] if a not in ("--max-new-tokens", "--ignore-eos") and not a.isdigit()]
+    base = [str(work / "bin" / "edgekv-run"), str(work / case["artifact"]), *prompt, "--ignore-eos", "--quiet"]
+    trace = {"EDGEKV_OPENCL_TRACE": "1", "EDGEKV_CUDA_TRACE": "1"}
+    counts = []
+    for new in (1, 17):
+        res = subprocess.run([*base, "--max-new-tokens", str(new)], cwd=work, capture_output=True, text=True,
+                             timeout=timeout, env={**os.environ, **trace})
+        counts.append(sum(1 for ln in res.stderr.splitlines() if ln.startswith(("edgekv opencl: ", "edgekv cuda: "))))
+    out = {"name": case["name"] + " launches", "exit": res.returncode, "launches_per_decode_token": (counts[1] - counts[0]) / 16,
+           "launches_prefill_and_first_token": counts[0]}
+    if "opencl" in case["artifact"]:
+        res = subprocess.run([*base, "--max-new-tokens", "17"], cwd=work, capture_output=True, text=True,
+                             timeout=timeout, env={**os.environ, "EDGEKV_OPENCL_PROFILE": "1"})
+        kernels = []
+        for ln in res.stderr.splitlines():
+            if ln.startswith("edgekv opencl profile: "):
+                name, _, n, _, ns = ln.split()[3:8]
+                kernels.append({"kernel": name, "launches": int(n), "ms": int(ns) / 1e6})
+        kernels.sort(key=lambda k: -k["ms"])
+        out["device_ms_total"] = round(sum(k["ms"] for k in kernels), 3)
+        out["top_kernels"] = kernels[:12]
+    return out
+
+
 def line(r: dict) -> str:
     if "skipped" in r:
         return f"{r['name']}: skipped ({r['skipped']})"
@@ -113,6 +140,10 @@ def line(r: dict) -> str:
                   f" decode {r['decode_tok_s']:.1f} tok/s ({r['decode_tok_s'] / r['cpu_decode_tok_s']:.1f}x cpu)")
         if r.get("device_bytes_peak") is not None and r.get("plan_bytes"):
             s += f"; device {r['device_bytes_peak'] / 1e6:.1f} MB vs plan {r['plan_bytes'] / 1e6:.1f} MB"
+    if "launches_per_decode_token" in r:
+        s += f"; {r['launches_per_decode_token']:.0f} launches per decode token"
+        for k in r.get("top_kernels", [])[:8]:
+            s += f"\n    {k['ms']:9.2f} ms {k['launches']:6d}x {k['kernel']}"
     if r.get("exit") not in (0, None) and r.get("stderr_tail"):
         s += "\n    " + r["stderr_tail"].replace("\n", "\n    ")
     return s
@@ -147,6 +178,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--launches", action="store_true",
+                    help="also count launches per decode token (SmolLM2 8K cases) and time OpenCL kernels")
     args = ap.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -167,6 +200,10 @@ def main() -> None:
                  else run_case(work, case, reports, args.timeout))
         results.append(r)
         print(line(r), flush=True)
+        if args.launches and case["name"].startswith("smollm2") and "8k" in case["name"] and "skipped" not in r:
+            rl = launches(work, case, args.timeout)
+            results.append(rl)
+            print(line(rl), flush=True)
         if case.get("repeat_open") and "skipped" not in r:
             rr = repeat_open(work, case, 5, args.timeout)
             results.append(rr)
