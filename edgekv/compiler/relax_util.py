@@ -70,4 +70,13 @@ def rebuild_function(mod: tvm.IRModule, name: str, params: list,
                     emit = bb.emit if isinstance(b.var, relax.DataflowVar) else bb.emit_output
                     vmap[b.var] = emit(expr, b.var.name)
         bb.emit_func_output(substitute(func.body.body, vmap))
-    return bb.get()
+    out = bb.get()
+    same_params = len(params) == len(func.params) and all(a.same_as(b) for a, b in zip(params, func.params))
+    if not same_params:  # a new signature needs its new GlobalVar (nothing calls such a function yet)
+        return out
+    # keep the function's own GlobalVar: another function that calls it (D2O's `prepare` calls
+    # `prefill_block`) still holds that one, and two GlobalVars of one name fail the VM build
+    old_gv, new_gv = mod.get_global_var(name), out.get_global_var(name)
+    funcs = {gv: f for gv, f in out.functions.items() if gv.name_hint != name}
+    funcs[old_gv] = out[new_gv]
+    return tvm.IRModule(funcs, attrs=out.attrs)
