@@ -57,6 +57,7 @@ class Lowered:
     params: list[tuple[str, Any]]  # (name, numpy array) in function-argument order
     sites: list[AttentionSite]
     timings: dict[str, float] = field(default_factory=dict)
+    combined_projections: int = 0  # matmuls merged into a sibling's (GPU builds, ``combine_projections``)
 
 
 @dataclass
@@ -151,6 +152,17 @@ def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layo
             W.BYTES: int(sum(int(a.nbytes) for _, a in lowered.params))}
 
 
+def combine_projections(lowered: Lowered) -> None:
+    """Step 5, GPU builds: q/k/v and gate/up as one matmul each over their weights concatenated
+    (``passes/combine_projections.py``), rewriting ``lowered.mod`` and ``lowered.params`` in place."""
+    from .passes.combine_projections import CombineProjections, combine_params
+
+    combiner = CombineProjections(list(FUNCTIONS))
+    lowered.mod = combiner(lowered.mod)
+    lowered.params = combine_params(lowered.params, combiner.groups)
+    lowered.combined_projections = combiner.combined
+
+
 def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *, weights: str,
                      kv_dtype: str = "fp32", question_rows: int = 0, imported=None, mem_limit: int | None = None,
                      say: Callable[[str], None] = lambda msg: None) -> Compiled:
@@ -168,6 +180,8 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
     # 5: weight layout
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
+    if target.is_gpu:  # GPUs: sibling projections as one matmul (one launch) over the stored arrays
+        combine_projections(lowered)
 
     # 6: memory plan
     plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
@@ -217,7 +231,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
         return ex, final, info
     fusion = FuseForGPU(list(FUNCTIONS))
     mod = fusion(mod)
-    info[D.GPU_FUSION] = dict(fusion.folded)
+    info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
