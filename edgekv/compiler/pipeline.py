@@ -14,7 +14,8 @@
   4. pretranspose       ``passes/pretranspose_weights.py``: linear weights stored as Wᵀ
   5. weight layout      this CPU, fp32: ``passes/pack_weights.py`` (column panels, packed GEMM/GEMV);
                         q4 / q8: ``passes/quantize_weights.py`` (block panels on CPUs, rows on GPUs);
-                        otherwise fp32 as TVM lays it out
+                        otherwise fp32 as TVM lays it out; GPUs then: sibling projections (q/k/v,
+                        gate/up) as one matmul over concatenated weights (``passes/combine_projections.py``)
   6. memory plan        ``backend/memory_plan.py``; refused above ``--mem-limit``
   7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
                         builds the native runtime runs (CPU targets and OpenCL)
