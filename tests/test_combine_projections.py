@@ -105,3 +105,33 @@ def test_a_weight_with_another_use_is_not_combined():
     new = combiner(qkv_module(Q4_1, extra_use=True))
     assert combiner.combined == 0 and combiner.groups == []
     assert "R.strided_slice" not in new["decode"].script()
+
+
+def test_decode_gate_up_and_silu_become_one_kernel():
+    """After the combine, the decode MLP's combined gate / up GEMV, its two slices and
+    SiLU(gate) · up become one scheduled kernel (``passes/gate_up_silu.py``; its values are checked
+    on PoCL by tests/test_quantized.py::test_opencl_q4_artifact_agrees_with_cpu_q4)."""
+    from edgekv.compiler.passes.gate_up_silu import FuseGateUpSiLU
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 1, K), "float32"))
+    ws = {name: weight_inputs(Q4_1, name, 128) for name in ("gate", "up")}
+    with bb.function("decode", [x, *ws["gate"], *ws["up"]], attrs={"num_input": 1}):
+        with bb.dataflow():
+            ys = {}
+            for name in ("gate", "up"):
+                x2 = bb.emit(relax.op.reshape(x, (1, K)))
+                f = bb.add_func(build_gpu_quant_matmul((1, K), Q4_1, K, 128), f"matmul_q4_gemv_m1_k{K}_n128_gpu")
+                y = bb.emit(relax.call_tir(f, [x2, *ws[name]], relax.TensorType((1, 128), "float32")))
+                ys[name] = bb.emit(relax.op.reshape(y, (1, 1, 128)))
+            silu = bb.emit(relax.op.multiply(ys["gate"], relax.op.sigmoid(ys["gate"])))
+            out = bb.emit_output(relax.op.multiply(silu, ys["up"]))
+        bb.emit_func_output(out)
+    combined = CombineProjections(["decode"])(bb.get())
+    fuse = FuseGateUpSiLU(["decode"])
+    new = fuse(combined)
+    assert fuse.fused == 1
+    text = new["decode"].script()
+    assert "R.sigmoid" not in text and "R.strided_slice" not in text and text.count("R.call_tir") == 1
+    kernel = next(f for gv, f in new.functions.items() if gv.name_hint.startswith("gate_up_silu"))
+    assert 'threadIdx.x' in kernel.script() and 'blockIdx.x' in kernel.script()

@@ -217,6 +217,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     from .backend.cpu_schedule import cpu_pipeline
     from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gemv_schedule_of, gpu_pipeline
     from .backend.program import capture_final_module
+    from .passes.gate_up_silu import FuseGateUpSiLU
     from .passes.gpu_fusion import FuseForGPU
 
     mod = lowered.mod
@@ -230,9 +231,12 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
+    gate_up = FuseGateUpSiLU(["decode"])  # a decode GEMV's launch is per token, a GEMM's per block
+    mod = gate_up(mod)
     fusion = FuseForGPU(list(FUNCTIONS))
     mod = fusion(mod)
-    info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections)
+    info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections,
+                              gate_up_silu=gate_up.fused)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
