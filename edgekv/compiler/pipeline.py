@@ -20,7 +20,8 @@
   7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
                         builds the native runtime runs (CPU targets and OpenCL)
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
-                        fewer launches (``passes/gpu_fusion.py``: matmuls without their reshapes so
+                        fewer launches (``passes/gate_up_silu.py``: the decode gate/up GEMV and SiLU·up as one
+                        kernel; ``passes/gpu_fusion.py``: matmuls without their reshapes so
                         the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
                         in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
                         profile's ``gpu_schedule.gemv``), nothing
