@@ -14,12 +14,14 @@
   4. pretranspose       ``passes/pretranspose_weights.py``: linear weights stored as Wᵀ
   5. weight layout      this CPU, fp32: ``passes/pack_weights.py`` (column panels, packed GEMM/GEMV);
                         q4 / q8: ``passes/quantize_weights.py`` (block panels on CPUs, rows on GPUs);
-                        otherwise fp32 as TVM lays it out
+                        otherwise fp32 as TVM lays it out; GPUs then: sibling projections (q/k/v,
+                        gate/up) as one matmul over concatenated weights (``passes/combine_projections.py``)
   6. memory plan        ``backend/memory_plan.py``; refused above ``--mem-limit``
   7. prepare            ``passes/add_prepare_function.py``: the policy's per-prompt function, for
                         builds the native runtime runs (CPU targets and OpenCL)
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
-                        fewer launches (``passes/gpu_fusion.py``: matmuls without their reshapes so
+                        fewer launches (``passes/gate_up_silu.py``: the decode gate/up GEMV and SiLU·up as one
+                        kernel; ``passes/gpu_fusion.py``: matmuls without their reshapes so
                         the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
                         in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
                         profile's ``gpu_schedule.gemv``), nothing
@@ -57,6 +59,7 @@ class Lowered:
     params: list[tuple[str, Any]]  # (name, numpy array) in function-argument order
     sites: list[AttentionSite]
     timings: dict[str, float] = field(default_factory=dict)
+    combined_projections: int = 0  # matmuls merged into a sibling's (GPU builds, ``combine_projections``)
 
 
 @dataclass
@@ -151,6 +154,17 @@ def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layo
             W.BYTES: int(sum(int(a.nbytes) for _, a in lowered.params))}
 
 
+def combine_projections(lowered: Lowered) -> None:
+    """Step 5, GPU builds: q/k/v and gate/up as one matmul each over their weights concatenated
+    (``passes/combine_projections.py``), rewriting ``lowered.mod`` and ``lowered.params`` in place."""
+    from .passes.combine_projections import CombineProjections, combine_params
+
+    combiner = CombineProjections(list(FUNCTIONS))
+    lowered.mod = combiner(lowered.mod)
+    lowered.params = combine_params(lowered.params, combiner.groups)
+    lowered.combined_projections = combiner.combined
+
+
 def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *, weights: str,
                      kv_dtype: str = "fp32", question_rows: int = 0, imported=None, mem_limit: int | None = None,
                      say: Callable[[str], None] = lambda msg: None) -> Compiled:
@@ -168,6 +182,8 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
     # 5: weight layout
     say(f"laying out the weights ({weights})")
     weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
+    if target.is_gpu:  # GPUs: sibling projections as one matmul (one launch) over the stored arrays
+        combine_projections(lowered)
 
     # 6: memory plan
     plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
@@ -202,6 +218,7 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     from .backend.cpu_schedule import cpu_pipeline
     from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gemv_schedule_of, gpu_pipeline
     from .backend.program import capture_final_module
+    from .passes.gate_up_silu import FuseGateUpSiLU
     from .passes.gpu_fusion import FuseForGPU
 
     mod = lowered.mod
@@ -215,9 +232,12 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
+    gate_up = FuseGateUpSiLU(["decode"])  # a decode GEMV's launch is per token, a GEMM's per block
+    mod = gate_up(mod)
     fusion = FuseForGPU(list(FUNCTIONS))
     mod = fusion(mod)
-    info[D.GPU_FUSION] = dict(fusion.folded)
+    info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections,
+                              gate_up_silu=gate_up.fused)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)
