@@ -123,10 +123,11 @@ else
   ln -s "$CL_DIR" "$OUT/include/CL"
   INC=(-nostdinc -isystem "$OUT/include" -isystem "$(clang -print-resource-dir)/include" -isystem "$CROSS_INC")
   CFLAGS=(-std=c11 -O2 -fPIC -ffunction-sections -fdata-sections -Wall -Wextra -Werror)
-  # the runtime's sources, as runtime/CMakeLists.txt lists them, with the OpenCL device
+  # the runtime's sources, as runtime/CMakeLists.txt lists them, with the OpenCL device (no CUDA on a phone:
+  # the CUDA stub, which refuses a CUDA artifact)
   SRCS=$(sed -n '/^set(EDGEKV_SOURCES/,/^)/p' "$REPO/runtime/CMakeLists.txt" | grep -o 'src/[A-Za-z0-9_]*\.c')
   [ -n "$SRCS" ] || die "no EDGEKV_SOURCES in runtime/CMakeLists.txt"
-  for f in $SRCS src/device_opencl.c; do
+  for f in $SRCS src/device_opencl.c src/device_cuda_none.c; do
     clang $T "${CFLAGS[@]}" -Wno-unused-parameter -D_GNU_SOURCE -DEDGEKV_VERSION=\"$VERSION\" "${INC[@]}" \
           -I"$REPO/runtime/include" -I"$REPO/runtime/src" -I"$FFI" -I"$DLPACK_INC" \
           -c "$REPO/runtime/$f" -o "$OUT/obj/$(basename "$f" .c).o" || die "runtime/$f did not compile"
