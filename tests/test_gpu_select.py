@@ -12,7 +12,6 @@ extra); skips, saying so, without them."""
 from __future__ import annotations
 
 import functools
-import re
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from edgekv.compiler.kernels import build_select  # noqa: E402
 from edgekv.compiler.kernels.select import build_select_compact_kernel_gpu  # noqa: E402
+from tools.bench.bench_gpu_select import opencl_program  # noqa: E402  (the same build the bench times)
 
 
 def _device():
@@ -44,10 +44,6 @@ pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs an OpenCL device (
 # (H, N, B, D, S): N + B = 43, 32 (a power of two), 70, 21; one head, three; state or none
 SHAPES = [(2, 37, 6, 8, 0), (3, 24, 8, 4, 1), (1, 61, 9, 16, 0), (3, 16, 5, 8, 2)]
 OPTIONS = ["", "-cl-opt-disable"]
-_KERNEL = re.compile(r"__kernel void (\w+)\(([^)]*)\)\s*\{")
-_LAUNCH = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.x"\)')
-
-
 @functools.lru_cache(maxsize=None)
 def _context():
     return cl.Context([DEVICE])
@@ -58,15 +54,9 @@ def _gpu_program(shape, options):
     """(program, [(kernel name, [buffer names]), ...], [(groups, local)]) of the GPU kernel."""
     H, N, B, D, S = shape
     func = build_select_compact_kernel_gpu(H, N, B, D, "float32", True, S)
-    ex = tvm.compile(tvm.IRModule({"sel": func.with_attr("global_symbol", "sel")}),
-                     target=tvm.target.Target("opencl", host="llvm"))
-    src = ex.mod.imports[0].inspect_source()
-    kernels = [(m.group(1), [re.match(r"__global \w+\* restrict (\w+)_ptr$", a.strip()).group(1)
-                             for a in m.group(2).split(",")]) for m in _KERNEL.finditer(src)]
-    ext = [int(e) for e, _ in _LAUNCH.findall(func.script())]
-    launches = [(ext[i], ext[i + 1]) for i in range(0, len(ext), 2)]
+    program, kernels, launches = opencl_program(func, _context(), options)
     assert len(kernels) == len(launches) == 1, (kernels, launches)  # one launch: fill updated inside
-    return cl.Program(_context(), src).build(options=options), kernels, launches
+    return program, kernels, launches
 
 
 @functools.lru_cache(maxsize=None)
