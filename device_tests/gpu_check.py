@@ -105,7 +105,13 @@ def repeat_open(work: Path, case: dict, times: int, timeout: float) -> dict:
 def launches(work: Path, case: dict, timeout: float) -> dict:
     """Kernel launches per decode token (runs of 1 and 17 new tokens, launch traces counted) and,
     on OpenCL, the device time per kernel from profiling events (EDGEKV_OPENCL_PROFILE=1)."""
-    prompt = [a for a in case["args"] if a not in ("--max-new-tokens", "--ignore-eos") and not a.isdigit()]
+    prompt, args = [], list(case["args"])
+    while args:  # the case's arguments without its token count (given here) and --ignore-eos
+        a = args.pop(0)
+        if a == "--max-new-tokens":
+            args.pop(0)
+        elif a != "--ignore-eos":
+            prompt.append(a)
     base = [str(work / "bin" / "edgekv-run"), str(work / case["artifact"]), *prompt, "--ignore-eos", "--quiet"]
     trace = {"EDGEKV_OPENCL_TRACE": "1", "EDGEKV_CUDA_TRACE": "1"}
     counts = []
