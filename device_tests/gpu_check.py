@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,14 +23,20 @@ def assemble(parts: list[Path], work: Path) -> tuple[dict, dict]:
     """Every file whose chunks are all among `parts`, written under `work` and checked; returns
     (files present, files missing → the parts they need)."""
     index = None
-    blobs: dict[str, Path] = {}
+    # chunks are kept under work/blobs: a file cut across parts that arrive in separate runs
+    # (one upload per call) is complete once the run with its last part comes
+    store = work / "blobs"
+    store.mkdir(parents=True, exist_ok=True)
     for p in parts:
         idx = p / "index.json"
         if not idx.is_file():
             sys.exit(f"gpu_check: {p} is not a part written by prepare_gpu_check.py (no index.json)")
         index = index or json.loads(idx.read_text())
         for b in (p / "blobs").iterdir():
-            blobs[b.name] = b
+            kept = store / b.name
+            if not (kept.is_file() and kept.stat().st_size == b.stat().st_size):
+                shutil.copyfile(b, kept)
+    blobs: dict[str, Path] = {b.name: b for b in store.iterdir()}
     present, missing = {}, {}
     for rel, info in index["files"].items():
         dest = work / rel
