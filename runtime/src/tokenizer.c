@@ -36,6 +36,11 @@
  *         code-point ranges for \p{L}, \p{N}, \s, each list sorted, all disjoint
  *   CHAT  u32 has_chat, u32 prefix_len, prefix, u32 suffix_len, suffix
  *   STOP  u32 count, count x u32 id
+ *   1.1 (the qwen2 and unigram kinds, tokenizer_kinds.py) adds CONF values and three sections
+ *   that only those values need: pre_tokenizer 2 (Qwen2's regex, piece_end_qwen2) or 0 (none),
+ *   normalizer 1 (NFC, section NFCT, tokenizer_normalize.c) or 2 (" " -> U+2581), model 2
+ *   (Unigram, section UNIG, tokenizer_unigram.c); CONT lists the contractions Qwen2's
+ *   case-insensitive alternative matches. The exporter's docstring has their byte layouts.
  *
  * Open validates everything once (bounds with overflow-safe arithmetic before any byte is read,
  * checksums, counts against the bytes present, every id against n_ids, merged tokens equal to
