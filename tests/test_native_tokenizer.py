@@ -581,7 +581,7 @@ def test_section_content_damage_messages(native_lib, toy_file_bytes):
         (b"MERG", sections[b"MERG"][:-4], "merges section truncated"),
         (b"MERG", struct.pack("<I", 0xFFFFFFF) + sections[b"MERG"][4:], "merges section truncated"),
         (b"VOCB", bytes(vocab), "vocabulary section: offset"),
-        (b"CONF", struct.pack("<5I", 2, 0, 1, 0, 0), "not ones this runtime implements"),
+        (b"CONF", struct.pack("<5I", 7, 0, 1, 0, 0), "not ones this runtime implements"),
         (b"CHAT", chat, "chat template section: flag 0 with 5 + 0 bytes"),
         (b"STOP", struct.pack("<II", 1, 10**7), "stop id 10000000 is not a token"),
         (b"UCLS", struct.pack("<5I", 1, 0, 0, 0x61, 0x110000), "range U+0061..U+110000"),

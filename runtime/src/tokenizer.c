@@ -36,6 +36,11 @@
  *         code-point ranges for \p{L}, \p{N}, \s, each list sorted, all disjoint
  *   CHAT  u32 has_chat, u32 prefix_len, prefix, u32 suffix_len, suffix
  *   STOP  u32 count, count x u32 id
+ *   1.1 (the qwen2 and unigram kinds, tokenizer_kinds.py) adds CONF values and three sections
+ *   that only those values need: pre_tokenizer 2 (Qwen2's regex, piece_end_qwen2) or 0 (none),
+ *   normalizer 1 (NFC, section NFCT, tokenizer_normalize.c) or 2 (" " -> U+2581), model 2
+ *   (Unigram, section UNIG, tokenizer_unigram.c); CONT lists the contractions Qwen2's
+ *   case-insensitive alternative matches. The exporter's docstring has their byte layouts.
  *
  * Open validates everything once (bounds with overflow-safe arithmetic before any byte is read,
  * checksums, counts against the bytes present, every id against n_ids, merged tokens equal to
@@ -61,6 +66,8 @@
 #include "reader.h"
 #include "status.h"
 #include "tokenizer_internal.h"
+#include "tokenizer_normalize.h"
+#include "tokenizer_unigram.h"
 
 #define FORMAT_MAJOR 1
 #define HEADER_BYTES 32u
@@ -78,13 +85,22 @@ enum { CLASS_OTHER = 0, CLASS_LETTER = 1, CLASS_NUMBER = 2, CLASS_SPACE = 3 };
 /* added-token passes: non-normalized tokens on the raw text, then normalized ones */
 enum { PASS_RAW = 0, PASS_NORMALIZED = 1, PASS_SPLIT = 2 };
 
-enum { SEC_CONF, SEC_VOCB, SEC_BYTE, SEC_MERG, SEC_ADDT, SEC_UCLS, SEC_CHAT, SEC_STOP, N_SECTIONS };
+/* CONF values (1.0 has only GPT-2 / none / BPE; 1.1 adds the others) */
+enum { PRE_NONE = 0, PRE_GPT2 = 1, PRE_QWEN2 = 2 };
+enum { NORM_NONE = 0, NORM_NFC = 1, NORM_SPACE_TO_U2581 = 2 };
+enum { MODEL_BPE = 1, MODEL_UNIGRAM = 2 };
+
+/* the last three sections (1.1) are needed only by the settings that use them */
+enum { SEC_CONF, SEC_VOCB, SEC_BYTE, SEC_MERG, SEC_ADDT, SEC_UCLS, SEC_CHAT, SEC_STOP, SEC_NFCT, SEC_CONT, SEC_UNIG,
+       N_SECTIONS };
+#define N_REQUIRED_SECTIONS SEC_NFCT
 static const struct {
   char tag[5];
   const char *name;
 } SECTIONS[N_SECTIONS] = {
     {"CONF", "settings"},      {"VOCB", "vocabulary"},        {"BYTE", "byte table"},    {"MERG", "merges"},
     {"ADDT", "added tokens"},  {"UCLS", "character classes"}, {"CHAT", "chat template"}, {"STOP", "stop ids"},
+    {"NFCT", "normalization tables"}, {"CONT", "contractions"}, {"UNIG", "unigram pieces"},
 };
 
 typedef struct merge_slot {
@@ -137,6 +153,15 @@ struct ekv_tokenizer {
 
   int32_t *stop_ids;
   uint32_t n_stop;
+
+  uint32_t pre_tokenizer, normalizer, model;
+  ekv_nfc_tables nfc;
+  ekv_unigram unigram;
+  /* the contractions the split regex matches at an apostrophe (Qwen2's is case-insensitive) */
+  const unsigned char *contraction_text[32];
+  uint32_t contraction_len[32], n_contractions;
+  ekv_norm_scratch norm;
+  ekv_unigram_scratch unigram_scratch;
 
   /* encode scratch, grown on demand: symbols of the word being merged and the merge heap */
   int32_t *sym_id, *sym_prev, *sym_next;
@@ -323,7 +348,7 @@ static ekv_status read_sections(ekv_tokenizer *tok, section_view views[N_SECTION
   if (expect_offset != tok->file_len || file_len != tok->file_len)
     return corrupt(tok, "file is %zu bytes, its header says %u and its sections end at %zu", tok->file_len,
                    file_len, expect_offset);
-  for (int s = 0; s < N_SECTIONS; s++)
+  for (int s = 0; s < N_REQUIRED_SECTIONS; s++)
     if (views[s].p == NULL) return corrupt(tok, "%s section (%s) is missing", SECTIONS[s].name, SECTIONS[s].tag);
   return EKV_OK;
 }
@@ -340,7 +365,12 @@ static ekv_status parse_conf(ekv_tokenizer *tok, section_view v) {
   EKV_TRY(take_u32(&c, "flags", &flags));
   EKV_TRY(take_u32(&c, "unknown token", &unk));
   EKV_TRY(expect_end(&c));
-  if (pre != 1 || norm != 0 || model != 1 || (flags & ~CONF_FUSE_UNK) != 0)
+  int known = (model == MODEL_BPE && (pre == PRE_GPT2 || pre == PRE_QWEN2) && norm <= NORM_NFC) ||
+              (model == MODEL_UNIGRAM && pre == PRE_NONE && norm == NORM_SPACE_TO_U2581);
+  tok->pre_tokenizer = pre;
+  tok->normalizer = norm;
+  tok->model = model;
+  if (!known || (flags & ~CONF_FUSE_UNK) != 0)
     return corrupt(tok, "settings (pre-tokenizer %u, normalizer %u, model %u, flags 0x%x) are not ones this runtime "
                         "implements", pre, norm, model, flags);
   tok->fuse_unk = (flags & CONF_FUSE_UNK) != 0;
@@ -558,6 +588,30 @@ static ekv_status parse_stop(ekv_tokenizer *tok, section_view v) {
   return expect_end(&c);
 }
 
+static ekv_status needed_section(ekv_tokenizer *tok, section_view v, int sec) {
+  if (v.p == NULL)
+    return corrupt(tok, "%s section (%s) is missing, and its settings need it", SECTIONS[sec].name, SECTIONS[sec].tag);
+  return EKV_OK;
+}
+
+static ekv_status parse_contractions(ekv_tokenizer *tok, section_view v) {
+  cursor c = section_cursor(tok, SEC_CONT, v.p, v.size);
+  uint32_t n;
+  EKV_TRY(take_u32(&c, "contraction count", &n));
+  if (n > 32) return corrupt(tok, "contractions section: %u contractions (at most 32)", n);
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t len;
+    EKV_TRY(take_u32(&c, "contraction length", &len));
+    if (len < 2 || len > 8) return corrupt(tok, "contractions section: a contraction of %u bytes", len);
+    EKV_TRY(take_bytes(&c, len, "contraction", &tok->contraction_text[i]));
+    if (tok->contraction_text[i][0] != '\'')
+      return corrupt(tok, "contractions section: contraction %u does not start with an apostrophe", i);
+    tok->contraction_len[i] = len;
+  }
+  tok->n_contractions = n;
+  return expect_end(&c);
+}
+
 /* the one validating path from bytes to a ready tokenizer */
 static ekv_status parse_file(ekv_tokenizer *tok) {
   section_view v[N_SECTIONS];
@@ -571,6 +625,21 @@ static ekv_status parse_file(ekv_tokenizer *tok) {
   EKV_TRY(parse_classes(tok, v[SEC_UCLS]));
   EKV_TRY(parse_chat(tok, v[SEC_CHAT]));
   EKV_TRY(parse_stop(tok, v[SEC_STOP]));
+  if (tok->normalizer == NORM_NFC) {
+    EKV_TRY(needed_section(tok, v[SEC_NFCT], SEC_NFCT));
+    const char *why = ekv_nfc_parse(&tok->nfc, v[SEC_NFCT].p, v[SEC_NFCT].size);
+    if (why != NULL) return corrupt(tok, "%s", why);
+  }
+  if (tok->pre_tokenizer == PRE_QWEN2) {
+    EKV_TRY(needed_section(tok, v[SEC_CONT], SEC_CONT));
+    EKV_TRY(parse_contractions(tok, v[SEC_CONT]));
+  }
+  if (tok->model == MODEL_UNIGRAM) {
+    EKV_TRY(needed_section(tok, v[SEC_UNIG], SEC_UNIG));
+    const char *why = ekv_unigram_parse(&tok->unigram, v[SEC_UNIG].p, v[SEC_UNIG].size, tok->n_ids);
+    if (why != NULL) return corrupt(tok, "%s", why);
+    if (tok->unigram.unk_id == NO_ID) return corrupt(tok, "unigram section: a unigram model needs an unknown token");
+  }
   tok->ready = 1;
   return EKV_OK;
 }
@@ -642,6 +711,8 @@ void ekv_tokenizer_free(ekv_tokenizer *tok) {
   free(tok->sym_next);
   free(tok->heap);
   free(tok->chat_text);
+  ekv_norm_scratch_free(&tok->norm);
+  ekv_unigram_scratch_free(&tok->unigram_scratch);
   free(tok);
 }
 
@@ -865,10 +936,70 @@ static size_t piece_end(const ekv_tokenizer *tok, const unsigned char *t, size_t
   return last;
 }
 
+static int is_line_break(unsigned char b) { return b == '\r' || b == '\n'; }
+
+/* Qwen2's split regex, alternatives in order (the first that matches wins):
+ *   (?i:'s|'t|'re|'ve|'m|'ll|'d)      the file's contraction list (its case variants, measured)
+ *   [^\r\n\p{L}\p{N}]?\p{L}+         letters, with one leading non-letter non-digit (a space,
+ *                                     punctuation) that is not a line break
+ *   \p{N}                             one digit: numbers split digit by digit
+ *    ?[^\s\p{L}\p{N}]+[\r\n]*          punctuation (with a leading space), then line breaks
+ *   \s*[\r\n]+                        whitespace up to its last line break
+ *   \s+(?!\S) | \s+                   as in GPT-2's */
+static size_t piece_end_qwen2(const ekv_tokenizer *tok, const unsigned char *t, size_t p, size_t end) {
+  if (t[p] == '\'')
+    for (uint32_t i = 0; i < tok->n_contractions; i++)
+      if (tok->contraction_len[i] <= end - p && memcmp(t + p, tok->contraction_text[i], tok->contraction_len[i]) == 0)
+        return p + tok->contraction_len[i];
+  uint8_t cls;
+  size_t len = unit_at(tok, t, p, end, &cls);
+  if (cls == CLASS_LETTER) return run_end(tok, t, p + len, end, CLASS_LETTER);
+  if (cls != CLASS_NUMBER && !is_line_break(t[p]) && p + len < end) {
+    uint8_t next;
+    size_t next_len = unit_at(tok, t, p + len, end, &next);
+    if (next == CLASS_LETTER) return run_end(tok, t, p + len + next_len, end, CLASS_LETTER);
+  }
+  if (cls == CLASS_NUMBER) return p + len;
+  size_t q = p;
+  if (t[p] == ' ' && p + 1 < end) {
+    uint8_t next;
+    unit_at(tok, t, p + 1, end, &next);
+    if (next == CLASS_OTHER) q = p + 1;
+  }
+  uint8_t first;
+  size_t first_len = unit_at(tok, t, q, end, &first);
+  if (first == CLASS_OTHER) {
+    size_t r = run_end(tok, t, q + first_len, end, CLASS_OTHER);
+    while (r < end && is_line_break(t[r])) r++;
+    return r;
+  }
+  /* whitespace: through its last line break if it has one, else as GPT-2's regex */
+  size_t last = p, r = p, after_break = 0;
+  while (r < end) {
+    uint8_t c;
+    size_t l = unit_at(tok, t, r, end, &c);
+    if (c != CLASS_SPACE) break;
+    if (is_line_break(t[r])) after_break = r + 1;
+    last = r;
+    r += l;
+  }
+  if (after_break > 0) return after_break;
+  if (r == end || last == p) return r;
+  return last;
+}
+
+static void emit_to_sink(void *ctx, int32_t id) { emit((id_sink *)ctx, id); }
+
 static ekv_status encode_plain(ekv_tokenizer *tok, const unsigned char *t, size_t begin, size_t end, id_sink *out) {
+  if (tok->model == MODEL_UNIGRAM) { /* no pre-tokenizer: the whole span is one word */
+    if (ekv_unigram_encode(&tok->unigram, &tok->unigram_scratch, t + begin, end - begin, tok->byte_id, emit_to_sink,
+                           out) != 0)
+      return no_memory(tok, "encoding a span", end - begin);
+    return EKV_OK;
+  }
   size_t p = begin;
   while (p < end) {
-    size_t q = piece_end(tok, t, p, end);
+    size_t q = tok->pre_tokenizer == PRE_QWEN2 ? piece_end_qwen2(tok, t, p, end) : piece_end(tok, t, p, end);
     EKV_TRY(bpe_piece(tok, t + p, q - p, out));
     p = q;
   }
@@ -891,8 +1022,25 @@ static const added_token *added_at(const ekv_tokenizer *tok, int pass, const uns
 /* Cuts this pass's added tokens out of t[begin, end) leftmost-longest and hands what lies
  * between them to the next pass. */
 static ekv_status encode_span(ekv_tokenizer *tok, int pass, const unsigned char *t, size_t begin, size_t end,
+                              id_sink *out);
+
+/* What lies between the raw added tokens is normalized (as HF normalizes each such split), then
+ * searched for the normalized added tokens and split. The normalized text lives in the handle's
+ * scratch until this span is encoded. */
+static ekv_status encode_normalized(ekv_tokenizer *tok, const unsigned char *t, size_t begin, size_t end,
+                                    id_sink *out) {
+  if (tok->normalizer == NORM_NONE || begin == end) return encode_span(tok, PASS_NORMALIZED, t, begin, end, out);
+  size_t n = 0;
+  int rc = tok->normalizer == NORM_NFC ? ekv_nfc(&tok->nfc, &tok->norm, t + begin, end - begin, &n)
+                                       : ekv_replace_space(&tok->norm, t + begin, end - begin, &n);
+  if (rc != 0) return no_memory(tok, "normalizing the text", (end - begin) * 4);
+  return encode_span(tok, PASS_NORMALIZED, tok->norm.out, 0, n, out);
+}
+
+static ekv_status encode_span(ekv_tokenizer *tok, int pass, const unsigned char *t, size_t begin, size_t end,
                               id_sink *out) {
   if (pass == PASS_SPLIT) return encode_plain(tok, t, begin, end, out);
+  if (pass == PASS_RAW && tok->n_added[pass] == 0) return encode_normalized(tok, t, begin, end, out);
   if (tok->n_added[pass] == 0) return encode_span(tok, pass + 1, t, begin, end, out);
   size_t gap = begin;
   for (size_t p = begin; p < end;) {
@@ -901,12 +1049,12 @@ static ekv_status encode_span(ekv_tokenizer *tok, int pass, const unsigned char 
       p++;
       continue;
     }
-    EKV_TRY(encode_span(tok, pass + 1, t, gap, p, out));
+    EKV_TRY(pass == PASS_RAW ? encode_normalized(tok, t, gap, p, out) : encode_span(tok, pass + 1, t, gap, p, out));
     emit(out, a->id);
     p += a->len;
     gap = p;
   }
-  return encode_span(tok, pass + 1, t, gap, end, out);
+  return pass == PASS_RAW ? encode_normalized(tok, t, gap, end, out) : encode_span(tok, pass + 1, t, gap, end, out);
 }
 
 static ekv_status check_encode_args(ekv_tokenizer *tok, const char *text, size_t len, const int32_t *ids, size_t cap,

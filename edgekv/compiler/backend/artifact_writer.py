@@ -131,12 +131,31 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
     return manifest
 
 
+def check_native_tokenizer(tokenizer) -> None:
+    """Refuse a tokenizer the native runtime cannot reproduce (UnsupportedTokenizer, a ValueError,
+    naming the part and the supported kinds). Cheap: the pipeline's description only."""
+    import json
+
+    from .tokenizer_file import UnsupportedTokenizer, tokenizer_kind
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise UnsupportedTokenizer(f"{type(tokenizer).__name__} is not backed by HF tokenizers; the native runtime "
+                                   "reads only tokenizers' pipelines (tokenizer.ekt cannot be written)")
+    try:
+        tokenizer_kind(json.loads(backend.to_str()))
+    except UnsupportedTokenizer as exc:
+        raise UnsupportedTokenizer(f"tokenizer.ekt cannot be written for this model: {exc}") from None
+
+
 def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tgt: dict, tokenizer=None) -> None:
     """Write the artifact directory. Every file is written under a temporary name and renamed,
     the manifest last, so an interrupted compile never leaves a directory that looks complete."""
     from ...artifact.params_file import write_params
     from .program import write_program
 
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        check_native_tokenizer(tokenizer)  # before writing anything
     out = result.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # the directory is not an artifact until it is complete
@@ -162,13 +181,12 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
                                                               sorted(tok_dir.iterdir()) if p.is_file()}}
         from .tokenizer_file import write_tokenizer_file
 
-        try:
-            info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
-        except ValueError as exc:  # a tokenizer the native runtime cannot reproduce: Python runs only
-            result.manifest[K.NATIVE_TOKENIZER] = f"not written: {exc}"
-        else:
-            files[F.TOKENIZER_FILE] = {E.NAME: TOKENIZER_FILE, E.SHA256: sha256_file(out / TOKENIZER_FILE),
-                                       E.FORMAT_VERSION: info.get("format_version")}
+        # the writer picks the tokenizer's kind (gpt2 / qwen2 / unigram) and refuses, naming what is
+        # missing, any other: an artifact never silently lacks the native tokenizer
+        info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
+        files[F.TOKENIZER_FILE] = {E.NAME: TOKENIZER_FILE, E.SHA256: sha256_file(out / TOKENIZER_FILE),
+                                   E.FORMAT_VERSION: info.get("format_version")}
+        result.manifest[K.NATIVE_TOKENIZER] = f"tokenizer.ekt: {info.get('kind', 'gpt2')}"
     if result.final_module is not None:
         write_program(result, out, offsets, tgt)
         files[F.PROGRAM] = {E.NAME: PROGRAM_FILE, E.SHA256: sha256_file(out / PROGRAM_FILE)}

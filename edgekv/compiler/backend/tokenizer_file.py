@@ -53,6 +53,24 @@ Layout, little-endian, version 1.0 (the C header comment of tokenizer.c repeats 
     CHAT: u32 has_chat (0/1), u32 prefix_len, prefix bytes, u32 suffix_len, suffix bytes: one
          user turn with the generation prompt is prefix + text + suffix (both empty when 0)
     STOP: u32 count, count × u32 ids generation stops at (the tokenizer's eos_token_id)
+
+Version 1.1 adds tokenizer kinds (``tokenizer_kinds.py`` says which tokenizer.json is which) and
+three sections, present when CONF needs them (a 1.0 reader refuses such CONF values by name):
+
+    CONF pre_tokenizer 2 = Qwen2's split regex, then ByteLevel without its regex; 0 = none
+         normalizer 1 = NFC (tables in NFCT); 2 = Replace(" ", "▁") (SentencePiece)
+         model 2 = Unigram (pieces in UNIG; MERG is empty)
+    NFCT: u32 n_ccc, u32 n_decomp, u32 n_decomp_cps, u32 n_comp, then n_ccc × (u32 first, u32 last,
+         u32 class) non-zero canonical combining classes, n_decomp × (u32 cp, u32 offset, u32 len)
+         full canonical decompositions (sorted by cp) into n_decomp_cps × u32 code points, n_comp ×
+         (u32 first, u32 second, u32 composite) primary composites sorted by pair; Hangul syllables
+         are arithmetic and absent. Measured on HF tokenizers' own NFD/NFC (``tokenizer_unicode.py``)
+    CONT: u32 count, then per contraction u32 len + its UTF-8 bytes: every string the regex's
+         case-insensitive ``(?i:'s|'t|'re|'ve|'m|'ll|'d)`` matches, measured ('ſ' folds to 's')
+    UNIG: u32 n, u32 blob_len, u32 flags (bit 0 byte_fallback, bit 1 fuse_unk), u32 unk_id,
+         f64 min_score, then n × (u32 offset, u32 len, u32 id, f64 score) sorted bytewise by the
+         piece's text (each text once: the id HF's token_to_ids keeps), then the blob of texts
+         (normalized form: "▁" for a space). BYTE then holds the <0xXX> byte-fallback tokens.
 """
 
 from __future__ import annotations
@@ -66,16 +84,24 @@ from functools import lru_cache
 from pathlib import Path
 
 from ...models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
+from .tokenizer_kinds import KIND_GPT2, KIND_QWEN2, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, tokenizer_kind  # noqa: F401
+from .tokenizer_unicode import contractions_section, nfc_section
 
 MAGIC = b"EKVTOKN\0"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 0  # what a GPT-2 byte-level tokenizer is written as (every 1.x reader reads it)
+FORMAT_MINOR_KINDS = 1  # Qwen2 and Unigram tokenizers
 HEADER_BYTES = 32
 SECTION_ENTRY_BYTES = 16
 
+PRE_TOKENIZER_NONE = 0
 PRE_TOKENIZER_GPT2_BYTE_LEVEL = 1
+PRE_TOKENIZER_QWEN2 = 2
 NORMALIZER_NONE = 0
+NORMALIZER_NFC = 1
+NORMALIZER_SPACE_TO_U2581 = 2
 MODEL_BYTE_LEVEL_BPE = 1
+MODEL_UNIGRAM = 2
 
 FLAG_FUSE_UNK = 1
 NO_ID = 0xFFFFFFFF
@@ -121,8 +147,10 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
         raise UnsupportedTokenizer(f"{type(tokenizer).__name__} is not backed by HF tokenizers (a 'fast' tokenizer); "
                                    "the native runtime reads only tokenizers' byte-level BPE")
     spec = json.loads(backend.to_str())
-    check_pipeline(spec)
+    kind = tokenizer_kind(spec)
     _check_adds_nothing(tokenizer, backend)
+    if kind == KIND_UNIGRAM:
+        return _build_unigram(tokenizer, backend, spec)
     model = spec["model"]
     vocab = _model_vocab(model)
     added = _added_tokens(backend)
@@ -132,10 +160,13 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
     merges = _merges(model, vocab)
     classes = gpt2_classes()
     chat = chat_pieces(tokenizer)
-    stop = _stop_ids(tokenizer, len(token_bytes))
+    stop = _stop_ids(tokenizer, len(token_bytes), vocab, chat)
+    qwen2 = kind == KIND_QWEN2
+    normalizer = NORMALIZER_NFC if qwen2 and spec.get("normalizer") is not None else NORMALIZER_NONE
     sections = [
-        (b"CONF", struct.pack("<5I", PRE_TOKENIZER_GPT2_BYTE_LEVEL, NORMALIZER_NONE, MODEL_BYTE_LEVEL_BPE,
-                              FLAG_FUSE_UNK if model.get("fuse_unk") else 0, NO_ID if unk_id is None else unk_id)),
+        (b"CONF", struct.pack("<5I", PRE_TOKENIZER_QWEN2 if qwen2 else PRE_TOKENIZER_GPT2_BYTE_LEVEL, normalizer,
+                              MODEL_BYTE_LEVEL_BPE, FLAG_FUSE_UNK if model.get("fuse_unk") else 0,
+                              NO_ID if unk_id is None else unk_id)),
         (b"VOCB", _vocab_section(token_bytes, flags)),
         (b"BYTE", struct.pack("<256I", *byte_ids)),
         (b"MERG", _merges_section(merges)),
@@ -144,9 +175,15 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
         (b"CHAT", _chat_section(chat)),
         (b"STOP", struct.pack(f"<I{len(stop)}I", len(stop), *stop)),
     ]
-    data = pack_sections(sections)
+    if normalizer == NORMALIZER_NFC:
+        sections.append((b"NFCT", nfc_section()))
+    if qwen2:
+        sections.append((b"CONT", contractions_section(QWEN2_SPLIT_PATTERN)))
+    minor = FORMAT_MINOR_KINDS if qwen2 else FORMAT_MINOR
+    data = pack_sections(sections, minor)
     info = {
-        "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+        "kind": kind,
+        "format_version": f"{FORMAT_MAJOR}.{minor}",
         "sections": {tag.decode(): len(body) for tag, body in sections},
         "ids": len(token_bytes),
         "merges": len(merges),
@@ -160,7 +197,86 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
     return data, info
 
 
-def pack_sections(sections: list[tuple[bytes, bytes]]) -> bytes:
+def _build_unigram(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
+    """A SentencePiece Unigram tokenizer (Gemma 3's, as transformers builds it from the GGUF)."""
+    model = spec["model"]
+    pieces = model.get("vocab") or []
+    unk = model.get("unk_id")
+    if unk is None or not 0 <= unk < len(pieces):
+        raise UnsupportedTokenizer("the unigram model has no unknown token; the native runtime (as HF) needs one")
+    added = _added_tokens(backend)
+    n_ids = max(len(pieces), 1 + max((a["id"] for a in added), default=-1))
+    text: list[str | None] = [None] * n_ids
+    flags = [0] * n_ids
+    for idx, (piece, _) in enumerate(pieces):
+        if not piece:
+            raise UnsupportedTokenizer(f"unigram piece {idx} is the empty string")
+        text[idx], flags[idx] = piece, VOCAB_PRESENT
+    for a in added:
+        text[a["id"]], flags[a["id"]] = a["content"], VOCAB_PRESENT | VOCAB_ADDED
+    specials = {a["content"] for a in added if a["special"]}
+    for idx, t in enumerate(text):
+        if t is not None and t in specials:
+            flags[idx] |= VOCAB_SPECIAL
+    token_bytes = [sentencepiece_bytes(t) if t is not None else b"" for t in text]
+    piece_ids = {piece: idx for idx, (piece, _) in enumerate(pieces)}  # the last id of a text, as HF
+    byte_ids = [piece_ids.get(f"<0x{b:02X}>", NO_ID) for b in range(256)]
+    for b, idx in enumerate(byte_ids):
+        if idx != NO_ID and token_bytes[idx] != bytes([b]):
+            raise UnsupportedTokenizer(f"byte-fallback token <0x{b:02X}> (id {idx}) does not decode to its byte")
+    chat = chat_pieces(tokenizer)
+    stop = _stop_ids(tokenizer, n_ids, piece_ids, chat)
+    flags_u = (1 if model.get("byte_fallback") else 0) | 2  # HF's Unigram always fuses unknowns
+    sections = [
+        (b"CONF", struct.pack("<5I", PRE_TOKENIZER_NONE, NORMALIZER_SPACE_TO_U2581, MODEL_UNIGRAM, 0, unk)),
+        (b"VOCB", _vocab_section(token_bytes, flags)),
+        (b"BYTE", struct.pack("<256I", *byte_ids)),
+        (b"MERG", struct.pack("<I", 0)),
+        (b"ADDT", _added_section(added)),
+        (b"UCLS", struct.pack("<3I", 0, 0, 0)),
+        (b"CHAT", _chat_section(chat)),
+        (b"STOP", struct.pack(f"<I{len(stop)}I", len(stop), *stop)),
+        (b"UNIG", unigram_section(pieces, piece_ids, unk, flags_u)),
+    ]
+    data = pack_sections(sections, FORMAT_MINOR_KINDS)
+    info = {
+        "kind": KIND_UNIGRAM,
+        "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR_KINDS}",
+        "sections": {tag.decode(): len(body) for tag, body in sections},
+        "ids": n_ids,
+        "pieces": len(piece_ids),
+        "added_tokens": len(added),
+        "chat_template": chat["prefix"] is not None,
+        "stop_ids": stop,
+    }
+    if chat["prefix"] is None:
+        info["chat_template_note"] = chat["reason"]
+    return data, info
+
+
+def sentencepiece_bytes(piece: str) -> bytes:
+    """What HF's Replace("▁", " ") + ByteFallback decoder makes of one piece: <0xXX> is its byte."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def unigram_section(pieces: list, piece_ids: dict[str, int], unk_id: int, flags: int) -> bytes:
+    scores = [float(score) for _, score in pieces]
+    entries = sorted(((t.encode("utf-8"), idx) for t, idx in piece_ids.items()), key=lambda e: e[0])
+    blob, table, offset = [], [], 0
+    for text, idx in entries:
+        table.append(struct.pack("<IIId", offset, len(text), idx, scores[idx]))
+        blob.append(text)
+        offset += len(text)
+    head = struct.pack("<IIIId", len(entries), offset, flags, unk_id, min(scores))
+    return head + b"".join(table) + b"".join(blob)
+
+
+def pack_sections(sections: list[tuple[bytes, bytes]], minor: int = FORMAT_MINOR) -> bytes:
     """Header + section table + sections (tests use this to build files the reader must refuse)."""
     header_len = HEADER_BYTES + SECTION_ENTRY_BYTES * len(sections)
     file_len = header_len + sum(len(body) for _, body in sections)
@@ -168,7 +284,7 @@ def pack_sections(sections: list[tuple[bytes, bytes]]) -> bytes:
     for tag, body in sections:
         table.append(struct.pack("<4sIII", tag, offset, len(body), zlib.crc32(body)))
         offset += len(body)
-    head = MAGIC + struct.pack("<HHIIIII", FORMAT_MAJOR, FORMAT_MINOR, header_len, len(sections), file_len, 0, 0)
+    head = MAGIC + struct.pack("<HHIIIII", FORMAT_MAJOR, minor, header_len, len(sections), file_len, 0, 0)
     head += b"".join(table)
     crc = zlib.crc32(head)
     head = head[:24] + struct.pack("<I", crc) + head[28:]
@@ -181,6 +297,11 @@ def pack_sections(sections: list[tuple[bytes, bytes]]) -> bytes:
 def check_pipeline(spec: dict) -> None:
     """Refuse a tokenizer.json whose model, normalizer, pre-tokenizer, decoder or post-processor
     the native runtime does not implement."""
+    tokenizer_kind(spec)
+
+
+def check_gpt2_pipeline(spec: dict) -> None:
+    """The GPT-2 byte-level kind (SmolLM2's): everything but the pipeline's kind is checked here."""
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         raise UnsupportedTokenizer(f"model {model.get('type')!r} is not supported (only byte-level BPE)")
@@ -432,9 +553,18 @@ def _joins(pre_tokenizer, chars: list[str], lead: str, tail: str) -> list[bool]:
 # ------------------------------------------------------------------------------------------
 # Chat template and stop ids
 # ------------------------------------------------------------------------------------------
-def _stop_ids(tokenizer, n_ids: int) -> list[int]:
+# end-of-turn tokens of chat templates: generation also stops at them when the template has one
+END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
+
+
+def _stop_ids(tokenizer, n_ids: int, vocab: dict[str, int] | None = None, chat: dict | None = None) -> list[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     ids = [eos] if isinstance(eos, int) else list(eos or [])
+    template = (chat or {}).get("prefix") or ""
+    for marker in END_OF_TURN:
+        idx = (vocab or {}).get(marker)
+        if idx is not None and marker in template + ((chat or {}).get("suffix") or "") and idx not in ids:
+            ids.append(idx)
     for i in ids:
         if not 0 <= i < n_ids:
             raise UnsupportedTokenizer(f"eos_token_id {i} is outside the vocabulary (0..{n_ids - 1})")

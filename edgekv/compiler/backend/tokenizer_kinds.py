@@ -1,0 +1,84 @@
+"""Which tokenizer a tokenizer.json is, for ``tokenizer.ekt``: the native runtime implements three
+kinds, told apart by the model and the pre-tokenizer (``tokenizer_file.py`` writes them):
+
+    gpt2     byte-level BPE, ByteLevel's own GPT-2 regex, no normalizer (SmolLM2)
+    qwen2    byte-level BPE, Split(Qwen2's regex, isolated) then ByteLevel(use_regex=False),
+             NFC or no normalizer (Qwen2 / Qwen2.5, as transformers' Qwen2Converter builds it)
+    unigram  SentencePiece Unigram with byte fallback, Replace(" ", "▁"), no effective
+             pre-tokenizer (Gemma 3, as transformers builds it from the GGUF)
+
+Anything else is refused with ``UnsupportedTokenizer`` naming the part that differs and the kinds
+that are supported, so an artifact never silently lacks its native tokenizer."""
+
+from __future__ import annotations
+
+KIND_GPT2 = "gpt2"
+KIND_QWEN2 = "qwen2"
+KIND_UNIGRAM = "unigram"
+SUPPORTED = ("gpt2 (byte-level BPE with ByteLevel's regex, e.g. SmolLM2), qwen2 (byte-level BPE with Qwen2's split "
+             "regex and NFC), unigram (SentencePiece Unigram with byte fallback, e.g. Gemma 3)")
+
+# transformers' Qwen2Converter (convert_slow_tokenizer.py) and Qwen2's own tokenizer.json
+QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                       r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def tokenizer_kind(spec: dict) -> str:
+    """The kind of a tokenizer.json (parsed), after checking that every part of its pipeline is
+    one the native runtime reproduces; raises UnsupportedTokenizer (a ValueError) otherwise."""
+    from .tokenizer_file import UnsupportedTokenizer, _describe, check_gpt2_pipeline
+
+    model = spec.get("model") or {}
+    if model.get("type") == "Unigram":
+        _check_unigram(spec, UnsupportedTokenizer, _describe)
+        return KIND_UNIGRAM
+    if model.get("type") == "BPE" and _is_qwen2_pre_tokenizer(spec.get("pre_tokenizer")):
+        normalizer = spec.get("normalizer")
+        if normalizer is not None and normalizer.get("type") != "NFC":
+            raise UnsupportedTokenizer(f"normalizer {_describe(normalizer)} is not supported with Qwen2's split (the "
+                                       f"native runtime applies NFC or none); supported kinds: {SUPPORTED}")
+        check_gpt2_pipeline({**spec, "normalizer": None, "pre_tokenizer": {"type": "ByteLevel",
+                                                                           "add_prefix_space": False}})
+        return KIND_QWEN2
+    try:
+        check_gpt2_pipeline(spec)
+    except UnsupportedTokenizer as exc:
+        raise UnsupportedTokenizer(f"{exc}; supported kinds: {SUPPORTED}") from None
+    return KIND_GPT2
+
+
+def _is_qwen2_pre_tokenizer(pre) -> bool:
+    if pre is None or pre.get("type") != "Sequence" or len(pre.get("pretokenizers") or []) != 2:
+        return False
+    split, byte_level = pre["pretokenizers"]
+    return (split.get("type") == "Split" and (split.get("pattern") or {}).get("Regex") == QWEN2_SPLIT_PATTERN
+            and split.get("behavior") == "Isolated" and not split.get("invert")
+            and byte_level.get("type") == "ByteLevel" and not byte_level.get("add_prefix_space")
+            and byte_level.get("use_regex") is False)
+
+
+def _check_unigram(spec: dict, error, describe) -> None:
+    model = spec["model"]
+    if not model.get("byte_fallback"):
+        raise error("a Unigram model without byte_fallback is not supported (the native runtime implements "
+                    f"SentencePiece's byte fallback); supported kinds: {SUPPORTED}")
+    normalizer = spec.get("normalizer")
+    if not (normalizer is not None and normalizer.get("type") == "Replace"
+            and normalizer.get("pattern") == {"String": " "} and normalizer.get("content") == "\u2581"):
+        raise error(f"normalizer {describe(normalizer)} is not supported with a Unigram model (the native runtime "
+                    f"applies Replace(' ', '▁')); supported kinds: {SUPPORTED}")
+    pre = spec.get("pre_tokenizer")
+    # Split on " " after " " became "▁" splits nothing (transformers' Gemma converter installs it)
+    if pre is not None and not (pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}):
+        raise error(f"pre-tokenizer {describe(pre)} is not supported with a Unigram model (the native runtime "
+                    f"encodes each span whole); supported kinds: {SUPPORTED}")
+    decoder = spec.get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders") or []]
+    if kinds[:3] != ["Replace", "ByteFallback", "Fuse"] or any(k != "Strip" for k in kinds[3:]):
+        raise error(f"decoder {describe(decoder)} is not supported with a Unigram model (only Replace('▁', ' '), "
+                    "ByteFallback, Fuse)")
+    post = spec.get("post_processor")
+    if post is not None and not (post.get("type") == "TemplateProcessing"
+                                 and all("Sequence" in p for p in post.get("single", []))):
+        raise error(f"post-processor {describe(post)} adds tokens around the text; the native runtime encodes the "
+                    "text only")
