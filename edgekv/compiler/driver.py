@@ -98,6 +98,11 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         from .backend.cuda_ptx import load_nvrtc
 
         load_nvrtc()
+    tokenizer = getattr(model, "tokenizer", None)
+    if out_dir is not None and tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        from .backend.artifact_writer import check_native_tokenizer
+
+        check_native_tokenizer(tokenizer)  # a tokenizer.ekt that cannot be written: refused before the export
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         say("importing the ONNX graph")
         imported = model.import_graph(block)
