@@ -1,7 +1,7 @@
 """Prepare the inputs of `device_tests/gpu_check.sh`: everything a machine with an NVIDIA GPU and
 nothing else installed (no Python packages, no network, no compiler) needs to check the GPU path.
 
-    python device_tests/prepare_gpu_check.py OUT [--max-part-mib 56] [--no-smollm2] [--targets opencl-host,cuda-host]
+    python device_tests/prepare_gpu_check.py OUT [--max-part-mib 56] [--no-smollm2 | --no-tiny] [--targets opencl-host,cuda-host]
 
 Writes under OUT:
 - `full/`: `bin/edgekv-run` (built from runtime/ here: the OpenCL and CUDA devices are loaded with
@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--max-part-mib", type=float, default=56)
     ap.add_argument("--targets", default="opencl-host,cuda-host")
     ap.add_argument("--no-smollm2", action="store_true", help="tiny models only (one small part)")
+    ap.add_argument("--no-tiny", action="store_true", help="SmolLM2 only (a recheck of its speed)")
     args = ap.parse_args()
     out = args.out.resolve()
     full, work = out / "full", out / "work"
@@ -206,7 +207,7 @@ def main() -> None:
     run = build_runtime(out)
     shutil.copy(run, full / "bin" / "edgekv-run")
     targets = [t for t in args.targets.split(",") if t]
-    cases = tiny_cases(full, work, run, targets)
+    cases = [] if args.no_tiny else tiny_cases(full, work, run, targets)
     if not args.no_smollm2:
         cases += smollm2_cases(full, work, run, targets)
     (full / "cases.json").write_text(json.dumps({"made_on": cpu_name(), "cases": cases}, indent=1))
