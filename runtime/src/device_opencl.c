@@ -17,6 +17,7 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@
 
 #include "alloc.h"
 #include "device.h"
+#include "device_gpu.h"
 #include "reader.h"
 
 #define CL_FN(name) __typeof__(cl##name) *name
@@ -110,15 +112,8 @@ struct ocl_device {
   ocl_profile *profile; /* EDGEKV_OPENCL_PROFILE=1, else NULL: per-kernel device time, printed at close */
   char options[256]; /* the OpenCL C compiler's options (EDGEKV_OPENCL_OPTIONS) */
   char label[256];
-  /* one device per artifact in a process: models of the same artifact share its library, whose
-   * host code caches kernel handles on first use — so they share this device too */
-  char key[PATH_MAX];
-  int refs;
-  ocl_device *next;
+  ekv_gpu_entry entry; /* one device per artifact in a process (device_gpu.h) */
 };
-
-static pthread_mutex_t g_devices_lock = PTHREAD_MUTEX_INITIALIZER;
-static ocl_device *g_devices;
 
 static const char *LIBRARIES[] = {"libOpenCL.so.1", "libOpenCL.so", "/vendor/lib64/libOpenCL.so",
                                   "/system/vendor/lib64/libOpenCL.so", "/system/lib64/libOpenCL.so"};
@@ -624,56 +619,37 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
   if (k->kernel == NULL) return 0; /* __tvm_set_device */
   ocl_device *d = k->dev;
   const ekv_device_kernel *desc = &k->desc;
-  if (num_args != (int32_t)(desc->n_args + desc->n_tags)) return launch_error(k, "called with the wrong argument count", 0);
+  ekv_gpu_value values[EKV_GPU_MAX_LAUNCH_ARGS];
+  ekv_gpu_dims dims;
+  const char *bad = ekv_gpu_launch_args(desc, args, num_args, values);
+  if (bad == NULL) bad = ekv_gpu_launch_dims(desc, args, &dims);
+  if (bad == NULL && dims.shared != 0) bad = "dynamic shared memory (OpenCL kernels declare theirs)";
+  if (bad != NULL) return launch_error(k, bad, 0);
   for (uint32_t i = 0; i < desc->n_args; i++) {
-    const TVMFFIAny *a = &args[i];
+    const ekv_gpu_value *v = &values[i];
     cl_int rc;
     switch (desc->args[i]) {
       case EKV_DARG_BUFFER: {
-        const cl_buffer *b = a->v_ptr;
-        if (a->type_index != kTVMFFIOpaquePtr || b == NULL || b->magic != BUFFER_MAGIC)
-          return launch_error(k, "a buffer argument is not a device buffer", 0);
+        const cl_buffer *b = v->ptr;
+        if (b->magic != BUFFER_MAGIC) return launch_error(k, "a buffer argument is not a device buffer", 0);
         rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_mem), &b->mem);
         k->bound[i] = b->mem;
         break;
       }
-      case EKV_DARG_I32: {
-        cl_int v = (cl_int)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_U32: {
-        cl_uint v = (cl_uint)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_I64: {
-        cl_long v = (cl_long)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_F32: {
-        cl_float v = (cl_float)(a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64);
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      default: {
-        cl_double v = a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
+      case EKV_DARG_I32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_int), &v->i32); break;
+      case EKV_DARG_U32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_uint), &v->u32); break;
+      case EKV_DARG_I64: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_long), &v->i64); break;
+      case EKV_DARG_F32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_float), &v->f32); break;
+      default: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_double), &v->f64); break;
     }
     if (rc != CL_SUCCESS) return launch_error(k, "clSetKernelArg", rc);
   }
-  size_t groups[3] = {1, 1, 1}, local[3] = {1, 1, 1}, global[3];
-  for (uint32_t t = 0; t < desc->n_tags; t++) {
-    int64_t extent = args[desc->n_args + t].v_int64;
-    if (extent <= 0) return launch_error(k, "a launch extent is not positive", 0);
-    uint8_t tag = desc->tags[t];
-    if (tag <= EKV_TAG_BLOCK_Z) groups[tag] = (size_t)extent;
-    else local[tag - EKV_TAG_THREAD_X] = (size_t)extent;
+  size_t groups[3], local[3], global[3];
+  for (int i = 0; i < 3; i++) {
+    groups[i] = dims.grid[i];
+    local[i] = dims.block[i];
+    global[i] = groups[i] * local[i];
   }
-  for (int i = 0; i < 3; i++) global[i] = groups[i] * local[i];
   if (d->trace)
     fprintf(stderr, "edgekv opencl: %s groups %zux%zux%zu local %zux%zux%zu\n", desc->name, groups[0], groups[1],
             groups[2], local[0], local[1], local[2]);
@@ -732,19 +708,17 @@ static void release(ocl_device *d) {
   ekv_free(d);
 }
 
-static void ocl_close(ekv_device *base) {
-  ocl_device *d = (ocl_device *)base;
-  pthread_mutex_lock(&g_devices_lock);
-  int last = --d->refs == 0;
-  if (last)
-    for (ocl_device **p = &g_devices; *p != NULL; p = &(*p)->next)
-      if (*p == d) {
-        *p = d->next;
-        break;
-      }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (last) release(d);
-}
+static void release_entry(ekv_gpu_entry *e);
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out);
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes);
+static ekv_gpu_registry g_registry = {PTHREAD_MUTEX_INITIALIZER, NULL, open_entry, check_entry, release_entry};
+
+static ocl_device *of_entry(ekv_gpu_entry *e) { return (ocl_device *)(void *)((char *)e - offsetof(ocl_device, entry)); }
+
+static void release_entry(ekv_gpu_entry *e) { release(of_entry(e)); }
+
+static void ocl_close(ekv_device *base) { ekv_gpu_registry_close(&g_registry, &((ocl_device *)base)->entry); }
 
 static ekv_status open_device(ekv_error *err, const ekv_program *prog, const char *source_path,
                               uint64_t plan_bytes, ocl_device **out) {
@@ -783,32 +757,25 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
   return st;
 }
 
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out) {
+  ocl_device *d = NULL;
+  ekv_status st = open_device(err, prog, path, plan_bytes, &d);
+  *out = d != NULL ? &d->entry : NULL;
+  return st;
+}
+
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes) {
+  return check_device(err, of_entry(e), prog, plan_bytes);
+}
+
 ekv_status ekv_device_opencl_open(ekv_error *err, const ekv_program *prog, const char *source_path,
                                   uint64_t plan_bytes, ekv_device **out) {
   *out = NULL;
   if (prog->n_device_kernels == 0)
     return ekv_fail(err, EKV_ERR_FORMAT, "the program runs on OpenCL but lists no device kernels; recompile the artifact");
-  char key[PATH_MAX];
-  if (realpath(source_path, key) == NULL) snprintf(key, sizeof key, "%s", source_path);
-  pthread_mutex_lock(&g_devices_lock);
-  ocl_device *d = g_devices;
-  while (d != NULL && strcmp(d->key, key) != 0) d = d->next;
-  ekv_status st = EKV_OK;
-  if (d != NULL) { /* this artifact is open already: its device, checked against this model's plan */
-    st = check_device(err, d, prog, plan_bytes);
-    if (st == EKV_OK) d->refs++;
-  } else {
-    st = open_device(err, prog, source_path, plan_bytes, &d);
-    if (st == EKV_OK) {
-      snprintf(d->key, sizeof d->key, "%s", key);
-      d->refs = 1;
-      d->next = g_devices;
-      g_devices = d;
-    } else {
-      release(d);
-    }
-  }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (st == EKV_OK) *out = &d->base;
+  ekv_gpu_entry *e = NULL;
+  ekv_status st = ekv_gpu_registry_open(&g_registry, err, prog, source_path, plan_bytes, &e);
+  if (st == EKV_OK) *out = &of_entry(e)->base;
   return st;
 }
