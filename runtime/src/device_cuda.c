@@ -232,29 +232,10 @@ static ekv_status check_device(ekv_error *err, cuda_device *d, const ekv_program
 
 /* ---- loading the kernels: the PTX, JITted by the driver for this GPU ---------------------- */
 
-static char *read_file(const char *path, size_t *size) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return NULL;
-  char *data = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
-      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
-        free(data);
-        data = NULL;
-      } else {
-        data[n] = '\0'; /* the driver takes PTX as a NUL-terminated string */
-        *size = (size_t)n;
-      }
-    }
-  }
-  fclose(f);
-  return data;
-}
 
 static ekv_status load_module(ekv_error *err, cuda_device *d, const char *ptx_path) {
   size_t size = 0;
-  char *ptx = read_file(ptx_path, &size);
+  char *ptx = ekv_gpu_read_file(ptx_path, &size);
   if (ptx == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", ptx_path);
   char *log = calloc(1, JIT_LOG_BYTES);
   CUjit_option options[2] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
@@ -435,17 +416,10 @@ static ekv_status cuda_finish(ekv_device *base) {
 
 static int cuda_lookup(void *library_ctx, const char *name, void **out) {
   cuda_device *d = library_ctx;
-  if (strcmp(name, "__tvm_set_device") == 0) {
-    *out = &d->set_device;
-    return 0;
-  }
-  for (uint32_t k = 0; k < d->n_kernels; k++)
-    if (strcmp(d->kernels[k].desc.name, name) == 0) {
-      *out = &d->kernels[k];
-      return 0;
-    }
-  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
-  return -1;
+  int i = ekv_gpu_find_kernel(name, d->kernels, d->n_kernels, sizeof *d->kernels, offsetof(cuda_kernel, desc));
+  if (i == EKV_GPU_NO_KERNEL) return -1;
+  *out = i == EKV_GPU_SET_DEVICE ? &d->set_device : &d->kernels[i];
+  return 0;
 }
 
 static int launch_error(const cuda_kernel *k, const char *what, CUresult rc) {

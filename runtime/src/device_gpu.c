@@ -86,3 +86,33 @@ const char *ekv_gpu_launch_dims(const ekv_device_kernel *desc, const TVMFFIAny *
   }
   return NULL;
 }
+
+int ekv_gpu_find_kernel(const char *name, const void *kernels, uint32_t n, size_t stride, size_t desc_offset) {
+  if (strcmp(name, "__tvm_set_device") == 0) return EKV_GPU_SET_DEVICE;
+  for (uint32_t k = 0; k < n; k++) {
+    const ekv_device_kernel *desc = (const ekv_device_kernel *)(const void *)((const char *)kernels + k * stride + desc_offset);
+    if (strcmp(desc->name, name) == 0) return (int)k;
+  }
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
+  return EKV_GPU_NO_KERNEL;
+}
+
+char *ekv_gpu_read_file(const char *path, size_t *size) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  char *data = NULL;
+  if (fseek(f, 0, SEEK_END) == 0) {
+    long n = ftell(f);
+    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
+      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
+        free(data);
+        data = NULL;
+      } else {
+        data[n] = '\0'; /* NUL-terminated: OpenCL C and PTX are taken as strings */
+        *size = (size_t)n;
+      }
+    }
+  }
+  fclose(f);
+  return data;
+}

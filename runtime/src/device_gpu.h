@@ -1,5 +1,6 @@
 /* What the GPU devices (device_opencl.c, device_cuda.c) share: the per-process registry of open
- * devices, one per artifact, and the walk over a device kernel's launch arguments.
+ * devices, one per artifact, the lookup of a device kernel by name, and the walk over a kernel's
+ * launch arguments.
  *
  * Registry: models of the same artifact share its library, whose host code caches kernel handles
  * on first use — so they share one device too. A device embeds an `ekv_gpu_entry` and hands the
@@ -16,6 +17,7 @@
 
 #include <limits.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <tvm/ffi/c_api.h>
 
@@ -48,6 +50,17 @@ ekv_status ekv_gpu_registry_open(ekv_gpu_registry *r, ekv_error *err, const ekv_
                                  uint64_t plan_bytes, ekv_gpu_entry **out);
 /* One reference fewer; the last releases the device. */
 void ekv_gpu_registry_close(ekv_gpu_registry *r, ekv_gpu_entry *entry);
+
+/* What the library's host code looks up by name: the index of the kernel `name` among `n`
+ * kernel records of `stride` bytes, each holding its ekv_device_kernel at `desc_offset`;
+ * EKV_GPU_SET_DEVICE for TVM's __tvm_set_device (a no-op: one device per model); EKV_GPU_NO_KERNEL,
+ * with TVM's error raised, for a name the program does not list. */
+enum { EKV_GPU_SET_DEVICE = -1, EKV_GPU_NO_KERNEL = -2 };
+int ekv_gpu_find_kernel(const char *name, const void *kernels, uint32_t n, size_t stride, size_t desc_offset);
+
+/* A whole file (a kernel source, PTX or a cached binary), NUL-terminated, from malloc; NULL if it
+ * cannot be read. */
+char *ekv_gpu_read_file(const char *path, size_t *size);
 
 #define EKV_GPU_MAX_LAUNCH_ARGS 256
 

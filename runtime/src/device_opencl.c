@@ -228,25 +228,6 @@ static ekv_status check_device(ekv_error *err, ocl_device *d, const ekv_program 
 
 /* ---- building the kernels: from a binary cached beside the source, else from the source ---- */
 
-static char *read_file(const char *path, size_t *size) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return NULL;
-  char *data = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
-      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
-        free(data);
-        data = NULL;
-      } else {
-        data[n] = '\0';
-        *size = (size_t)n;
-      }
-    }
-  }
-  fclose(f);
-  return data;
-}
 
 /* <source>.<crc of device, driver, options and source>.bin: only the driver that made a binary reuses it */
 static void cache_path(ocl_device *d, const char *source_path, uint32_t source_crc, const char *options, char *out,
@@ -264,7 +245,7 @@ static int build(ocl_device *d, cl_program program, const char *options) {
 
 static cl_program build_from_cache(ocl_device *d, const char *cached, const char *options) {
   size_t size = 0;
-  unsigned char *bin = (unsigned char *)read_file(cached, &size);
+  unsigned char *bin = (unsigned char *)ekv_gpu_read_file(cached, &size);
   if (bin == NULL) return NULL;
   cl_int status = 0, rc = 0;
   const unsigned char *bins[1] = {bin};
@@ -333,7 +314,7 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
     return EKV_OK;
   }
   size_t size = 0;
-  char *source = read_file(source_path, &size);
+  char *source = ekv_gpu_read_file(source_path, &size);
   if (source == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", source_path);
   cl_int rc = 0;
   const char *sources[1] = {source};
@@ -590,17 +571,10 @@ static ekv_status ocl_finish(ekv_device *base) {
 
 static int ocl_lookup(void *library_ctx, const char *name, void **out) {
   ocl_device *d = library_ctx;
-  if (strcmp(name, "__tvm_set_device") == 0) {
-    *out = &d->set_device;
-    return 0;
-  }
-  for (uint32_t k = 0; k < d->n_kernels; k++)
-    if (strcmp(d->kernels[k].desc.name, name) == 0) {
-      *out = &d->kernels[k];
-      return 0;
-    }
-  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
-  return -1;
+  int i = ekv_gpu_find_kernel(name, d->kernels, d->n_kernels, sizeof *d->kernels, offsetof(ocl_kernel, desc));
+  if (i == EKV_GPU_NO_KERNEL) return -1;
+  *out = i == EKV_GPU_SET_DEVICE ? &d->set_device : &d->kernels[i];
+  return 0;
 }
 
 static int launch_error(const ocl_kernel *k, const char *what, cl_int rc) {
