@@ -129,3 +129,73 @@ def test_norm_gate_up_silu_matches_numpy(fmt, K, I):
     y = _dequant(fmt, ws, K).astype("float64") @ _normed(a, nw)
     g, u = y[:I], y[I:]
     np.testing.assert_allclose(got["o1"].reshape(I), g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-4)
+
+
+# ---- the graph rewrite (passes/norm_gemv.py) and the profile choice, on the tiny model's decode ----
+
+@functools.lru_cache(maxsize=None)
+def _lowered_decode():
+    """The tiny model's q4 GPU decode function as the GPU branch of the pipeline gets it
+    (combined projections, FuseGateUpSiLU, FuseForGPU), before FuseNormIntoGEMV."""
+    from edgekv.compiler import pipeline as P
+    from edgekv.compiler.backend.target import CompileTarget
+    from edgekv.compiler.passes.gate_up_silu import FuseGateUpSiLU
+    from edgekv.compiler.passes.gpu_fusion import FuseForGPU
+    from edgekv.models import tiny_random_model
+    from edgekv.policies import make_policy
+
+    model, tgt = tiny_random_model(0), CompileTarget.resolve("opencl-host")
+    spec = P.block_cache_spec(make_policy("keydiff"), 64, cores=tgt.cores)
+    low = P.lower(model, spec, 32)
+    P.lay_out_weights(low, model, "q4", tgt.cores, tgt.weight_layout)
+    P.combine_projections(low)
+    return FuseForGPU(["decode"])(FuseGateUpSiLU(["decode"])(low.mod)), model.config.num_layers
+
+
+def test_pass_fuses_every_layers_norms_and_rope():
+    from edgekv.compiler.passes.norm_gemv import FuseNormIntoGEMV
+
+    mod, layers = _lowered_decode()
+    fuse = FuseNormIntoGEMV(["decode"])
+    new = fuse(mod)
+    assert fuse.fused == {"norm_qkv_rope": layers, "norm_gate_up_silu": layers}
+    text = new["decode"].script()
+    # RoPE's chain (its negative half), the v copy's slices and every layer norm but the final one are gone
+    assert "R.negative" not in text and "R.strided_slice" not in text
+    assert text.count("R.nn.rms_norm") == 1
+    kernels = [gv.name_hint for gv in new.get_global_vars()]
+    assert any(k.startswith("norm_qkv_rope_q4_") for k in kernels)
+    assert not any(k.startswith("gate_up_silu_") for k in kernels)  # replaced, and dropped as unused
+
+
+def test_pass_leaves_a_norm_with_another_use():
+    """A norm output read by anything besides the GEMV stays (folding it would compute it twice)."""
+    from tvm import relax
+
+    from edgekv.compiler.passes.norm_gemv import FuseNormIntoGEMV
+
+    mod, _ = _lowered_decode()
+    func = mod["decode"]
+    norms = [b.var for blk in func.body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.nn.rms_norm"]
+    # return the first layer's input norm too: it gains a use outside the GEMV
+    out = relax.Tuple([func.body.body, norms[0]]) if not isinstance(func.body.body, relax.Tuple) else \
+        relax.Tuple([*func.body.body.fields, norms[0]])
+    body = relax.BlockBuilder().normalize(relax.SeqExpr(func.body.blocks, out))
+    changed = tvm.IRModule({**{gv: f for gv, f in mod.functions.items() if gv.name_hint != "decode"},
+                            mod.get_global_var("decode"): relax.Function(func.params, body, None, func.is_pure,
+                                                                           func.attrs)})
+    fuse = FuseNormIntoGEMV(["decode"])
+    fuse(changed)
+    layers = _lowered_decode()[1]
+    assert fuse.fused["norm_qkv_rope"] == layers - 1
+
+
+def test_fusions_are_a_profile_choice():
+    from edgekv.compiler.backend.gpu_schedule import fusions_of
+    from edgekv.compiler.backend.gpu_schedule import GPUKernelError
+
+    assert fusions_of({}) == {"gate_up_silu": True, "norm_gemv": True}
+    assert fusions_of({"gpu_schedule": {"gate_up_silu": False}}) == {"gate_up_silu": False, "norm_gemv": True}
+    with pytest.raises(GPUKernelError, match="gpu_schedule.norm_gemv must be true or false"):
+        fusions_of({"name": "x", "gpu_schedule": {"norm_gemv": "yes"}})
