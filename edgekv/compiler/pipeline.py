@@ -22,7 +22,9 @@
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
                         fewer launches (``passes/gate_up_silu.py``: the decode gate/up GEMV and SiLU·up as one
                         kernel; ``passes/gpu_fusion.py``: matmuls without their reshapes so
-                        the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
+                        the adds join their epilogues, RMSNorm as one kernel; ``passes/norm_gemv.py``:
+                        decode RMSNorm folded into the q/k/v GEMV + RoPE and the gate/up kernel; the
+                        two decode fusions are ``gpu_schedule`` profile choices), edgekv's GPU kernels
                         in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
                         profile's ``gpu_schedule.gemv``), nothing
                         left on the host (CheckAllOnDevice); CPUs: ``backend/cpu_schedule.py``; then
