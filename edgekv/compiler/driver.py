@@ -37,16 +37,40 @@ def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32", ques
     if not is_gpu_target(tgt):
         return
     if question_rows:
-        raise CompileError(f"--question-rows has no GPU kernels yet, so it cannot be compiled for {tgt.get('kind')}; "
+        raise CompileError(f"--question-rows has no GPU kernels yet, so it cannot be compiled for {tgt.get('kind')}: "
+                           "the GPU score / observe kernels (kernels/attention_scores.py *_gpu for SnapKV, SnapKV++, "
+                           "TOVA and H2O; policy_kernels/dapq.py build_dapq_evict_kernel_gpu) score with the block's "
+                           "own rows or DapQ's pseudo rows and take no question_rows: they neither read the question's "
+                           "rows after the block nor skip the padding rows at position -1, as the CPU kernels do; "
                            "compile it for a CPU target (host, aarch64-linux, android-cpu), or drop --question-rows")
     if kv_dtype != "fp32":
         raise CompileError(f"--kv-dtype {kv_dtype} has no GPU kernels yet, so it cannot be compiled for "
-                           f"{tgt.get('kind')}; compile the int8 cache for a CPU target (host, aarch64-linux, "
-                           "android-cpu), or compile for the GPU with --kv-dtype fp32")
+                           f"{tgt.get('kind')}: the int8 cache's store, dequantise, round-trip and position-copy "
+                           "kernels (kernels/kv_int8.py) are CPU loops with no *_gpu version, and the GPU attention, "
+                           "score and select kernels read an fp32 cache; compile the int8 cache for a CPU target "
+                           "(host, aarch64-linux, android-cpu), or compile for the GPU with --kv-dtype fp32")
     if policy.name not in gpu_policy_names():
         raise CompileError(f"policy '{policy.name}' has no GPU kernels yet, so it cannot be compiled for "
-                           f"{tgt.get('kind')}; compile it for a CPU target (host, aarch64-linux, android-cpu), "
+                           f"{tgt.get('kind')}{_missing_gpu_kernels(policy.name)}; compile it for a CPU target "
+                           "(host, aarch64-linux, android-cpu), "
                            f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
+
+
+def _missing_gpu_kernels(name: str) -> str:
+    """': <what has no GPU version>' for a policy's compiled face (its CPU-only hooks), else ''."""
+    from .policy_kernels import KERNELS
+
+    face = KERNELS.get(name)
+    if face is None:
+        return ""
+    missing = []
+    if face.evict_kernel is not None and face.gpu_evict_kernel is None:
+        missing.append(f"its score kernel ({face.evict_kernel.__name__}: no gpu_evict_kernel in its face)")
+    if face.emit_decode_attention is not None:
+        missing.append("its own decode attention (emit_decode_attention: a CPU kernel, e.g. RocketKV's stage 2)")
+    if face.emit_after_select is not None:
+        missing.append("its after-select kernel (emit_after_select: a CPU kernel, e.g. RocketKV's page summaries)")
+    return (": " + "; ".join(missing)) if missing else ""
 
 
 def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:

@@ -22,7 +22,9 @@
   8. schedule, codegen  fp64 → fp32 where the device lacks fp64 (``backend/gpu_schedule.py``); GPUs:
                         fewer launches (``passes/gate_up_silu.py``: the decode gate/up GEMV and SiLU·up as one
                         kernel; ``passes/gpu_fusion.py``: matmuls without their reshapes so
-                        the adds join their epilogues, RMSNorm as one kernel), edgekv's GPU kernels
+                        the adds join their epilogues, RMSNorm as one kernel; ``passes/norm_gemv.py``:
+                        decode RMSNorm folded into the q/k/v GEMV + RoPE and the gate/up kernel; the
+                        two decode fusions are ``gpu_schedule`` profile choices), edgekv's GPU kernels
                         in place (ReplaceKernels), dlight for the rest (the GEMV rule: the target
                         profile's ``gpu_schedule.gemv``), nothing
                         left on the host (CheckAllOnDevice); CPUs: ``backend/cpu_schedule.py``; then
@@ -216,10 +218,12 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     ``program.ekv`` for the native runtime — and OpenCL each device kernel's launch description
     (``backend/device_kernels.py``); other GPU targets (CUDA, Metal) have no native runtime."""
     from .backend.cpu_schedule import cpu_pipeline
-    from .backend.gpu_schedule import CheckAllOnDevice, ReplaceKernels, demote_float64, gemv_schedule_of, gpu_pipeline
+    from .backend.gpu_schedule import (CheckAllOnDevice, ReplaceKernels, demote_float64, fusions_of, gemv_schedule_of,
+                                       gpu_pipeline)
     from .backend.program import capture_final_module
     from .passes.gate_up_silu import FuseGateUpSiLU
     from .passes.gpu_fusion import FuseForGPU
+    from .passes.norm_gemv import FuseNormIntoGEMV
 
     mod = lowered.mod
     tvm_target = target.tvm_target()
@@ -232,12 +236,17 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     if not target.is_gpu:
         ex = tvm.compile(mod, target=tvm_target, relax_pipeline=capture_final_module(cpu_pipeline, final)(tvm_target))
         return ex, final, info
+    fusions = fusions_of(target.profile)  # decode launches: a profile choice (gpu_schedule.FUSIONS)
     gate_up = FuseGateUpSiLU(["decode"])  # a decode GEMV's launch is per token, a GEMM's per block
-    mod = gate_up(mod)
+    if fusions["gate_up_silu"]:
+        mod = gate_up(mod)
     fusion = FuseForGPU(list(FUNCTIONS))
     mod = fusion(mod)
+    norm = FuseNormIntoGEMV(["decode"])
+    if fusions["norm_gemv"]:
+        mod = norm(mod)
     info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections,
-                              gate_up_silu=gate_up.fused)
+                              gate_up_silu=gate_up.fused, **norm.fused)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
     replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
     mod = replace(mod)

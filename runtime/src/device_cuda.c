@@ -20,12 +20,14 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "alloc.h"
 #include "device.h"
+#include "device_gpu.h"
 #include "reader.h"
 
 /* ---- the CUDA driver API, as its public C ABI defines it (cuda.h, CUDA 11+; 64-bit) ---- */
@@ -90,7 +92,7 @@ static const char *CU_NAMES[] = {
 _Static_assert(sizeof(cu_api) == sizeof CU_NAMES / sizeof CU_NAMES[0] * sizeof(void (*)(void)), "one name per entry");
 
 #define KERNEL_MAGIC 0x4543554bu /* "ECUK" */
-#define MAX_LAUNCH_ARGS 256
+#define MAX_LAUNCH_ARGS EKV_GPU_MAX_LAUNCH_ARGS
 #define JIT_LOG_BYTES 8192
 
 typedef struct cuda_device cuda_device;
@@ -122,15 +124,8 @@ struct cuda_device {
   size_t n_allocs, cap_allocs;
   int trace; /* EDGEKV_CUDA_TRACE=1: every launch on stderr */
   char label[256];
-  /* one device per artifact in a process, as for OpenCL: models of the same artifact share its
-   * library, whose host code caches kernel handles on first use */
-  char key[PATH_MAX];
-  int refs;
-  cuda_device *next;
+  ekv_gpu_entry entry; /* one device per artifact in a process (device_gpu.h) */
 };
-
-static pthread_mutex_t g_devices_lock = PTHREAD_MUTEX_INITIALIZER;
-static cuda_device *g_devices;
 static void *g_libcuda; /* loaded once, never closed: the driver keeps threads that dlclose would pull away */
 static cu_api g_cu;
 
@@ -237,29 +232,10 @@ static ekv_status check_device(ekv_error *err, cuda_device *d, const ekv_program
 
 /* ---- loading the kernels: the PTX, JITted by the driver for this GPU ---------------------- */
 
-static char *read_file(const char *path, size_t *size) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return NULL;
-  char *data = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
-      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
-        free(data);
-        data = NULL;
-      } else {
-        data[n] = '\0'; /* the driver takes PTX as a NUL-terminated string */
-        *size = (size_t)n;
-      }
-    }
-  }
-  fclose(f);
-  return data;
-}
 
 static ekv_status load_module(ekv_error *err, cuda_device *d, const char *ptx_path) {
   size_t size = 0;
-  char *ptx = read_file(ptx_path, &size);
+  char *ptx = ekv_gpu_read_file(ptx_path, &size);
   if (ptx == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", ptx_path);
   char *log = calloc(1, JIT_LOG_BYTES);
   CUjit_option options[2] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
@@ -440,17 +416,10 @@ static ekv_status cuda_finish(ekv_device *base) {
 
 static int cuda_lookup(void *library_ctx, const char *name, void **out) {
   cuda_device *d = library_ctx;
-  if (strcmp(name, "__tvm_set_device") == 0) {
-    *out = &d->set_device;
-    return 0;
-  }
-  for (uint32_t k = 0; k < d->n_kernels; k++)
-    if (strcmp(d->kernels[k].desc.name, name) == 0) {
-      *out = &d->kernels[k];
-      return 0;
-    }
-  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
-  return -1;
+  int i = ekv_gpu_find_kernel(name, d->kernels, d->n_kernels, sizeof *d->kernels, offsetof(cuda_kernel, desc));
+  if (i == EKV_GPU_NO_KERNEL) return -1;
+  *out = i == EKV_GPU_SET_DEVICE ? &d->set_device : &d->kernels[i];
+  return 0;
 }
 
 static int launch_error(const cuda_kernel *k, const char *what, CUresult rc) {
@@ -460,15 +429,6 @@ static int launch_error(const cuda_kernel *k, const char *what, CUresult rc) {
   TVMFFIErrorSetRaisedFromCStr("RuntimeError", msg);
   return -1;
 }
-
-typedef union {
-  CUdeviceptr ptr;
-  int32_t i32;
-  uint32_t u32;
-  int64_t i64;
-  float f32;
-  double f64;
-} launch_arg;
 
 static int cuda_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFFIAny *result) {
   (void)result;
@@ -480,39 +440,16 @@ static int cuda_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMF
   if (k->fn == NULL) return 0; /* __tvm_set_device */
   cuda_device *d = k->dev;
   const ekv_device_kernel *desc = &k->desc;
-  if (num_args != (int32_t)(desc->n_args + desc->n_tags)) return launch_error(k, "called with the wrong argument count", 0);
-  launch_arg values[MAX_LAUNCH_ARGS];
-  void *params[MAX_LAUNCH_ARGS];
-  for (uint32_t i = 0; i < desc->n_args; i++) {
-    const TVMFFIAny *a = &args[i];
-    double real = a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64;
-    switch (desc->args[i]) {
-      case EKV_DARG_BUFFER:
-        if (a->type_index != kTVMFFIOpaquePtr || a->v_ptr == NULL)
-          return launch_error(k, "a buffer argument is not a device buffer", 0);
-        values[i].ptr = (CUdeviceptr)(uintptr_t)a->v_ptr;
-        break;
-      case EKV_DARG_I32: values[i].i32 = (int32_t)a->v_int64; break;
-      case EKV_DARG_U32: values[i].u32 = (uint32_t)a->v_int64; break;
-      case EKV_DARG_I64: values[i].i64 = a->v_int64; break;
-      case EKV_DARG_F32: values[i].f32 = (float)real; break;
-      default: values[i].f64 = real; break;
-    }
-    params[i] = &values[i]; /* the driver reads each argument's size from the kernel's signature */
-  }
-  unsigned int grid[3] = {1, 1, 1}, block[3] = {1, 1, 1}, shared = 0;
-  for (uint32_t t = 0; t < desc->n_tags; t++) {
-    int64_t extent = args[desc->n_args + t].v_int64;
-    uint8_t tag = desc->tags[t];
-    if (tag == EKV_TAG_DYN_SHARED) {
-      if (extent < 0 || extent > INT_MAX) return launch_error(k, "a dynamic shared memory size is out of range", 0);
-      shared = (unsigned int)extent;
-      continue;
-    }
-    if (extent <= 0 || extent > UINT_MAX) return launch_error(k, "a launch extent is not positive", 0);
-    if (tag <= EKV_TAG_BLOCK_Z) grid[tag] = (unsigned int)extent;
-    else block[tag - EKV_TAG_THREAD_X] = (unsigned int)extent;
-  }
+  ekv_gpu_value values[EKV_GPU_MAX_LAUNCH_ARGS];
+  void *params[EKV_GPU_MAX_LAUNCH_ARGS];
+  const char *bad = ekv_gpu_launch_args(desc, args, num_args, values);
+  for (uint32_t i = 0; bad == NULL && i < desc->n_args; i++)
+    params[i] = &values[i]; /* the driver reads each argument's size from the kernel's signature; a buffer's handle
+                               is its device address (a pointer's bytes, as CUdeviceptr is on 64-bit hosts) */
+  ekv_gpu_dims dims;
+  if (bad == NULL) bad = ekv_gpu_launch_dims(desc, args, &dims);
+  if (bad != NULL) return launch_error(k, bad, 0);
+  unsigned int *grid = dims.grid, *block = dims.block, shared = dims.shared;
   if (!make_current(d)) return launch_error(k, "cuCtxSetCurrent failed", 0);
   if (shared > 48u * 1024u) { /* above the default limit a kernel must opt in */
     CUresult rc = d->cu.FuncSetAttribute(k->fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)shared);
@@ -546,19 +483,19 @@ static void release(cuda_device *d) {
   ekv_free(d);
 }
 
-static void cuda_close(ekv_device *base) {
-  cuda_device *d = (cuda_device *)base;
-  pthread_mutex_lock(&g_devices_lock);
-  int last = --d->refs == 0;
-  if (last)
-    for (cuda_device **p = &g_devices; *p != NULL; p = &(*p)->next)
-      if (*p == d) {
-        *p = d->next;
-        break;
-      }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (last) release(d);
+static void release_entry(ekv_gpu_entry *e);
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out);
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes);
+static ekv_gpu_registry g_registry = {PTHREAD_MUTEX_INITIALIZER, NULL, open_entry, check_entry, release_entry};
+
+static cuda_device *of_entry(ekv_gpu_entry *e) {
+  return (cuda_device *)(void *)((char *)e - offsetof(cuda_device, entry));
 }
+
+static void release_entry(ekv_gpu_entry *e) { release(of_entry(e)); }
+
+static void cuda_close(ekv_device *base) { ekv_gpu_registry_close(&g_registry, &((cuda_device *)base)->entry); }
 
 static ekv_status open_device(ekv_error *err, const ekv_program *prog, const char *ptx_path, uint64_t plan_bytes,
                               cuda_device **out) {
@@ -582,32 +519,25 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
   return st;
 }
 
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out) {
+  cuda_device *d = NULL;
+  ekv_status st = open_device(err, prog, path, plan_bytes, &d);
+  *out = d != NULL ? &d->entry : NULL;
+  return st;
+}
+
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes) {
+  return check_device(err, of_entry(e), prog, plan_bytes);
+}
+
 ekv_status ekv_device_cuda_open(ekv_error *err, const ekv_program *prog, const char *ptx_path, uint64_t plan_bytes,
                                 ekv_device **out) {
   *out = NULL;
   if (prog->n_device_kernels == 0)
     return ekv_fail(err, EKV_ERR_FORMAT, "the program runs on CUDA but lists no device kernels; recompile the artifact");
-  char key[PATH_MAX];
-  if (realpath(ptx_path, key) == NULL) snprintf(key, sizeof key, "%s", ptx_path);
-  pthread_mutex_lock(&g_devices_lock);
-  cuda_device *d = g_devices;
-  while (d != NULL && strcmp(d->key, key) != 0) d = d->next;
-  ekv_status st = EKV_OK;
-  if (d != NULL) { /* this artifact is open already: its device, checked against this model's plan */
-    st = check_device(err, d, prog, plan_bytes);
-    if (st == EKV_OK) d->refs++;
-  } else {
-    st = open_device(err, prog, ptx_path, plan_bytes, &d);
-    if (st == EKV_OK) {
-      snprintf(d->key, sizeof d->key, "%s", key);
-      d->refs = 1;
-      d->next = g_devices;
-      g_devices = d;
-    } else {
-      release(d);
-    }
-  }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (st == EKV_OK) *out = &d->base;
+  ekv_gpu_entry *e = NULL;
+  ekv_status st = ekv_gpu_registry_open(&g_registry, err, prog, ptx_path, plan_bytes, &e);
+  if (st == EKV_OK) *out = &of_entry(e)->base;
   return st;
 }

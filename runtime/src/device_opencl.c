@@ -17,6 +17,7 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@
 
 #include "alloc.h"
 #include "device.h"
+#include "device_gpu.h"
 #include "reader.h"
 
 #define CL_FN(name) __typeof__(cl##name) *name
@@ -110,15 +112,8 @@ struct ocl_device {
   ocl_profile *profile; /* EDGEKV_OPENCL_PROFILE=1, else NULL: per-kernel device time, printed at close */
   char options[256]; /* the OpenCL C compiler's options (EDGEKV_OPENCL_OPTIONS) */
   char label[256];
-  /* one device per artifact in a process: models of the same artifact share its library, whose
-   * host code caches kernel handles on first use — so they share this device too */
-  char key[PATH_MAX];
-  int refs;
-  ocl_device *next;
+  ekv_gpu_entry entry; /* one device per artifact in a process (device_gpu.h) */
 };
-
-static pthread_mutex_t g_devices_lock = PTHREAD_MUTEX_INITIALIZER;
-static ocl_device *g_devices;
 
 static const char *LIBRARIES[] = {"libOpenCL.so.1", "libOpenCL.so", "/vendor/lib64/libOpenCL.so",
                                   "/system/vendor/lib64/libOpenCL.so", "/system/lib64/libOpenCL.so"};
@@ -233,25 +228,6 @@ static ekv_status check_device(ekv_error *err, ocl_device *d, const ekv_program 
 
 /* ---- building the kernels: from a binary cached beside the source, else from the source ---- */
 
-static char *read_file(const char *path, size_t *size) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return NULL;
-  char *data = NULL;
-  if (fseek(f, 0, SEEK_END) == 0) {
-    long n = ftell(f);
-    if (n >= 0 && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n + 1)) != NULL) {
-      if (fread(data, 1, (size_t)n, f) != (size_t)n) {
-        free(data);
-        data = NULL;
-      } else {
-        data[n] = '\0';
-        *size = (size_t)n;
-      }
-    }
-  }
-  fclose(f);
-  return data;
-}
 
 /* <source>.<crc of device, driver, options and source>.bin: only the driver that made a binary reuses it */
 static void cache_path(ocl_device *d, const char *source_path, uint32_t source_crc, const char *options, char *out,
@@ -269,7 +245,7 @@ static int build(ocl_device *d, cl_program program, const char *options) {
 
 static cl_program build_from_cache(ocl_device *d, const char *cached, const char *options) {
   size_t size = 0;
-  unsigned char *bin = (unsigned char *)read_file(cached, &size);
+  unsigned char *bin = (unsigned char *)ekv_gpu_read_file(cached, &size);
   if (bin == NULL) return NULL;
   cl_int status = 0, rc = 0;
   const unsigned char *bins[1] = {bin};
@@ -338,7 +314,7 @@ static ekv_status build_one(ekv_error *err, ocl_device *d, const ekv_program *pr
     return EKV_OK;
   }
   size_t size = 0;
-  char *source = read_file(source_path, &size);
+  char *source = ekv_gpu_read_file(source_path, &size);
   if (source == NULL) return ekv_fail(err, EKV_ERR_IO, "cannot read the device kernels %s", source_path);
   cl_int rc = 0;
   const char *sources[1] = {source};
@@ -595,17 +571,10 @@ static ekv_status ocl_finish(ekv_device *base) {
 
 static int ocl_lookup(void *library_ctx, const char *name, void **out) {
   ocl_device *d = library_ctx;
-  if (strcmp(name, "__tvm_set_device") == 0) {
-    *out = &d->set_device;
-    return 0;
-  }
-  for (uint32_t k = 0; k < d->n_kernels; k++)
-    if (strcmp(d->kernels[k].desc.name, name) == 0) {
-      *out = &d->kernels[k];
-      return 0;
-    }
-  TVMFFIErrorSetRaisedFromCStr("RuntimeError", "the library calls a device kernel the program does not list");
-  return -1;
+  int i = ekv_gpu_find_kernel(name, d->kernels, d->n_kernels, sizeof *d->kernels, offsetof(ocl_kernel, desc));
+  if (i == EKV_GPU_NO_KERNEL) return -1;
+  *out = i == EKV_GPU_SET_DEVICE ? &d->set_device : &d->kernels[i];
+  return 0;
 }
 
 static int launch_error(const ocl_kernel *k, const char *what, cl_int rc) {
@@ -624,56 +593,37 @@ static int ocl_call(void *handle, const TVMFFIAny *args, int32_t num_args, TVMFF
   if (k->kernel == NULL) return 0; /* __tvm_set_device */
   ocl_device *d = k->dev;
   const ekv_device_kernel *desc = &k->desc;
-  if (num_args != (int32_t)(desc->n_args + desc->n_tags)) return launch_error(k, "called with the wrong argument count", 0);
+  ekv_gpu_value values[EKV_GPU_MAX_LAUNCH_ARGS];
+  ekv_gpu_dims dims;
+  const char *bad = ekv_gpu_launch_args(desc, args, num_args, values);
+  if (bad == NULL) bad = ekv_gpu_launch_dims(desc, args, &dims);
+  if (bad == NULL && dims.shared != 0) bad = "dynamic shared memory (OpenCL kernels declare theirs)";
+  if (bad != NULL) return launch_error(k, bad, 0);
   for (uint32_t i = 0; i < desc->n_args; i++) {
-    const TVMFFIAny *a = &args[i];
+    const ekv_gpu_value *v = &values[i];
     cl_int rc;
     switch (desc->args[i]) {
       case EKV_DARG_BUFFER: {
-        const cl_buffer *b = a->v_ptr;
-        if (a->type_index != kTVMFFIOpaquePtr || b == NULL || b->magic != BUFFER_MAGIC)
-          return launch_error(k, "a buffer argument is not a device buffer", 0);
+        const cl_buffer *b = v->ptr;
+        if (b->magic != BUFFER_MAGIC) return launch_error(k, "a buffer argument is not a device buffer", 0);
         rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_mem), &b->mem);
         k->bound[i] = b->mem;
         break;
       }
-      case EKV_DARG_I32: {
-        cl_int v = (cl_int)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_U32: {
-        cl_uint v = (cl_uint)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_I64: {
-        cl_long v = (cl_long)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      case EKV_DARG_F32: {
-        cl_float v = (cl_float)(a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64);
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
-      default: {
-        cl_double v = a->type_index == kTVMFFIFloat ? a->v_float64 : (double)a->v_int64;
-        rc = d->cl.SetKernelArg(k->kernel, i, sizeof v, &v);
-        break;
-      }
+      case EKV_DARG_I32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_int), &v->i32); break;
+      case EKV_DARG_U32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_uint), &v->u32); break;
+      case EKV_DARG_I64: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_long), &v->i64); break;
+      case EKV_DARG_F32: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_float), &v->f32); break;
+      default: rc = d->cl.SetKernelArg(k->kernel, i, sizeof(cl_double), &v->f64); break;
     }
     if (rc != CL_SUCCESS) return launch_error(k, "clSetKernelArg", rc);
   }
-  size_t groups[3] = {1, 1, 1}, local[3] = {1, 1, 1}, global[3];
-  for (uint32_t t = 0; t < desc->n_tags; t++) {
-    int64_t extent = args[desc->n_args + t].v_int64;
-    if (extent <= 0) return launch_error(k, "a launch extent is not positive", 0);
-    uint8_t tag = desc->tags[t];
-    if (tag <= EKV_TAG_BLOCK_Z) groups[tag] = (size_t)extent;
-    else local[tag - EKV_TAG_THREAD_X] = (size_t)extent;
+  size_t groups[3], local[3], global[3];
+  for (int i = 0; i < 3; i++) {
+    groups[i] = dims.grid[i];
+    local[i] = dims.block[i];
+    global[i] = groups[i] * local[i];
   }
-  for (int i = 0; i < 3; i++) global[i] = groups[i] * local[i];
   if (d->trace)
     fprintf(stderr, "edgekv opencl: %s groups %zux%zux%zu local %zux%zux%zu\n", desc->name, groups[0], groups[1],
             groups[2], local[0], local[1], local[2]);
@@ -732,19 +682,17 @@ static void release(ocl_device *d) {
   ekv_free(d);
 }
 
-static void ocl_close(ekv_device *base) {
-  ocl_device *d = (ocl_device *)base;
-  pthread_mutex_lock(&g_devices_lock);
-  int last = --d->refs == 0;
-  if (last)
-    for (ocl_device **p = &g_devices; *p != NULL; p = &(*p)->next)
-      if (*p == d) {
-        *p = d->next;
-        break;
-      }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (last) release(d);
-}
+static void release_entry(ekv_gpu_entry *e);
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out);
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes);
+static ekv_gpu_registry g_registry = {PTHREAD_MUTEX_INITIALIZER, NULL, open_entry, check_entry, release_entry};
+
+static ocl_device *of_entry(ekv_gpu_entry *e) { return (ocl_device *)(void *)((char *)e - offsetof(ocl_device, entry)); }
+
+static void release_entry(ekv_gpu_entry *e) { release(of_entry(e)); }
+
+static void ocl_close(ekv_device *base) { ekv_gpu_registry_close(&g_registry, &((ocl_device *)base)->entry); }
 
 static ekv_status open_device(ekv_error *err, const ekv_program *prog, const char *source_path,
                               uint64_t plan_bytes, ocl_device **out) {
@@ -783,32 +731,25 @@ static ekv_status open_device(ekv_error *err, const ekv_program *prog, const cha
   return st;
 }
 
+static ekv_status open_entry(ekv_error *err, const ekv_program *prog, const char *path, uint64_t plan_bytes,
+                             ekv_gpu_entry **out) {
+  ocl_device *d = NULL;
+  ekv_status st = open_device(err, prog, path, plan_bytes, &d);
+  *out = d != NULL ? &d->entry : NULL;
+  return st;
+}
+
+static ekv_status check_entry(ekv_error *err, ekv_gpu_entry *e, const ekv_program *prog, uint64_t plan_bytes) {
+  return check_device(err, of_entry(e), prog, plan_bytes);
+}
+
 ekv_status ekv_device_opencl_open(ekv_error *err, const ekv_program *prog, const char *source_path,
                                   uint64_t plan_bytes, ekv_device **out) {
   *out = NULL;
   if (prog->n_device_kernels == 0)
     return ekv_fail(err, EKV_ERR_FORMAT, "the program runs on OpenCL but lists no device kernels; recompile the artifact");
-  char key[PATH_MAX];
-  if (realpath(source_path, key) == NULL) snprintf(key, sizeof key, "%s", source_path);
-  pthread_mutex_lock(&g_devices_lock);
-  ocl_device *d = g_devices;
-  while (d != NULL && strcmp(d->key, key) != 0) d = d->next;
-  ekv_status st = EKV_OK;
-  if (d != NULL) { /* this artifact is open already: its device, checked against this model's plan */
-    st = check_device(err, d, prog, plan_bytes);
-    if (st == EKV_OK) d->refs++;
-  } else {
-    st = open_device(err, prog, source_path, plan_bytes, &d);
-    if (st == EKV_OK) {
-      snprintf(d->key, sizeof d->key, "%s", key);
-      d->refs = 1;
-      d->next = g_devices;
-      g_devices = d;
-    } else {
-      release(d);
-    }
-  }
-  pthread_mutex_unlock(&g_devices_lock);
-  if (st == EKV_OK) *out = &d->base;
+  ekv_gpu_entry *e = NULL;
+  ekv_status st = ekv_gpu_registry_open(&g_registry, err, prog, source_path, plan_bytes, &e);
+  if (st == EKV_OK) *out = &of_entry(e)->base;
   return st;
 }

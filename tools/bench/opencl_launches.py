@@ -43,8 +43,9 @@ PROFILE_LINE = re.compile(r"^edgekv opencl profile: (\S+) launches (\d+) ns (\d+
 TRACE_LINE = re.compile(r"^edgekv opencl: (\S+) groups (\d+)x(\d+)x(\d+) local (\d+)x(\d+)x(\d+)$")
 SMOLLM2 = ["smollm2-135m", "--target", "opencl-host", "--weights", "q4", "--policy", "keydiff", "--budget", "512",
            "--block", "128"]
-# name patterns, first match wins: the kinds the time split reports
-KINDS = [("gemv", r"matmul_(.*gemv|nt_)"), ("gemm", r"matmul"), ("attention", r"_attention_"),
+# name patterns, first match wins: the kinds the time split reports (the fused decode kernels of
+# passes/gate_up_silu.py and passes/norm_gemv.py are GEMVs with a prologue / epilogue)
+KINDS = [("gemv", r"matmul_(.*gemv|nt_)|^norm_(qkv_rope|gate_up_silu)_|^gate_up_silu_"), ("gemm", r"matmul"), ("attention", r"_attention_"),
          ("select", r"_select_"), ("score", r"_score_"), ("observe", r"_observe_"),
          ("norm", r"rms_norm|power|mean|rsqrt"), ("rope", r"sin|cos|negative|concatenate"),
          ("embedding", r"take"), ("elementwise", r".")]

@@ -226,6 +226,28 @@ def gemv_schedule_of(profile: dict) -> str:
     return choice
 
 
+FUSIONS = {  # gpu_schedule key → (default, what it does): decode-launch fusions a profile may turn off
+    "gate_up_silu": (True, "the gate / up GEMV and SiLU(gate)·up as one kernel (passes/gate_up_silu.py)"),
+    "norm_gemv": (True, "RMSNorm folded into the q/k/v GEMV (+ RoPE) and the gate/up kernel (passes/norm_gemv.py)"),
+}
+
+
+def fusions_of(profile: dict) -> dict[str, bool]:
+    """The decode-launch fusions a target profile asks for (``gpu_schedule.<name>``: true / false,
+    default ``FUSIONS``). They trade kernels TVM schedules (dlight's GEMV) for one launch of a
+    hand-scheduled kernel: fewer launches, and on PoCL a slower GEMV (docs/results/opencl_launches.md),
+    so each GPU's profile decides. A value that is not a bool is refused."""
+    sched = profile.get("gpu_schedule") or {}
+    out = {}
+    for name, (default, _) in FUSIONS.items():
+        value = sched.get(name, default)
+        if not isinstance(value, bool):
+            raise GPUKernelError(f"target profile '{profile.get('name')}': gpu_schedule.{name} must be true or "
+                                 f"false, not {value!r}")
+        out[name] = value
+    return out
+
+
 def gemv_rules(choice: str) -> list:
     """The dlight rules that schedule the GEMVs for ``choice`` (``GEMV_SCHEDULES``)."""
     from tvm.s_tir import dlight as dl
