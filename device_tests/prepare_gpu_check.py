@@ -115,6 +115,17 @@ def tiny_cases(full: Path, work: Path, run: Path, targets: list[str]) -> list[di
     return cases
 
 
+def unfused_profile(target: str) -> dict:
+    """``target``'s profile with every decode-launch fusion (``gpu_schedule.FUSIONS``) turned off."""
+    from edgekv.compiler.backend.gpu_schedule import FUSIONS
+    from edgekv.profiles import profile_dir
+
+    profile = json.loads((profile_dir("targets") / f"{target}.json").read_text())
+    profile["name"] = f"{profile.get('name', target)}-unfused"
+    profile.setdefault("gpu_schedule", {}).update({name: False for name in FUSIONS})
+    return profile
+
+
 def smollm2_cases(full: Path, work: Path, run: Path, targets: list[str]) -> list[dict]:
     from edgekv.compiler import compile_model
     from edgekv.corpus import natural_token_ids
@@ -140,10 +151,13 @@ def smollm2_cases(full: Path, work: Path, run: Path, targets: list[str]) -> list
         expected = run_cpu(run, cpu, [*here, *gen], work / "smollm2" / f"cpu-{label}.json")
         print(f"smollm2 cpu {label}: {expected['prefill_tok_s']:.0f} / {expected['decode_tok_s']:.1f} tok/s", flush=True)
         for target in targets:
-            rel = f"smollm2/keydiff-{target}"
-            why = compile_gpu(loaded, "keydiff", {}, SMOL_BUDGET, SMOL_BLOCK, target, full / rel)
-            cases.append({"name": f"smollm2 keydiff {target} {label}", "artifact": rel, "args": [*pargs, *gen],
-                          "expected": expected, "not_built": why, "repeat_open": False})
+            # each target as its profile ships it, and with the decode-launch fusions off: whether
+            # they pay (fewer launches, hand-scheduled GEMVs) is for the GPU to say
+            for variant, profile in ((target, target), (f"{target}-unfused", unfused_profile(target))):
+                rel = f"smollm2/keydiff-{variant}"
+                why = compile_gpu(loaded, "keydiff", {}, SMOL_BUDGET, SMOL_BLOCK, profile, full / rel)
+                cases.append({"name": f"smollm2 keydiff {variant} {label}", "artifact": rel, "args": [*pargs, *gen],
+                              "expected": expected, "not_built": why, "repeat_open": False})
     return cases
 
 
