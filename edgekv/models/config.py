@@ -12,6 +12,32 @@ from .errors import ModelError
 # model_type values whose decoder layer is: RMSNorm → attention (GQA, RoPE) → RMSNorm → SwiGLU MLP.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
+# a GGUF's `general.architecture` → the transformers model_type its conversion gives, so that a file
+# is refused from its metadata, before minutes of conversion (``check_architecture``)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "gemma3": "gemma3_text",
+                      "gemma2": "gemma2", "gemma": "gemma", "phi3": "phi3", "qwen3": "qwen3"}
+
+# what edgekv lacks for the architectures people ask for most (the refusal names the piece)
+MISSING_PIECES = {
+    "gemma3_text": "per-layer sliding-window / global attention with their own caches, QK-norm, the four norms "
+                   "per layer and GeGLU (edgekv/models/config.py has no Gemma 3 description yet)",
+    "gemma2": "attention-logit softcapping and alternating sliding-window layers",
+    "gemma": "Gemma's (1 + w) RMSNorm, GeGLU and the embedding scale",
+    "phi3": "the fused qkv / gate_up projections of Phi-3",
+    "qwen3": "QK-norm (Qwen3's per-head RMSNorm of queries and keys)",
+}
+
+
+def check_architecture(model_type: str, what: str = "the model") -> None:
+    """Refuse an architecture edgekv has no description for, naming the missing piece."""
+    if model_type in SUPPORTED_ARCHITECTURES:
+        return
+    missing = MISSING_PIECES.get(model_type, "a description of its decoder layer in edgekv/models/config.py")
+    raise ModelError(
+        f"unsupported architecture '{model_type}' ({what}); edgekv supports Llama-family decoders: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (GQA, RoPE, RMSNorm, SwiGLU). Missing for '{model_type}': {missing}"
+    )
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -46,11 +72,7 @@ def _rope_theta(hf_config) -> float:
 
 def config_from_hf(hf_config) -> ModelConfig:
     model_type = getattr(hf_config, "model_type", "?")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture '{model_type}'; edgekv supports Llama-family decoders: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (GQA, RoPE, RMSNorm, SwiGLU)"
-        )
+    check_architecture(model_type)
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
         raise ModelError("models with sliding-window attention layers are not supported yet")
     heads = hf_config.num_attention_heads

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .config import config_from_hf
+from .config import GGUF_ARCHITECTURES, check_architecture, config_from_hf
 from .errors import ModelError
 from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
@@ -116,6 +116,21 @@ def check_gguf(path: Path) -> None:
     if end > size:
         raise ModelError(f"'{path}' is truncated or corrupt: its tensors need {end:,} bytes but the file has "
                          f"{size:,}; download the file again")
+
+
+def check_gguf_architecture(path: Path) -> None:
+    """Refuse a GGUF whose architecture edgekv cannot run from its metadata alone (no conversion:
+    converting first would take minutes before the same refusal)."""
+    import gguf
+
+    try:
+        arch = str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents())
+    except KeyError:
+        raise ModelError(f"'{path}' names no general.architecture in its GGUF metadata; it is not a model file "
+                         "edgekv can read") from None
+    except Exception:  # noqa: BLE001 - a damaged header: check_gguf says so with the details
+        return
+    check_architecture(GGUF_ARCHITECTURES.get(arch, arch), f"'{path.name}': GGUF architecture '{arch}'")
 
 
 def _status(console: Console, msg: str):
@@ -252,6 +267,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, console: Console |
     src: ModelSource = resolve(name_or_path, console)
     if src.kind == "hf":
         return load_hf_dir(src.path, src.model_id, src.chat)
+    check_gguf_architecture(src.path)
     cached = converted_dir(src.path)
     if not (cached / "edgekv.json").is_file():
         try:
