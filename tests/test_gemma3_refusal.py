@@ -27,7 +27,7 @@ def metadata_only_gguf(path, architecture: str):
     return path
 
 
-@pytest.mark.parametrize("architecture,model_type", [("gemma3", "gemma3_text"), ("gemma2", "gemma2"), ("phi3", "phi3"), ("bert", "bert")])
+@pytest.mark.parametrize("architecture,model_type", [("gemma2", "gemma2"), ("phi3", "phi3"), ("bert", "bert")])
 def test_gguf_architecture_refused_before_conversion(tmp_path, monkeypatch, architecture, model_type):
     import edgekv.models.loader as loader
 

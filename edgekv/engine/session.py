@@ -79,7 +79,8 @@ def open_eager_session(model: LoadedModel, policy_name: str, policy_args: dict, 
     question_rows = question_rows if policy.uses_question else 0
     capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
                               max_tokens)
-    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype)
+    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype,
+                       max_tokens=max_tokens)
     check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
                hint="lower --budget or --block, or shorten the prompt"
                + ("" if kv_dtype == "int8" else ", or store the cache in int8 (--kv-dtype int8)"))
