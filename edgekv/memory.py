@@ -106,13 +106,13 @@ def kv_cache_bytes(cfg: ModelConfig, capacity: int, state_buffers: int = 0, dtyp
                    kv_dtype: str = DEFAULT_KV_DTYPE, block: int | None = None, max_tokens: int | None = None) -> int:
     """The cache buffers of all layers: ``capacity`` entries per global layer and KV head (K and V rows
     (``kv_row_bytes``), the int32 position and ``state_buffers`` float32 policy states per entry), and
-    each local layer's ring of window + ``block`` entries (K, V, position; ``max_tokens`` bounds it)."""
+    each local layer's ring of window + ``block`` entries (K, V, position; ``max_tokens`` bounds it).
+    Without ``block`` every layer counts ``capacity`` entries: a uniform cache (the full cache of a
+    sequence that a run is compared with)."""
     per_entry = kv_entry_bytes(cfg, kv_dtype, state_buffers, dtype_bytes)
-    rings = 0
-    if cfg.local_layers:
-        if block is None:
-            raise ValueError("a model with sliding-window layers needs the block size to size their rings")
-        rings = local_kv_bytes(cfg, block, kv_dtype, max_tokens, dtype_bytes)
+    if block is None or not cfg.local_layers:
+        return cfg.num_layers * capacity * per_entry
+    rings = local_kv_bytes(cfg, block, kv_dtype, max_tokens, dtype_bytes)
     return len(cfg.global_layers) * capacity * per_entry + rings
 
 

@@ -171,3 +171,42 @@ def test_other_policies_run_on_global_layers(gemma, policy):
     logits = engine.prefill(prompt(60, seed=10))
     assert torch.isfinite(logits).all()
     assert engine.cache_lengths()[2] <= WINDOW + BLOCK
+
+
+# ---- `edgekv run` on a Gemma 3 folder ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    from conftest import byte_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-gemma3")
+    tiny_gemma3_model(0, sliding_window=WINDOW).to_hf().save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+def run_cli(*args):
+    from typer.testing import CliRunner
+
+    from edgekv.cli import app
+
+    result = CliRunner().invoke(app, ["run", *args])
+    return result.exit_code, " ".join((result.output + (result.stderr if result.stderr_bytes is not None else "")).split())
+
+
+def test_cli_run_keeps_both_kinds(gemma_dir, tmp_path):
+    import json
+
+    report = tmp_path / "r.json"
+    code, out = run_cli(str(gemma_dir), "--prompt", "hello world, " * 8, "--max-new-tokens", "6", "--budget", "16",
+                        "--block", "8", "--policy", "keydiff", "-o", str(report))
+    assert code == 0, out
+    data = json.loads(report.read_text())
+    assert data["memory"]["plan"]["kv_cache"] == data["memory"]["kv_cache_allocated"]
+    assert data["generated_tokens"] == 6
+
+
+def test_cli_refuses_a_budget_below_the_window(gemma_dir):
+    code, out = run_cli(str(gemma_dir), "--prompt", "hello", "--budget", "8", "--block", "8")
+    assert code == 2, out
+    assert "the window is the floor" in out and "Traceback" not in out
