@@ -204,6 +204,8 @@ def test_cli_run_keeps_both_kinds(gemma_dir, tmp_path):
     data = json.loads(report.read_text())
     assert data["memory"]["plan"]["kv_cache"] == data["memory"]["kv_cache_allocated"]
     assert data["generated_tokens"] == 6
+    text = report.read_text()
+    assert '"ring_capacity": 24' in text and '"local_layers": [' in text
 
 
 def test_cli_refuses_a_budget_below_the_window(gemma_dir):

@@ -54,7 +54,16 @@ class EagerSession:
         e = self.engine
         return {"engine": "eager", "model": e.model.model_id, "weight_sha256": e.model.weight_hash,
                 "policy": self.policy_name, "policy_params": e.policy.params(), "budget_tokens": e.budget,
-                "block": e.block, "kv_dtype": e.kv_dtype, "cache_capacity": e.capacity}
+                "block": e.block, "kv_dtype": e.kv_dtype, "cache_capacity": e.capacity, **self._cache_kinds()}
+
+    def _cache_kinds(self) -> dict:
+        """A family with sliding-window layers: which layers hold a ring (and its size), which the policy."""
+        e = self.engine
+        local = [i for i, is_local in enumerate(e.local) if is_local]
+        if not local:
+            return {}
+        return {"cache_kinds": {"local_layers": local, "global_layers": e.global_layers,
+                                "sliding_window": e.cfg.sliding_window, "ring_capacity": e.caches[local[0]].capacity}}
 
     def session_stats(self) -> SessionStats:
         e, s = self.engine, self.engine.stats

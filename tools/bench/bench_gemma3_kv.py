@@ -30,12 +30,14 @@ def child(args) -> dict:
 
     from edgekv.corpus import natural_token_ids
     from edgekv.engine.block_engine import BlockEngine
-    from edgekv.memory import current_rss_bytes, plan_memory
+    from edgekv.memory import current_rss_bytes, kv_cache_bytes, plan_memory
     from edgekv.models import load_model
     from edgekv.policies import make_policy
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
+    described = {"layer_kinds": list(model.config.layer_kinds), "sliding_window": model.config.sliding_window,
+                 "full_cache_kv_bytes": kv_cache_bytes(model.config, args.tokens)}  # every layer, every token
     if args.case == "uniform":  # every layer global: the cache a uniform budget allocates
         model.config = dataclasses.replace(model.config, layer_kinds=(), sliding_window=0)
     ids = natural_token_ids(model.tokenizer, args.tokens)
@@ -49,7 +51,7 @@ def child(args) -> dict:
     return {"case": args.case, "tokens": int(ids.numel()), "kv_bytes_allocated": engine.kv_bytes,
             "kv_bytes_planned": plan.kv_cache, "cache_lengths": engine.cache_lengths(),
             "rss_after_load": rss_loaded, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "prefill_seconds": seconds, "top_token": int(logits.argmax())}
+            "prefill_seconds": seconds, "top_token": int(logits.argmax()), **described}
 
 
 def main() -> None:
@@ -66,10 +68,6 @@ def main() -> None:
     if args.case:
         print("EKV-RESULT " + json.dumps(child(args)))
         return
-    from edgekv.memory import kv_cache_bytes
-    from edgekv.models import load_model
-
-    cfg = load_model(args.model).config
     rows = []
     for case in ("kinds", "uniform"):
         cmd = [sys.executable, __file__, "--child", case, *sys.argv[1:]]
@@ -78,11 +76,10 @@ def main() -> None:
         if proc.returncode != 0 or line is None:
             sys.exit(f"case {case} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         rows.append(json.loads(line[len("EKV-RESULT "):]))
-    uniform_cfg = dataclasses.replace(cfg, layer_kinds=(), sliding_window=0)
-    full = kv_cache_bytes(uniform_cfg, args.tokens)
+    kinds_of_layers, window, full = rows[0]["layer_kinds"], rows[0]["sliding_window"], rows[0]["full_cache_kv_bytes"]
     result = {"command": " ".join(["python", "tools/bench/bench_gemma3_kv.py", *sys.argv[1:]]),
               "model": args.model, "policy": args.policy, "budget": args.budget, "block": args.block,
-              "tokens": args.tokens, "layer_kinds": list(cfg.layer_kinds), "sliding_window": cfg.sliding_window,
+              "tokens": args.tokens, "layer_kinds": kinds_of_layers, "sliding_window": window,
               "full_cache_kv_bytes": full, "rows": rows, "machine": platform.platform(),
               "note": "shared machine (other jobs ran beside it): RSS and seconds are indicative; KV bytes are exact"}
     out = Path(args.out)
@@ -93,8 +90,8 @@ def main() -> None:
     lines = [
         f"# Gemma 3 per-layer cache kinds vs a uniform cache ({args.model}, {args.tokens} tokens)", "",
         f"`{result['command']}` — eager engine, policy {args.policy}, N = {args.budget}, B = {args.block}; "
-        f"{cfg.layer_kinds.count('local')} local layers (window {cfg.sliding_window}) and "
-        f"{cfg.layer_kinds.count('global')} global layers. {result['note']}.", "",
+        f"{kinds_of_layers.count('local')} local layers (window {window}) and "
+        f"{kinds_of_layers.count('global')} global layers. {result['note']}.", "",
         "| cache | KV bytes allocated | KV bytes planned | peak RSS | prefill s |", "|---|---|---|---|---|",
     ]
     for r, name in ((kinds, "per-layer kinds (ring W + B local, N + B global)"), (uniform, "uniform N + B every layer")):
