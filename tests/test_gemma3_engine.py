@@ -77,7 +77,7 @@ def test_greedy_ids_match_transformers(gemma, gemma_hf):
 def test_softcapping_matches_transformers():
     model = tiny_gemma3_model(2, sliding_window=WINDOW, attn_softcap=5.0, final_softcap=3.0)
     # transformers' Gemma 3 ignores attn_logit_softcapping (QK-norm replaced it): so does edgekv's description
-    assert model.config.attn_softcap == 0.0 and model.config.final_softcap == 3.0
+    assert model.config.final_softcap == 3.0
     ids = prompt(40, seed=4)
     with torch.no_grad():
         ref = model.to_hf()(ids[None]).logits[0]

@@ -11,7 +11,7 @@ at most N + B entries (+ a policy's pseudo rows) at any moment.
 
 A family's differences are fields of its ``ModelConfig`` (``models/config.py``), read here, never a
 second engine: the norm's (offset + w) scale, QK-norm, the four norms per layer, the MLP's
-activation, the embedding scale, the attention scale, softcapping, and each layer's kind. A local
+activation, the embedding scale, the attention scale, the output logits' softcap, and each layer's kind. A local
 (sliding-window) layer attends to the last ``sliding_window`` positions through a ring of window + B
 entries (``cache.RingLayerCache``), with its own RoPE base, and no policy: only global layers score,
 evict and hold N + B.
@@ -170,16 +170,9 @@ class BlockEngine:
         return rms_norm(x, weight, self.cfg.rms_eps)
 
     def _attend(self, q, keys, values, mask):
-        """Attention of q [Hq, r, d] over keys / values [Hkv, n, d] under mask [r, n]; softcapped
-        logits (Gemma 2 style configs) need the explicit form."""
-        cap = self.cfg.attn_softcap
-        if not cap:
-            return F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True)[0]
-        g = self.cfg.group_size
-        k, v = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
-        logits = softcap(torch.einsum("hrd,hnd->hrn", q, k) * self.scale, cap).masked_fill(~mask[None], float("-inf"))
-        return torch.einsum("hrn,hnd->hrd", torch.softmax(logits, dim=-1), v)
+        """Attention of q [Hq, r, d] over keys / values [Hkv, n, d] under mask [r, n]."""
+        return F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True)[0]
 
     def _local_attention(self, cache: RingLayerCache, q, k, v, all_pos, b: int):
         """A sliding-window layer: the block's real rows written into the ring in place, the rows

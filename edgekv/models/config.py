@@ -8,7 +8,7 @@ A family is a set of values of these fields, never a second copy of the engine: 
 Mistral take the defaults; Gemma 3 (``gemma3_text``) sets per-layer kinds (five sliding-window
 "local" layers to one "global" layer, window 512), its local RoPE base, QK-norm, the four norms per
 layer with Gemma's (1 + w) scale, GeGLU with tanh GELU, the √hidden embedding scale and its
-attention scale; softcapping when a config has it. The engine, the memory plan and the budget read
+attention scale; the output logits' softcapping when a config has it. The engine, the memory plan and the budget read
 these fields; ``layer_kinds`` decides each layer's cache (a ring of window + B entries for a local
 layer, the policy's N + B for a global one)."""
 
@@ -74,7 +74,6 @@ class ModelConfig:
     mlp_activation: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: √hidden)
     query_scale: float = 0.0  # attention logits scale (0: 1/√head_dim)
-    attn_softcap: float = 0.0  # tanh softcapping of attention logits (0: none)
     final_softcap: float = 0.0  # tanh softcapping of the output logits (0: none)
 
     def __post_init__(self):
@@ -148,9 +147,8 @@ def _gemma3_description(hf_config) -> dict:
         qk_norm=True, sandwich_norms=True, norm_offset=1.0, mlp_activation="gelu_tanh",
         embed_scale=float(hf_config.hidden_size) ** 0.5,
         query_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
-        # Gemma 3 replaced attention-logit softcapping by QK-norm: transformers' Gemma 3 never applies a
-        # config's attn_logit_softcapping, and edgekv runs the model as its reference does
-        attn_softcap=0.0,
+        # (attn_logit_softcapping is not read: Gemma 3 replaced it by QK-norm and transformers' Gemma 3 never
+        # applies it; edgekv runs the model as its reference does)
         final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
     )
 
