@@ -7,6 +7,9 @@ K and V are stored in one of ``KV_DTYPES`` (``--kv-dtype``): fp32, or int8 codes
 float16 scale per ``INT8_GROUP`` channels of a row (``edgekv/engine/kv_quant.py`` says why);
 every byte count here (and the byte budgets of ``budget.py``) counts the codes and their
 scales exactly.
+A family with sliding-window layers (``ModelConfig.layer_kinds``) has two kinds of cache: a local
+layer holds a ring of exactly window + B entries (K, V, positions; no policy state), a global layer
+the policy's N + B; every count below sums the two kinds.
 The measured side is the process RSS high-water mark (what the OS charged) next to the
 engine's own cache bytes, so a reader sees both what edgekv planned and what Python,
 torch and the allocator added."""
@@ -54,10 +57,35 @@ def kv_row_bytes(head_dim: int, kv_dtype: str = DEFAULT_KV_DTYPE, dtype_bytes: i
     return head_dim * dtype_bytes
 
 
+def kv_entry_bytes(cfg: ModelConfig, kv_dtype: str = DEFAULT_KV_DTYPE, state_buffers: int = 0,
+                   dtype_bytes: int = 4) -> int:
+    """Bytes one entry of ONE layer's cache takes over its KV heads: K + V rows, the int32 position,
+    ``state_buffers`` float32 policy states."""
+    return cfg.num_kv_heads * (2 * kv_row_bytes(cfg.head_dim, kv_dtype, dtype_bytes) + 4 + 4 * state_buffers)
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
-    """Bytes one token occupies in the cache over all layers and KV heads: K + V (codes and scales
-    for int8) plus its int32 position — what a byte budget divides by (``budget.parse_budget``)."""
-    return cfg.num_layers * cfg.num_kv_heads * (2 * kv_row_bytes(cfg.head_dim, kv_dtype) + 4)
+    """Bytes one token of budget occupies in the cache over all the layers that a budget sizes (every
+    layer, or a family's global layers: local layers hold their window whatever the budget) and KV
+    heads: K + V (codes and scales for int8) plus its int32 position — what a byte budget divides by
+    (``budget.parse_budget``)."""
+    return len(cfg.global_layers) * kv_entry_bytes(cfg, kv_dtype)
+
+
+def ring_capacity(window: int, block: int, max_tokens: int | None = None) -> int:
+    """Entries of a local (sliding-window) layer's ring: window + B, or fewer when the whole
+    sequence (``max_tokens``) is shorter (then nothing is ever overwritten)."""
+    full = window + block
+    return full if max_tokens is None else max(1, min(full, int(max_tokens)))
+
+
+def local_kv_bytes(cfg: ModelConfig, block: int, kv_dtype: str = DEFAULT_KV_DTYPE, max_tokens: int | None = None,
+                   dtype_bytes: int = 4) -> int:
+    """The rings of every local layer (0 for a family without them)."""
+    if not cfg.local_layers:
+        return 0
+    ring = ring_capacity(cfg.sliding_window, block, max_tokens)
+    return len(cfg.local_layers) * ring * kv_entry_bytes(cfg, kv_dtype, 0, dtype_bytes)
 
 
 @dataclass
@@ -75,11 +103,17 @@ class MemoryPlan:
 
 
 def kv_cache_bytes(cfg: ModelConfig, capacity: int, state_buffers: int = 0, dtype_bytes: int = 4,
-                   kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
-    """The cache buffers of all layers at ``capacity`` entries per layer and KV head: K and V rows
-    (``kv_row_bytes``), the int32 position and ``state_buffers`` float32 policy states per entry."""
-    per_entry = cfg.num_kv_heads * (2 * kv_row_bytes(cfg.head_dim, kv_dtype, dtype_bytes) + 4 + 4 * state_buffers)
-    return cfg.num_layers * capacity * per_entry
+                   kv_dtype: str = DEFAULT_KV_DTYPE, block: int | None = None, max_tokens: int | None = None) -> int:
+    """The cache buffers of all layers: ``capacity`` entries per global layer and KV head (K and V rows
+    (``kv_row_bytes``), the int32 position and ``state_buffers`` float32 policy states per entry), and
+    each local layer's ring of window + ``block`` entries (K, V, position; ``max_tokens`` bounds it).
+    Without ``block`` every layer counts ``capacity`` entries: a uniform cache (the full cache of a
+    sequence that a run is compared with)."""
+    per_entry = kv_entry_bytes(cfg, kv_dtype, state_buffers, dtype_bytes)
+    if block is None or not cfg.local_layers:
+        return cfg.num_layers * capacity * per_entry
+    rings = local_kv_bytes(cfg, block, kv_dtype, max_tokens, dtype_bytes)
+    return len(cfg.global_layers) * capacity * per_entry + rings
 
 
 def block_activation_bytes(cfg: ModelConfig, block: int, capacity: int, dtype_bytes: int = 4,
@@ -109,11 +143,12 @@ def cache_capacity(budget: int, block: int, extra_rows: int = 0, max_tokens: int
 
 
 def plan_memory(cfg: ModelConfig, weight_bytes: int, capacity: int, block: int, state_buffers: int = 0,
-                kv_dtype: str = DEFAULT_KV_DTYPE) -> MemoryPlan:
+                kv_dtype: str = DEFAULT_KV_DTYPE, max_tokens: int | None = None) -> MemoryPlan:
+    ring = ring_capacity(cfg.sliding_window, block, max_tokens) if cfg.local_layers else 0
     return MemoryPlan(
         weights=weight_bytes,
-        kv_cache=kv_cache_bytes(cfg, capacity, state_buffers, kv_dtype=kv_dtype),
-        activations=block_activation_bytes(cfg, block, capacity, kv_dtype=kv_dtype),
+        kv_cache=kv_cache_bytes(cfg, capacity, state_buffers, kv_dtype=kv_dtype, block=block, max_tokens=max_tokens),
+        activations=block_activation_bytes(cfg, block, max(capacity, ring), kv_dtype=kv_dtype),
     )
 
 

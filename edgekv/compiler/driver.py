@@ -26,6 +26,7 @@ from ..artifact.manifest import ToolchainStatus
 from .backend.artifact_writer import BuildResult, build_manifest, write_artifact
 from .backend.target import CompileTarget, is_gpu_target
 from .errors import CompileError, ToolchainNeededWarning
+from .frontend.export import check_exportable
 from .passes.pseudo_rows import check_question_rows
 
 
@@ -115,6 +116,7 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
+    check_exportable(model.config)  # a family the compiled forward cannot map yet (Gemma 3's local layers)
     check_question_rows(policy, int(question_rows))
     tgt = CompileTarget.resolve(target)
     check_policy_builds_for(policy, tgt.tvm, kv_dtype, question_rows)

@@ -9,6 +9,13 @@ clarity: one block step runs every layer as
 Decode is the same step with B = 1. The whole prompt's KV never exists: each layer holds
 at most N + B entries (+ a policy's pseudo rows) at any moment.
 
+A family's differences are fields of its ``ModelConfig`` (``models/config.py``), read here, never a
+second engine: the norm's (offset + w) scale, QK-norm, the four norms per layer, the MLP's
+activation, the embedding scale, the attention scale, the output logits' softcap, and each layer's kind. A local
+(sliding-window) layer attends to the last ``sliding_window`` positions through a ring of window + B
+entries (``cache.RingLayerCache``), with its own RoPE base, and no policy: only global layers score,
+evict and hold N + B.
+
 ``kv_dtype`` picks how the caches store K and V (``memory.KV_DTYPES``): fp32, or int8 with float16
 scales per 32 channels (``kv_quant``), where the rule is "quantise on write, everything reads
 dequantised": the block is quantised as it is written, before its own attention, so the block's
@@ -17,16 +24,16 @@ queries, the cached rows' attention and every policy read the same dequantised v
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..memory import DEFAULT_KV_DTYPE, cache_capacity, check_kv_dtype
+from ..memory import DEFAULT_KV_DTYPE, cache_capacity, check_kv_dtype, ring_capacity
+from ..models.config import LOCAL
 from ..models.loaded import LoadedModel
 from ..policies.base import EvictionContext, Policy, PolicyError
-from .cache import LayerCache, new_layer_cache
+from .cache import LayerCache, RingLayerCache, new_layer_cache
 
 
 @dataclass
@@ -51,6 +58,16 @@ class EngineStats:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def activation(name: str):
+    if name == "gelu_tanh":
+        return lambda t: F.gelu(t, approximate="tanh")
+    return F.silu
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,7 +95,10 @@ class BlockEngine:
         self.model, self.policy, self.budget, self.block = model, policy, budget, block
         self.cfg = model.config
         self.record_kept = record_kept
-        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        self.scale = self.cfg.attention_scale
+        self.local = [self.cfg.layer_kind(i) == LOCAL for i in range(self.cfg.num_layers)]
+        self.global_layers = [i for i, local in enumerate(self.local) if not local]
+        self.max_tokens = max_tokens
         self.extra_rows = int(getattr(policy, "max_extra_tokens", 0))
         self.question_rows = int(question_rows) if policy.uses_question else 0
         self._question: tuple[torch.Tensor, torch.Tensor] | None = None  # during prefill(question=)
@@ -88,18 +108,29 @@ class BlockEngine:
         self.position = 0  # next token's position
         self.stats = EngineStats()
         w = model.weights
+        norms = ("input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                 "post_feedforward_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
         self._layers = [
             {name: w.get(f"model.layers.{i}.{name}") for name in (
-                "input_layernorm.weight", "post_attention_layernorm.weight",
-                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                *norms, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
             for i in range(self.cfg.num_layers)
         ]
+        offset = self.cfg.norm_offset
+        if offset:  # Gemma's RMSNorm scales by (1 + w): add the offset once, not in every step
+            for lw in self._layers:
+                for name in norms:
+                    if lw[name] is not None:
+                        lw[name] = lw[name] + offset
+        self._final_norm = w["model.norm.weight"] + offset
+        self._activation = activation(self.cfg.mlp_activation)
 
-    def _new_caches(self, capacity: int | None = None) -> list[LayerCache]:
-        return [new_layer_cache(self.cfg.num_kv_heads, capacity or self.capacity, self.cfg.head_dim,
-                                self.policy.entry_state, self.kv_dtype) for _ in range(self.cfg.num_layers)]
+    def _new_caches(self, capacity: int | None = None) -> list[LayerCache | RingLayerCache]:
+        ring = ring_capacity(self.cfg.sliding_window, self.block, None if capacity else self.max_tokens)
+        return [RingLayerCache(self.cfg.num_kv_heads, ring, self.cfg.head_dim, self.kv_dtype) if local
+                else new_layer_cache(self.cfg.num_kv_heads, capacity or self.capacity, self.cfg.head_dim,
+                                     self.policy.entry_state, self.kv_dtype) for local in self.local]
 
     def reset(self) -> None:
         """A new sequence: empty caches (per-entry state too), position 0, fresh counters."""
@@ -109,7 +140,9 @@ class BlockEngine:
         self.stats = EngineStats()
 
     def _layer_budgets(self) -> list[int]:
-        return [min(self.budget, self.policy.layer_budget(i, self.budget)) for i in range(self.cfg.num_layers)]
+        """N_l of every layer; a local layer's is its window (it keeps exactly that, no policy)."""
+        return [self.cfg.sliding_window if local else min(self.budget, self.policy.layer_budget(i, self.budget))
+                for i, local in enumerate(self.local)]
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -126,11 +159,34 @@ class BlockEngine:
         return c.positions[:, : c.length].clone()
 
     # ---- one step ---------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor):
-        freqs = positions.double()[:, None] * self.model.inv_freq.double()[None, :]
+    def _rope(self, positions: torch.Tensor, local: bool = False):
+        m = self.model
+        inv_freq, s = (m.local_inv_freq, m.local_attention_scaling) if local else (m.inv_freq, m.attention_scaling)
+        freqs = positions.double()[:, None] * inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        s = self.model.attention_scaling
         return (emb.cos() * s).float(), (emb.sin() * s).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.cfg.rms_eps)
+
+    def _attend(self, q, keys, values, mask):
+        """Attention of q [Hq, r, d] over keys / values [Hkv, n, d] under mask [r, n]."""
+        return F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True)[0]
+
+    def _local_attention(self, cache: RingLayerCache, q, k, v, all_pos, b: int):
+        """A sliding-window layer: the block's real rows written into the ring in place, the rows
+        after it (pseudo / question rows) only attended alongside, never stored (they would
+        overwrite live slots); every query sees the keys of its window, itself included."""
+        cache.write_block(k[:, :b], v[:, :b], all_pos[:b])
+        keys, values, key_pos = cache.view()
+        key_pos = key_pos[0].long()
+        if all_pos.numel() > b:
+            keys, values = torch.cat([keys, k[:, b:]], dim=1), torch.cat([values, v[:, b:]], dim=1)
+            key_pos = torch.cat([key_pos, all_pos[b:]])
+        window = self.cfg.sliding_window
+        mask = (key_pos[None, :] <= all_pos[:, None]) & (key_pos[None, :] > all_pos[:, None] - window)
+        return self._attend(q, keys, values, mask)
 
     def _project(self, lw, h, name, heads):
         out = F.linear(h, lw[f"self_attn.{name}_proj.weight"], lw.get(f"self_attn.{name}_proj.bias"))
@@ -155,15 +211,26 @@ class BlockEngine:
             n_extra = extra[0].shape[0]
             ids = torch.cat([token_ids, extra[0]])
             all_pos = torch.cat([positions, extra[1].long()])
-        cos, sin = self._rope(all_pos)
+        ropes = {False: self._rope(all_pos), True: self._rope(all_pos, local=True) if any(self.local) else None}
         x = self.model.weights["model.embed_tokens.weight"][ids]
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         record = StepRecord(start=self.position, length=b, evicted=False,
                             kept_positions=[] if self.record_kept else None)
         for layer, (lw, cache) in enumerate(zip(self._layers, self.caches)):
-            h = rms_norm(x, lw["input_layernorm.weight"], cfg.rms_eps)
-            q = rotate(self._project(lw, h, "q", cfg.num_heads), cos, sin)
-            k = rotate(self._project(lw, h, "k", cfg.num_kv_heads), cos, sin)
+            local = self.local[layer]
+            cos, sin = ropes[local]
+            h = self._norm(x, lw["input_layernorm.weight"])
+            q, k = self._project(lw, h, "q", cfg.num_heads), self._project(lw, h, "k", cfg.num_kv_heads)
+            if cfg.qk_norm:
+                q, k = self._norm(q, lw["self_attn.q_norm.weight"]), self._norm(k, lw["self_attn.k_norm.weight"])
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             v = self._project(lw, h, "v", cfg.num_kv_heads)
+            if local:
+                x = self._finish_layer(lw, x, self._local_attention(cache, q, k, v, all_pos, b), b + n_extra)
+                if record.kept_positions is not None:
+                    record.kept_positions.append(self.kept_positions(layer))
+                continue
             old = cache.length
             cache.write(old, k, v, all_pos)
             n_all = old + b + n_extra
@@ -178,13 +245,8 @@ class BlockEngine:
                 # (and pseudo rows after it) is masked. Positions are shared by all heads for the
                 # block's own entries, and every cached position is < the block's first.
                 mask = key_pos[0][None, :].long() <= all_pos[:, None]
-                attn = F.scaled_dot_product_attention(
-                    q[None], keys[None], values[None], attn_mask=mask[None, None], scale=self.scale, enable_gqa=True
-                )[0]
-            x = x + F.linear(attn.transpose(0, 1).reshape(b + n_extra, -1), lw["self_attn.o_proj.weight"])
-            h = rms_norm(x, lw["post_attention_layernorm.weight"], cfg.rms_eps)
-            gate, up = F.linear(h, lw["mlp.gate_proj.weight"]), F.linear(h, lw["mlp.up_proj.weight"])
-            x = x + F.linear(F.silu(gate) * up, lw["mlp.down_proj.weight"])
+                attn = self._attend(q, keys, values, mask)
+            x = self._finish_layer(lw, x, attn, b + n_extra)
             compacted = self._evict(layer, cache, old + b, q, all_pos, b, n_extra, (keys, values, key_pos))
             record.evicted = record.evicted or compacted
             self.policy.after_step(layer, cache, compacted, budget=self.budget)
@@ -195,9 +257,21 @@ class BlockEngine:
         if record.evicted:
             self.stats.eviction_events += 1
         x = x[:b] if all_logits else x[b - 1 : b]
-        x = rms_norm(x, self.model.weights["model.norm.weight"], cfg.rms_eps)
-        logits = F.linear(x, self.model.lm_head)
+        logits = softcap(F.linear(self._norm(x, self._final_norm), self.model.lm_head), cfg.final_softcap)
         return logits if all_logits else logits[0]
+
+    def _finish_layer(self, lw, x, attn, rows: int):
+        """o_proj and the MLP with their residuals (with the family's post-norms when it has four)."""
+        out = F.linear(attn.transpose(0, 1).reshape(rows, -1), lw["self_attn.o_proj.weight"])
+        if self.cfg.sandwich_norms:
+            x = x + self._norm(out, lw["post_attention_layernorm.weight"])
+            h = self._norm(x, lw["pre_feedforward_layernorm.weight"])
+        else:
+            x = x + out
+            h = self._norm(x, lw["post_attention_layernorm.weight"])
+        gate, up = F.linear(h, lw["mlp.gate_proj.weight"]), F.linear(h, lw["mlp.up_proj.weight"])
+        out = F.linear(self._activation(gate) * up, lw["mlp.down_proj.weight"])
+        return x + (self._norm(out, lw["post_feedforward_layernorm.weight"]) if self.cfg.sandwich_norms else out)
 
     def _evict(self, layer, cache, n, q, all_pos, b, n_extra, read) -> bool:
         """``read``: the step's (keys, values, positions) of cache ⊕ block ⊕ extra rows as the
@@ -290,7 +364,10 @@ class BlockEngine:
         extra = self._question if self._question is not None else self.policy.extra_tokens()
         if extra is None:
             return None
-        if max(c.length for c in self.caches) + b <= min(self.layer_budgets):
+        if not self.global_layers:
+            return None
+        if max(self.caches[i].length for i in self.global_layers) + b <= min(self.layer_budgets[i]
+                                                                           for i in self.global_layers):
             return None
         return extra
 
@@ -372,8 +449,10 @@ class BlockEngine:
         """The capacity of the snapshot's caches (the engine takes it): the engine that saved it may
         have had room for a question's rows (``question_rows``) or a shorter sequence; any capacity
         from N + B up continues correctly."""
-        keys = snap.tensors.get((0, 0))
-        per_entry = self.cfg.num_kv_heads * self.cfg.head_dim * self.caches[0].stored_tensors()[0].element_size()
+        first_global = self.global_layers[0]  # a local layer's ring has its own fixed capacity
+        keys = snap.tensors.get((first_global, 0))
+        per_entry = (self.cfg.num_kv_heads * self.cfg.head_dim
+                     * self.caches[first_global].stored_tensors()[0].element_size())
         if keys is None or keys.nbytes % per_entry:
             return self.capacity  # the layout check refuses it
         capacity = keys.nbytes // per_entry

@@ -5,6 +5,10 @@ live in the tail only while their block runs). Entries [0, length) are the live 
 temporal order; a block is written at [length, length + b), attended, then the policy's
 kept indices are gathered back to the front (compaction).
 
+A local (sliding-window) layer's cache is a ``RingLayerCache``: exactly window + B slots, a token
+written in place at slot position mod capacity, nothing scored or compacted — the oldest entries
+it overwrites are ones no query of the window can see any more.
+
 Two storage formats (``memory.KV_DTYPES``): ``LayerCache`` holds K and V in float32;
 ``Int8LayerCache`` holds int8 codes and float16 scales (``kv_quant``: quantised on write) and
 gives every reader the dequantised rows through the same ``keys`` / ``values`` / ``view``."""
@@ -160,3 +164,65 @@ def new_layer_cache(num_kv_heads: int, capacity: int, head_dim: int, state_names
     if check_kv_dtype(kv_dtype, "kv_dtype") == "int8":
         return Int8LayerCache(num_kv_heads, capacity, head_dim, state_names)
     return LayerCache(num_kv_heads, capacity, head_dim, state_names)
+
+
+# the position of a ring slot not written yet: below every query's window, so attention masks it
+EMPTY_POSITION = -(1 << 30)
+
+
+class RingLayerCache:
+    """A sliding-window layer's cache: ``capacity`` = window + B slots (``memory.ring_capacity``) of
+    either storage format, token p at slot p mod capacity. A block of b ≤ B tokens at p … p+b−1
+    overwrites positions ≤ p+b−1−capacity = p−W−(B−b+1), older than every query's window (a query at q
+    sees keys > q − W), so the ring is exact: the local layer's attention equals a full cache's with
+    the window mask. No policy state, no scores, no compaction."""
+
+    def __init__(self, num_kv_heads: int, capacity: int, head_dim: int, kv_dtype: str = DEFAULT_KV_DTYPE):
+        self.inner = new_layer_cache(num_kv_heads, capacity, head_dim, (), kv_dtype)
+        self.inner.positions.fill_(EMPTY_POSITION)
+        self.capacity = capacity
+        self.state: dict = {}
+        self.filled = 0  # slots [0, filled) have been written (the ring fills from slot 0)
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.inner.kv_dtype
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.inner.positions
+
+    @property
+    def length(self) -> int:
+        return self.filled
+
+    @length.setter
+    def length(self, n: int) -> None:  # a snapshot's restore
+        self.filled = int(n)
+
+    def write_block(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write b consecutive positions in place (at most two runs of slots: the ring wraps once)."""
+        b = positions.numel()
+        if b > self.capacity:
+            raise RuntimeError(f"a block of {b} tokens does not fit a ring of {self.capacity} slots")
+        start = int(positions[0]) % self.capacity
+        first = min(b, self.capacity - start)
+        self.inner.write(start, keys[:, :first], values[:, :first], positions[:first])
+        if first < b:
+            self.inner.write(0, keys[:, first:], values[:, first:], positions[first:])
+        self.filled = max(self.filled, min(self.capacity, start + b))
+
+    def view(self, n: int | None = None):
+        """(keys, values, positions) of every written slot, in slot order (not temporal: attention
+        masks by position)."""
+        return self.inner.view(self.filled)
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        return self.inner.stored_tensors()
+
+    def restore_tensors(self, tensors: list[torch.Tensor]) -> None:
+        self.inner.restore_tensors(tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes

@@ -54,7 +54,16 @@ class EagerSession:
         e = self.engine
         return {"engine": "eager", "model": e.model.model_id, "weight_sha256": e.model.weight_hash,
                 "policy": self.policy_name, "policy_params": e.policy.params(), "budget_tokens": e.budget,
-                "block": e.block, "kv_dtype": e.kv_dtype, "cache_capacity": e.capacity}
+                "block": e.block, "kv_dtype": e.kv_dtype, "cache_capacity": e.capacity, **self._cache_kinds()}
+
+    def _cache_kinds(self) -> dict:
+        """A family with sliding-window layers: which layers hold a ring (and its size), which the policy."""
+        e = self.engine
+        local = [i for i, is_local in enumerate(e.local) if is_local]
+        if not local:
+            return {}
+        return {"cache_kinds": {"local_layers": local, "global_layers": e.global_layers,
+                                "sliding_window": e.cfg.sliding_window, "ring_capacity": e.caches[local[0]].capacity}}
 
     def session_stats(self) -> SessionStats:
         e, s = self.engine, self.engine.stats
@@ -79,7 +88,8 @@ def open_eager_session(model: LoadedModel, policy_name: str, policy_args: dict, 
     question_rows = question_rows if policy.uses_question else 0
     capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
                               max_tokens)
-    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype)
+    plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype,
+                       max_tokens=max_tokens)
     check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
                hint="lower --budget or --block, or shorten the prompt"
                + ("" if kv_dtype == "int8" else ", or store the cache in int8 (--kv-dtype int8)"))

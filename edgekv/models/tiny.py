@@ -54,3 +54,50 @@ def tiny_random_model(
     return LoadedModel(
         model_id=f"tiny-{model_type}-{seed}", config=config_from_hf(hf_config), hf_config=hf_config, weights=weights
     )
+
+
+def tiny_gemma3_model(
+    seed: int = 0,
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 1,
+    head_dim: int = 32,
+    intermediate: int = 128,
+    vocab: int = 256,
+    sliding_window: int = 16,
+    pattern: int = 3,
+    max_position: int = 4096,
+    final_softcap: float | None = None,
+    attn_softcap: float | None = None,
+) -> LoadedModel:
+    """A random Gemma 3 decoder built by transformers' Gemma3ForCausalLM: ``pattern`` − 1 sliding-window
+    layers then one global layer (the real model: 5 : 1, window 512; here 2 : 1, window 16, so short
+    prompts cross the window), QK-norm, four norms per layer, GeGLU, tied embeddings, √hidden scale,
+    local RoPE base 10000 and global 1e6 (Gemma's)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    hf_config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_position,
+        sliding_window=sliding_window, sliding_window_pattern=pattern, query_pre_attn_scalar=head_dim,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        final_logit_softcapping=final_softcap, attn_logit_softcapping=attn_softcap, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    hf_config._attn_implementation = "eager"  # softcapping needs the eager attention
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():  # Gemma's norms scale by (1 + w): weights around 0 keep that near 1
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.uniform_(-0.2, 0.2)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights.pop("lm_head.weight", None)
+    return LoadedModel(
+        model_id=f"tiny-gemma3-{seed}", config=config_from_hf(hf_config), hf_config=hf_config, weights=weights
+    )

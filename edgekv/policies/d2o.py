@@ -275,13 +275,18 @@ class D2OPolicy(Policy):
         prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         first = prompt_ids[: engine.block]
 
+        # only the layers that evict get a budget (a family's sliding-window layers keep their window)
+        layers = list(getattr(engine, "global_layers", range(engine.cfg.num_layers)))
+
         def first_block_variances() -> torch.Tensor:
             probe = _VarianceProbe()
             type(engine)(engine.model, probe, budget=first.numel(), block=first.numel()).step(first)
-            return torch.stack([probe.variances[i] for i in range(engine.cfg.num_layers)])
+            return torch.stack([probe.variances[i] for i in layers])
 
-        self.budgets = self.prompt_budgets(prompt_ids.numel(), engine.budget, engine.cfg.num_layers,
-                                           first_block_variances)
+        budgets = self.prompt_budgets(prompt_ids.numel(), engine.budget, len(layers), first_block_variances)
+        self.budgets = [engine.budget] * engine.cfg.num_layers
+        for layer, layer_budget in zip(layers, budgets):
+            self.budgets[layer] = layer_budget
 
     def prompt_budgets(self, prompt_len: int, budget: int, num_layers: int,
                        first_block_variances: Callable[[], torch.Tensor]) -> list[int]:

@@ -106,8 +106,24 @@ def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def check_exportable(config: Any) -> None:
+    """Refuse a model description the plain forward and the attention-site rewrite cannot map yet,
+    naming the missing piece (called by the driver before any work)."""
+    from ..errors import CompileError
+
+    kinds = tuple(getattr(config, "layer_kinds", ()) or ())
+    if "local" in kinds or getattr(config, "model_type", "") == "gemma3_text":
+        raise CompileError(
+            "compiling Gemma 3's sliding-window layers is not supported yet: the attention-site rewrite gives every "
+            "layer the policy's N + B cache, and a local layer needs a ring of window + B entries with the window mask "
+            f"({kinds.count('local')} of {len(kinds)} layers here, window {getattr(config, 'sliding_window', 0)}); "
+            "the plain forward also lacks Gemma's QK-norm, four norms and GeGLU, and the manifest a per-layer cache "
+            "kind. Run it with the eager engine instead: `edgekv run MODEL` (local rings and global eviction)")
+
+
 def plain_module(model: Any) -> PlainLlama:
     """The plain forward of a ``edgekv.models.LoadedModel``."""
+    check_exportable(model.config)
     return PlainLlama(model.config, model.weights, model.inv_freq,
                       getattr(model, "attention_scaling", 1.0)).eval()
 
