@@ -95,3 +95,27 @@ def test_engine_greedy_equals_hf_generate_qwen2(qwen, prompt):
         ref = qwen.to_hf().generate(prompt[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, PROMPT:]
     assert BlockEngine(qwen, make_policy("full"), budget=64, block=B).generate(prompt, 8, Sampler()) == ref.tolist()
+
+
+def test_a_compile_that_cannot_fit_is_refused_before_exporting(qwen, monkeypatch):
+    pytest.importorskip("tvm")
+    import edgekv.compiler.frontend.export as export
+    import edgekv.memory as memory
+    from edgekv.compiler import compile_model
+    from edgekv.compiler.errors import CompileError
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: (1 << 20, "what this test leaves"))
+    monkeypatch.setattr(export, "export_plain_forward", lambda *a: pytest.fail("exported before refusing"))
+    with pytest.raises(CompileError, match=r"needs about .* more memory \(transposed weights .* TVM build .*\).* "
+                                           r"1\.0MiB is left \(what this test leaves\)"):
+        compile_model(qwen, make_policy("keydiff"), 16, B, target=TEST_TARGET)
+
+
+def test_imported_weights_are_the_models_own_tensors(qwen):
+    pytest.importorskip("tvm")
+    from edgekv.compiler import import_model
+
+    _, params, _ = import_model(qwen, B)
+    by_name = {n.removeprefix("p_w_").replace("__", "."): a for n, a in params}
+    for name, tensor in qwen.weights.items():
+        assert np.shares_memory(by_name[name], tensor.numpy()), name  # views, not copies
