@@ -106,7 +106,7 @@ def test_a_compile_that_cannot_fit_is_refused_before_exporting(qwen, monkeypatch
 
     monkeypatch.setattr(memory, "available_bytes", lambda: (1 << 20, "what this test leaves"))
     monkeypatch.setattr(export, "export_plain_forward", lambda *a: pytest.fail("exported before refusing"))
-    with pytest.raises(CompileError, match=r"needs about .* more memory \(transposed weights .* TVM build .*\).* "
+    with pytest.raises(CompileError, match=r"needs about .* more memory \(laid-out params .* TVM build .*\).* "
                                            r"1\.0MiB is left \(what this test leaves\)"):
         compile_model(qwen, make_policy("keydiff"), 16, B, target=TEST_TARGET)
 

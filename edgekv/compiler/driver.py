@@ -68,13 +68,13 @@ TVM_BUILD_BYTES = 1 << 30  # TVM's own working set while it schedules and builds
 
 
 def compile_memory_need(model: Any, weights: str) -> dict[str, int]:
-    """The memory a compile still allocates on top of the loaded model, by what takes it: the linear
-    weights transposed (``pretranspose_weights``: a copy of each [N, K] matrix but the embedding),
-    the laid-out params (q4 / q8 blocks, or fp32 panels) and TVM's build."""
-    mats = {n: int(t.numel()) * 4 for n, t in getattr(model, "weights", {}).items() if t.dim() == 2}
-    transposed = sum(b for n, b in mats.items() if "embed_tokens" not in n)
-    per_fp32 = {"q4": 6.5 / 32, "q8": 8.5 / 32}.get(weights, 1.0)  # Q4_K/Q6_K/Q4_1/Q8_0 ≤ 6.5 bits, Q8_0 8.5
-    return {"transposed weights": transposed, "laid-out params": int(sum(mats.values()) * per_fp32),
+    """The memory a compile still allocates on top of the loaded model, by what takes it: the
+    laid-out params (q4 / q8 blocks, or fp32 panels), the largest weight once more (a transposed /
+    panelled / quantised copy is made one tensor at a time: ``pipeline.param_layout``) and TVM's
+    build. The imports hold views of the loaded weights (``frontend/export.py``): nothing."""
+    mats = [int(t.numel()) * 4 for t in getattr(model, "weights", {}).values() if t.dim() == 2]
+    per_fp32 = {"q4": 6.5 / 32, "q8": 8.5 / 32}.get(weights, 1.0)  # Q4_K/Q6_K/Q4_1 ≤ 6.5 bits, Q8_0 8.5
+    return {"laid-out params": int(sum(mats) * per_fp32), "one weight in flight": max(mats, default=0),
             "TVM build": TVM_BUILD_BYTES}
 
 
