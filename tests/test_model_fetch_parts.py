@@ -36,7 +36,8 @@ def write_wheel(folder: Path, n: int, data: bytes, record_data: bytes | None = N
     requirement, package, member = FAKE.part(n)
     dist = f"{package}-0.2.0.dist-info"
     files = {f"{package}/__init__.py": b"", member: data,
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {requirement.split('==')[0]}\nVersion: 0.2.0\n".encode(),
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {requirement.split('==')[0]}\n"
+                                 "Version: 0.2.0\n".encode(),
              f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = "".join(f"{name},{_record_hash(record_data if name == member and record_data is not None else body)},"
                      f"{len(body)}\n" for name, body in files.items()) + f"{dist}/RECORD,,\n"

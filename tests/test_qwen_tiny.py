@@ -86,7 +86,8 @@ def test_compiled_keydiff_matches_engine_and_native(qwen, prompt, weights, tmp_p
     host.reset()
     ids_host = host.generate(prompt.tolist(), 12)
     if not (native.available() and native.cli_path() is not None):
-        pytest.skip("the native runtime is not built: `pip install -e .` builds runtime/ (needs cmake and a C compiler)")
+        pytest.skip("the native runtime is not built: `pip install -e .` builds runtime/ "
+                    "(needs cmake and a C compiler)")
     assert native.NativeRuntime(out).generate(prompt.tolist(), 12) == ids_host
 
 

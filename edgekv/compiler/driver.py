@@ -91,7 +91,8 @@ def check_compile_memory(model: Any, weights: str) -> None:
         parts = " + ".join(f"{what} {h(b)}" for what, b in need.items())
         raise CompileError(f"compiling {getattr(model, 'model_id', 'the model')} needs about {h(total)} more memory "
                            f"({parts}) on top of the loaded weights, and {h(avail)} is left ({source}); close other "
-                           "programs or compile on a machine with more memory (peak measured in docs/COMPILER.md)")
+                           "programs, raise that limit or compile on a machine with more memory (peak measured in "
+                           "docs/COMPILER.md)")
 
 
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",

@@ -215,7 +215,8 @@ def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None,
                     if STREAMED_ARCHS[arch] and (".attn_q." in t.name or ".attn_k." in t.name):
                         kv = heads if ".attn_q." in t.name else kv_heads
                         w = LlamaTensorProcessor()._reverse_permute_weights(w, heads, kv)
-                    state[hf_name] = torch.from_numpy(np.array(w, np.float32))  # own, writable (F32 ones are file views)
+                    # own and writable: F32 tensors come back as views of the file
+                    state[hf_name] = torch.from_numpy(np.array(w, np.float32))
                     progress.advance(task, 4 * w.size)
                 save_file(state, str(tmp / f"model-{group}.safetensors"), metadata={"format": "pt"})
                 del state

@@ -38,7 +38,8 @@ hf = Qwen2Config(vocab_size=vocab, hidden_size=1536, intermediate_size=8960, num
 g = torch.Generator().manual_seed(0)
 def rnd(*shape):
     return torch.randn(*shape, generator=g) * 0.02
-w = {"model.embed_tokens.weight": rnd(vocab, 1536), "lm_head.weight": rnd(vocab, 1536), "model.norm.weight": torch.ones(1536)}
+w = {"model.embed_tokens.weight": rnd(vocab, 1536), "lm_head.weight": rnd(vocab, 1536),
+     "model.norm.weight": torch.ones(1536)}
 for i in range(layers):
     p = f"model.layers.{i}."
     w |= {p + "input_layernorm.weight": torch.ones(1536), p + "post_attention_layernorm.weight": torch.ones(1536),
