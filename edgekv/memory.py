@@ -179,6 +179,19 @@ def available_bytes() -> tuple[int, str]:
                     avail, source = max(0, left), f"memory left under this cgroup's memory.max ({int(limit)} bytes)"
     except (OSError, ValueError, StopIteration):
         pass
+    try:  # cgroup v1 (memory controller): memory.limit_in_bytes
+        from pathlib import Path
+
+        rel = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.split(":", 2)[1] == "memory"), None)
+        d = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") if rel is not None else None
+        if d is not None and (d / "memory.limit_in_bytes").is_file():
+            limit = int((d / "memory.limit_in_bytes").read_text())
+            left = limit - int((d / "memory.usage_in_bytes").read_text())
+            if limit < (1 << 60) and left < avail:
+                avail, source = max(0, left), f"memory left under this cgroup's memory.limit_in_bytes ({limit} bytes)"
+    except (OSError, ValueError, IndexError):
+        pass
     for name, field in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft = resource.getrlimit(getattr(resource, name))[0]
         if soft != resource.RLIM_INFINITY:

@@ -89,6 +89,37 @@ def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
     return weights
 
 
+TVM_BUILD_BYTES = 1 << 30  # TVM's own working set while it schedules and builds (measured: docs/COMPILER.md)
+
+
+def compile_memory_need(model: Any, weights: str) -> dict[str, int]:
+    """The memory a compile still allocates on top of the loaded model, by what takes it: the
+    laid-out params (q4 / q8 blocks, or fp32 panels), the largest weight once more (a transposed /
+    panelled / quantised copy is made one tensor at a time: ``pipeline.param_layout``) and TVM's
+    build. The imports hold views of the loaded weights (``frontend/export.py``): nothing."""
+    mats = [int(t.numel()) * 4 for t in getattr(model, "weights", {}).values() if t.dim() == 2]
+    per_fp32 = {"q4": 6.5 / 32, "q8": 8.5 / 32}.get(weights, 1.0)  # Q4_K/Q6_K/Q4_1 ≤ 6.5 bits, Q8_0 8.5
+    return {"laid-out params": int(sum(mats) * per_fp32), "one weight in flight": max(mats, default=0),
+            "TVM build": TVM_BUILD_BYTES}
+
+
+def check_compile_memory(model: Any, weights: str) -> None:
+    """Refuse before exporting a compile that cannot fit in the memory left (the machine's, or the
+    cgroup's / rlimit's this process runs under), with the numbers."""
+    from ..memory import available_bytes
+    from ..units import human_bytes as h
+
+    need = compile_memory_need(model, weights)
+    total = sum(need.values())
+    avail, source = available_bytes()
+    if total > avail:
+        parts = " + ".join(f"{what} {h(b)}" for what, b in need.items())
+        raise CompileError(f"compiling {getattr(model, 'model_id', 'the model')} needs about {h(total)} more memory "
+                           f"({parts}) on top of the loaded weights, and {h(avail)} is left ({source}); close other "
+                           "programs, raise that limit or compile on a machine with more memory (peak measured in "
+                           "docs/COMPILER.md)")
+
+
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
                   progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32",
@@ -133,6 +164,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         say("importing the ONNX graph")
         imported = model.import_graph(block)
     weights = resolve_weights(model, weights, tgt.weight_layout)
+    if imported is None:
+        check_compile_memory(model, weights)
 
     built = compile_pipeline(model, policy, budget, block, tgt, weights=weights, kv_dtype=kv_dtype,
                              question_rows=question_rows, imported=imported, mem_limit=mem_limit, say=say)

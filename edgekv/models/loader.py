@@ -1,8 +1,13 @@
 """Load a model from a name, a GGUF file or an HF directory into a ``LoadedModel``.
 
-GGUF files are converted once through transformers (which dequantises with ``gguf``; ~30 s
-for SmolLM2) into an HF directory in the user cache (config.json, model.safetensors,
-tokenizer); later loads read that copy in about a second."""
+GGUF files are converted once into an HF directory in the user cache (config.json, safetensors
+shards, tokenizer); later loads read that copy. For the families whose GGUF tensors map to HF
+names with at most llama.cpp's q/k row permutation (``STREAMED_ARCHS``: llama, qwen2) the weights
+are dequantised one tensor at a time with ``gguf.quants`` and written shard by shard (a layer per
+file), with a progress bar over the bytes and the disk they need checked first: memory stays at one
+layer, not the model. The copy is fp32, so it is exactly ``gguf``'s dequantisation (the eager
+oracle's weights; bf16 would round Q4_K's d·sc·q). Other families go through transformers'
+GGUF loader (the whole model in memory)."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 
@@ -25,6 +31,9 @@ from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
 
 CONVERSION_FORMAT = 1  # bump when the cached copy's layout changes
+# GGUF architectures converted tensor by tensor here: name map from gguf, q/k rows un-permuted for llama
+# (transformers' TENSOR_PROCESSORS do the same: llama.cpp permutes Llama's q/k, not Qwen2's)
+STREAMED_ARCHS = {"llama": True, "qwen2": False}  # arch → q/k rows permuted in the file
 _OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|bad_alloc|ENOMEM|os error 12", re.I)
 
 
@@ -40,10 +49,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _gguf_tokenizer_fields(path: Path) -> dict:
+def _gguf_tokenizer_fields(path: Path, reader=None) -> dict:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader or gguf.GGUFReader(str(path))
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -147,9 +156,11 @@ def quiet_transformers():
     hf_logging.set_verbosity_error()
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path):
     """Refuse a truncated or corrupt GGUF before converting it (transformers' own errors do not
-    say so): the header must parse and every tensor's data must lie inside the file."""
+    say so): the header must parse and every tensor's data must lie inside the file. Returns the
+    file's ``gguf.GGUFReader`` (reading the header of a 151K-token vocabulary takes tens of seconds:
+    read it once)."""
     import gguf
 
     size = path.stat().st_size
@@ -162,6 +173,7 @@ def check_gguf(path: Path) -> None:
     if end > size:
         raise ModelError(f"'{path}' is truncated or corrupt: its tensors need {end:,} bytes but the file has "
                          f"{size:,}; download the file again")
+    return reader
 
 
 def check_gguf_architecture(path: Path) -> None:
@@ -186,13 +198,113 @@ def _status(console: Console, msg: str):
     return console.status(msg)
 
 
+def _gguf_arch(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+
+
+def _shards(names: list[str]) -> list[tuple[str, list[str]]]:
+    """HF tensor names grouped into shard files: one per decoder layer, the embedding and the LM
+    head alone (the two largest tensors), the rest together."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        key = f"layer{int(m.group(1)):03d}" if m else ("embed" if "embed_tokens" in name else
+                                                      "lm_head" if name.startswith("lm_head") else "other")
+        groups.setdefault(key, []).append(name)
+    return sorted(groups.items())
+
+
+def check_disk_for(dest: Path, need: int, what: str) -> None:
+    """Refuse before writing when ``dest``'s disk has less than ``need`` bytes free."""
+    probe = dest
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise ModelError(f"not enough disk for {what} in {dest.parent}: it needs {need:,} bytes, {free:,} are free; "
+                         "free some space, or point EDGEKV_CACHE at a larger disk")
+
+
+def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None, arch: str = "llama") -> None:
+    """Dequantise a GGUF tensor by tensor (``gguf.quants``) into fp32 safetensors shards at ``dest``
+    (written under a temporary name, renamed when complete), with a progress bar."""
+    import gguf
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    reader = reader or gguf.GGUFReader(str(path))
+    with _status(console, f"reading {path.name}'s config and tokenizer…"), \
+            contextlib.redirect_stderr(io.StringIO()):
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config_from_hf(hf_config)  # refuse unsupported architectures before writing
+        converted_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
+                                     hf_config.num_hidden_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    sources = {}
+    for hf_name in shapes:
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gname in by_name:
+            sources[hf_name] = by_name[gname]
+        elif not (hf_name == "lm_head.weight" and hf_config.tie_word_embeddings):
+            raise ModelError(f"'{path}' has no tensor for {hf_name} (GGUF name {gname}); the file is not a complete "
+                             f"{arch} model")
+    total = sum(4 * int(np.prod(shapes[n])) for n in sources)
+    check_disk_for(dest, total, f"the fp32 copy of {path.name}")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        console.print(f"edgekv: converting {path.name} once to an fp32 safetensors copy ({total / 2**30:.1f} GiB) in "
+                      f"{dest.parent} (`edgekv cache --clear` deletes it)", highlight=False, soft_wrap=True)
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("dequantising", total=total)
+            shards = _shards(list(sources))
+            for i, (group, members) in enumerate(shards):
+                progress.update(task, description=f"dequantising {group} ({i + 1}/{len(shards)})")
+                state = {}
+                for hf_name in members:
+                    t = sources[hf_name]
+                    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                    w = w.reshape(shapes[hf_name])
+                    if STREAMED_ARCHS[arch] and (".attn_q." in t.name or ".attn_k." in t.name):
+                        kv = heads if ".attn_q." in t.name else kv_heads
+                        w = LlamaTensorProcessor()._reverse_permute_weights(w, heads, kv)
+                    # own and writable: F32 tensors come back as views of the file
+                    state[hf_name] = torch.from_numpy(np.array(w, np.float32))
+                    progress.advance(task, 4 * w.size)
+                save_file(state, str(tmp / f"model-{group}.safetensors"), metadata={"format": "pt"})
+                del state
+        hf_config.save_pretrained(str(tmp))
+        _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path, reader)).save_pretrained(str(tmp))
+        meta = {"source": str(path), "source_sha256": source_sha256(path), "model_type": hf_config.model_type,
+                "format": CONVERSION_FORMAT}
+        (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.replace(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert_gguf(path: Path, dest: Path, console: Console) -> None:
-    """Dequantise a GGUF through transformers and write an HF directory at ``dest`` atomically."""
+    """Convert a GGUF to an HF directory at ``dest`` atomically: streamed tensor by tensor for
+    ``STREAMED_ARCHS``, else through transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
 
-    check_gguf(path)
+    reader = check_gguf(path)
     quiet_transformers()
+    arch = _gguf_arch(reader)
+    if arch in STREAMED_ARCHS:
+        return convert_gguf_streamed(path, dest, console, reader, arch)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
@@ -213,7 +325,7 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
                 _sentencepiece_bpe_tokenizer(path, tok_meta).save_pretrained(str(tmp))
             else:
                 _fixed_tokenizer(converted_tok, tok_meta).save_pretrained(str(tmp))
-            meta = {"source": str(path), "source_sha256": _sha256(path), "model_type": model_type,
+            meta = {"source": str(path), "source_sha256": source_sha256(path), "model_type": model_type,
                     "format": CONVERSION_FORMAT}
             (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
         if dest.exists():

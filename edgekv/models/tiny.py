@@ -101,3 +101,11 @@ def tiny_gemma3_model(
     return LoadedModel(
         model_id=f"tiny-gemma3-{seed}", config=config_from_hf(hf_config), hf_config=hf_config, weights=weights
     )
+
+
+def tiny_qwen2_model(seed: int = 0, *, layers: int = 2, tie_embeddings: bool = False) -> LoadedModel:
+    """A tiny random Qwen2 shaped like Qwen2.5's small models where it matters to the engine and the
+    compiler: biases on q/k/v (none on o), 2 KV heads under 6 query heads, RoPE θ = 1e6, and an
+    untied LM head (Qwen2.5-1.5B's; the 0.5B ties it: ``tie_embeddings``)."""
+    return tiny_random_model(seed, layers=layers, hidden=96, heads=6, kv_heads=2, head_dim=16, intermediate=160,
+                             vocab=256, rope_theta=1_000_000.0, model_type="qwen2", tie_embeddings=tie_embeddings)

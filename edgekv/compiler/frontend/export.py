@@ -137,31 +137,42 @@ def export_plain_forward(model: Any, seq_len: int) -> torch.export.ExportedProgr
         return torch.export.export(module, (tokens, positions))
 
 
-def import_to_relax(program: torch.export.ExportedProgram):
+def import_to_relax(program: torch.export.ExportedProgram, with_params: bool = True):
     """Import into a Relax IRModule whose ``main(tokens, positions, *params)`` keeps the weights
-    as inputs (``num_input`` = 2), plus the parameter tensors in order (numpy arrays, named)."""
-    from tvm.relax.frontend import detach_params
+    as inputs (``num_input`` = 2), plus the parameter tensors in order (numpy arrays, named).
+
+    The arrays are views of the program's own parameters (the model's weights), not copies: TVM's
+    importer already holds them zero-copy (DLPack), and ``.numpy()`` on those would copy the whole
+    model once more per import. ``with_params=False`` returns names only (the decode import)."""
     from tvm.relax.frontend.torch import from_exported_program
 
     mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
-    mod, params = detach_params(mod)
-    named = []
     main = mod["main"]
+    mod["main"] = main.without_attr("params")  # TVM's zero-copy handles: the views below replace them
     num_input = int(main.attrs["num_input"])
-    for var, value in zip(main.params[num_input:], params["main"]):
-        named.append((var.name, value.numpy()))
+    variables = main.params[num_input:]
+    tensors = [t for _, t in program.named_parameters()]
+    if len(tensors) != len(variables):
+        raise RuntimeError(f"the exported program has {len(tensors)} parameters, its import {len(variables)}")
+    named = []
+    for var, tensor in zip(variables, tensors):
+        shape = tuple(int(s) for s in var.ty.shape)
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError(f"parameter {var.name}: exported {tuple(tensor.shape)}, imported {shape}")
+        named.append((var.name, tensor.detach().numpy() if with_params else None))
     return mod, named
 
 
 def import_model(model: Any, block: int, extra_rows: int = 0):
     """(module with ``prefill_src`` and ``decode_src``, weights [(name, numpy array)], timings):
     the prefill step exported at T = ``block`` + ``extra_rows`` (pseudo rows,
-    ``passes/pseudo_rows.py``) and decode at T = 1, both imported."""
+    ``passes/pseudo_rows.py``) and decode at T = 1, both imported. The weights are the model's
+    own tensors (views), once: the decode import shares them."""
     import tvm
 
     t0 = time.perf_counter()
     mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows))
-    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1))
+    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1), with_params=False)
     t1 = time.perf_counter()
     if [n for n, _ in params] != [n for n, _ in params_1]:
         raise RuntimeError("the block and decode exports disagree on their weight inputs")
