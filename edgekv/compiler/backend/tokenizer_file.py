@@ -84,7 +84,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from ...models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
-from .tokenizer_kinds import KIND_GPT2, KIND_QWEN2, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, tokenizer_kind  # noqa: F401
+from .tokenizer_kinds import (  # noqa: F401 - the pipeline checks live with the kinds; re-exported
+    KIND_GPT2, KIND_QWEN2, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, UnsupportedTokenizer, _describe, check_gpt2_pipeline,
+    tokenizer_kind,
+)
 from .tokenizer_unicode import contractions_section, nfc_section
 
 MAGIC = b"EKVTOKN\0"
@@ -114,10 +117,6 @@ SURROGATES = range(0xD800, 0xE000)
 # strings on which the transformers tokenizer must give exactly the backend's ids (it must add
 # nothing around the text, as the native runtime adds nothing)
 _SELF_CHECK_TEXTS = ["Hello world", " two  spaces\n\nand lines ", "It's 2024: déjà vu, 猫 😀", "x"]
-
-
-class UnsupportedTokenizer(ValueError):
-    """The tokenizer does something the native runtime does not reproduce."""
 
 
 def write_tokenizer_file(tokenizer, path: str | os.PathLike) -> dict:
@@ -298,57 +297,6 @@ def check_pipeline(spec: dict) -> None:
     """Refuse a tokenizer.json whose model, normalizer, pre-tokenizer, decoder or post-processor
     the native runtime does not implement."""
     tokenizer_kind(spec)
-
-
-def check_gpt2_pipeline(spec: dict) -> None:
-    """The GPT-2 byte-level kind (SmolLM2's): everything but the pipeline's kind is checked here."""
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise UnsupportedTokenizer(f"model {model.get('type')!r} is not supported (only byte-level BPE)")
-    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
-        if model.get(key):
-            raise UnsupportedTokenizer(f"BPE setting {key}={model[key]!r} is not supported by the native runtime")
-    normalizer = spec.get("normalizer")
-    if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
-        raise UnsupportedTokenizer(f"normalizer {_describe(normalizer)} is not supported (the native runtime "
-                                   "applies none)")
-    pre = spec.get("pre_tokenizer")
-    if pre is not None and pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 1:
-        pre = pre["pretokenizers"][0]
-    if pre is None or pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
-        raise UnsupportedTokenizer(f"pre-tokenizer {_describe(pre)} is not supported (the native runtime splits "
-                                   "with ByteLevel(add_prefix_space=False, use_regex=True), the GPT-2 regex)")
-    decoder = spec.get("decoder")
-    if decoder is None or decoder.get("type") != "ByteLevel":
-        raise UnsupportedTokenizer(f"decoder {_describe(decoder)} is not supported (only ByteLevel)")
-    post = spec.get("post_processor")
-    processors = (post.get("processors") or []) if post is not None and post.get("type") == "Sequence" else [post]
-    for proc in processors:
-        if proc is not None and not _adds_nothing(proc):
-            raise UnsupportedTokenizer(f"post-processor {_describe(proc)} adds tokens around the text; the native "
-                                       "runtime encodes the text only")
-
-
-def _adds_nothing(processor: dict) -> bool:
-    """ByteLevel (offsets only), or a template that is the text alone (transformers 5 installs
-    TemplateProcessing("$A") on tokenizers without BOS/EOS)."""
-    if processor.get("type") == "ByteLevel":
-        return True
-    return processor.get("type") == "TemplateProcessing" and all("Sequence" in p for p in processor.get("single", []))
-
-
-def _describe(component) -> str:
-    if component is None:
-        return "None"
-    kind = component.get("type", "?")
-    inner = component.get("normalizers") or component.get("pretokenizers") or component.get("processors")
-    if inner:
-        return f"{kind}[{', '.join(_describe(c) for c in inner)}]"
-    if kind == "Split":
-        pattern = component.get("pattern", {})
-        return f"Split({next(iter(pattern.values()), '?')!r})"
-    details = {k: v for k, v in component.items() if k != "type" and not isinstance(v, (dict, list))}
-    return f"{kind}({', '.join(f'{k}={v!r}' for k, v in details.items())})" if details else kind
 
 
 def _check_adds_nothing(tokenizer, backend) -> None:

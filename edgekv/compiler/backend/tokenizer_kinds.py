@@ -12,6 +12,10 @@ that are supported, so an artifact never silently lacks its native tokenizer."""
 
 from __future__ import annotations
 
+class UnsupportedTokenizer(ValueError):
+    """The tokenizer does something the native runtime does not reproduce."""
+
+
 KIND_GPT2 = "gpt2"
 KIND_QWEN2 = "qwen2"
 KIND_UNIGRAM = "unigram"
@@ -26,8 +30,6 @@ QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+
 def tokenizer_kind(spec: dict) -> str:
     """The kind of a tokenizer.json (parsed), after checking that every part of its pipeline is
     one the native runtime reproduces; raises UnsupportedTokenizer (a ValueError) otherwise."""
-    from .tokenizer_file import UnsupportedTokenizer, _describe, check_gpt2_pipeline
-
     model = spec.get("model") or {}
     if model.get("type") == "Unigram":
         _check_unigram(spec, UnsupportedTokenizer, _describe)
@@ -82,3 +84,54 @@ def _check_unigram(spec: dict, error, describe) -> None:
                                  and all("Sequence" in p for p in post.get("single", []))):
         raise error(f"post-processor {describe(post)} adds tokens around the text; the native runtime encodes the "
                     "text only")
+
+
+def check_gpt2_pipeline(spec: dict) -> None:
+    """The GPT-2 byte-level kind (SmolLM2's): everything but the pipeline's kind is checked here."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UnsupportedTokenizer(f"model {model.get('type')!r} is not supported (only byte-level BPE)")
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
+        if model.get(key):
+            raise UnsupportedTokenizer(f"BPE setting {key}={model[key]!r} is not supported by the native runtime")
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and not (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+        raise UnsupportedTokenizer(f"normalizer {_describe(normalizer)} is not supported (the native runtime "
+                                   "applies none)")
+    pre = spec.get("pre_tokenizer")
+    if pre is not None and pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 1:
+        pre = pre["pretokenizers"][0]
+    if pre is None or pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
+        raise UnsupportedTokenizer(f"pre-tokenizer {_describe(pre)} is not supported (the native runtime splits "
+                                   "with ByteLevel(add_prefix_space=False, use_regex=True), the GPT-2 regex)")
+    decoder = spec.get("decoder")
+    if decoder is None or decoder.get("type") != "ByteLevel":
+        raise UnsupportedTokenizer(f"decoder {_describe(decoder)} is not supported (only ByteLevel)")
+    post = spec.get("post_processor")
+    processors = (post.get("processors") or []) if post is not None and post.get("type") == "Sequence" else [post]
+    for proc in processors:
+        if proc is not None and not _adds_nothing(proc):
+            raise UnsupportedTokenizer(f"post-processor {_describe(proc)} adds tokens around the text; the native "
+                                       "runtime encodes the text only")
+
+
+def _adds_nothing(processor: dict) -> bool:
+    """ByteLevel (offsets only), or a template that is the text alone (transformers 5 installs
+    TemplateProcessing("$A") on tokenizers without BOS/EOS)."""
+    if processor.get("type") == "ByteLevel":
+        return True
+    return processor.get("type") == "TemplateProcessing" and all("Sequence" in p for p in processor.get("single", []))
+
+
+def _describe(component) -> str:
+    if component is None:
+        return "None"
+    kind = component.get("type", "?")
+    inner = component.get("normalizers") or component.get("pretokenizers") or component.get("processors")
+    if inner:
+        return f"{kind}[{', '.join(_describe(c) for c in inner)}]"
+    if kind == "Split":
+        pattern = component.get("pattern", {})
+        return f"Split({next(iter(pattern.values()), '?')!r})"
+    details = {k: v for k, v in component.items() if k != "type" and not isinstance(v, (dict, list))}
+    return f"{kind}({', '.join(f'{k}={v!r}' for k, v in details.items())})" if details else kind
