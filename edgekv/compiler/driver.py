@@ -78,14 +78,16 @@ def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
     """The weight format of a build: ``weights`` when given, else q4 for a 4-bit source
     (``quant_formats.default_weights``) and fp32 otherwise; fp32 where the target has no
     quantised kernels (``weight_layout`` None), and asking for more there is refused."""
-    from .quant_formats import WEIGHT_CHOICES, default_weights
+    from .quant_formats import WEIGHT_CHOICES, default_weights, unsupported_types_message
 
     if weights is None:
-        return default_weights(model) if layout is not None else "fp32"
+        weights = default_weights(model) if layout is not None else "fp32"
     if weights not in WEIGHT_CHOICES:
         raise CompileError(f"--weights {weights!r} is not a weight format; use one of {', '.join(WEIGHT_CHOICES)}")
     if weights != "fp32" and layout is None:
         raise CompileError(f"--weights {weights} has no kernels for this target yet; compile it with --weights fp32")
+    if weights != "fp32" and (why := unsupported_types_message(model)):  # before the export
+        raise CompileError(why)
     return weights
 
 

@@ -161,9 +161,10 @@ def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, lay
     from .passes.quantize_weights import QuantizeWeights, quantize_params
     from .quant_formats import GROUP, open_source_blocks
 
-    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu")
+    source = open_source_blocks(model)
+    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu", source=source)
     lowered.mod = quantizer(lowered.mod)
-    lowered.params, origin = quantize_params(lowered.params, quantizer.plan, open_source_blocks(model))
+    lowered.params, origin = quantize_params(lowered.params, quantizer.plan, source)
     kinds: dict[str, int] = {}
     for q in quantizer.plan.values():
         kinds[q.fmt.ggml] = kinds.get(q.fmt.ggml, 0) + 1

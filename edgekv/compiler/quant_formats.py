@@ -116,22 +116,48 @@ def quantize(w: np.ndarray, fmt: WeightFormat) -> Blocks:
     return blocks_from_ggml(gguf.quants.quantize(wp, fmt.ggml_type), fmt, k, "quantized")
 
 
+# GGUF tensor types a quantised artifact takes: kept block for block (Q4_1, Q8_0 and the
+# ``kquant_formats``), or exact floats (quantised here like any fp32 weight)
+KEPT_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = KEPT_TYPES + FLOAT_TYPES
+# transformers' GGUF loader undoes llama.cpp's q/k row permutation for these architectures only
+# (its TENSOR_PROCESSORS: convert_hf_to_gguf permutes Llama's q/k, not Qwen2's or Gemma 3's)
+PERMUTED_ARCHS = ("llama",)
+
+
+def _ggml_format(type_name: str):
+    from .kquant_formats import KFORMATS
+
+    return {"Q4_1": Q4_1, "Q8_0": Q8_0, **KFORMATS}.get(type_name)
+
+
 class GGUFBlocks:
-    """The quantised tensors of a GGUF file under their HF names (q/k rows put back in HF order)."""
+    """The quantised tensors of a GGUF file under their HF names, in HF row order — the tensor-name
+    map of the file's own architecture (``general.architecture``: llama, qwen2, gemma3 ...) and
+    the q/k rows put back where transformers' loader puts them (``PERMUTED_ARCHS``)."""
 
     def __init__(self, path: str | Path, hf_config: Any, num_layers: int):
         import gguf
 
+        self.path = Path(path)
         self.reader = gguf.GGUFReader(str(path))
         self.by_name = {t.name: t for t in self.reader.tensors}
-        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
+        field = self.reader.fields.get("general.architecture")
+        self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
+        archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        self.names = gguf.get_tensor_name_map(archs.get(self.arch, gguf.MODEL_ARCH.LLAMA), num_layers)
         self.heads = int(hf_config.num_attention_heads)
         self.kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or self.heads)
 
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(tensor name, type) of every tensor whose type a quantised artifact cannot take."""
+        return [(t.name, t.tensor_type.name) for t in self.reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
+
     def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
-        """llama.cpp permutes q/k rows for its RoPE; the index that undoes it (transformers' own
-        inverse permutation, applied to row numbers)."""
-        if ".attn_q." not in gguf_name and ".attn_k." not in gguf_name:
+        """llama.cpp permutes q/k rows for its RoPE (Llama only); the index that undoes it
+        (transformers' own inverse permutation, applied to row numbers)."""
+        if self.arch not in PERMUTED_ARCHS or (".attn_q." not in gguf_name and ".attn_k." not in gguf_name):
             return None
         from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -139,16 +165,37 @@ class GGUFBlocks:
         idx = np.arange(rows, dtype=np.float64)[:, None]
         return LlamaTensorProcessor()._reverse_permute_weights(idx, self.heads, kv)[:, 0].astype(np.int64)
 
-    def get(self, hf_name: str, fmt: WeightFormat, shape: tuple[int, int]) -> Blocks | None:
-        """The file's blocks of ``hf_name`` when it stores them in ``fmt`` with this [N, K] shape."""
+    def tensor(self, hf_name: str, shape: tuple[int, int]):
+        """The file's tensor behind ``hf_name`` when it has this [N, K] shape, else None."""
         gname = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         t = self.by_name.get(gname) if gname else None
-        if t is None or t.tensor_type.name != fmt.ggml or tuple(int(s) for s in t.shape[::-1]) != tuple(shape):
+        if t is None or tuple(int(s) for s in t.shape[::-1]) != tuple(shape):
+            return None
+        return t
+
+    def kept_format(self, hf_name: str, shape: tuple[int, int]):
+        """The format a q4 artifact keeps ``hf_name`` in: its own (Q4_1, Q8_0, Q4_K, Q6_K, Q5_0)
+        when the kernels take that shape, else None (quantised to Q4_1 from fp32)."""
+        t = self.tensor(hf_name, shape)
+        fmt = _ggml_format(t.tensor_type.name) if t is not None else None
+        if fmt is None or shape[1] % getattr(fmt, "k_multiple", GROUP):
+            return None
+        return fmt
+
+    def get(self, hf_name: str, fmt, shape: tuple[int, int]):
+        """The file's blocks of ``hf_name`` (``Blocks``, or ``KBlocks`` for a K-format) when it
+        stores them in ``fmt`` with this [N, K] shape, else None."""
+        from .kquant_formats import KFormat, kblocks_from_ggml
+
+        t = self.tensor(hf_name, shape)
+        if t is None or t.tensor_type.name != fmt.ggml:
             return None
         raw = np.asarray(t.data).reshape(shape[0], -1)
-        order = self._row_order(gname, shape[0])
+        order = self._row_order(t.name, shape[0])
         if order is not None:
             raw = raw[order]
+        if isinstance(fmt, KFormat):
+            return kblocks_from_ggml(raw, fmt, shape[1])
         return blocks_from_ggml(raw, fmt, shape[1], "gguf")
 
 
@@ -166,13 +213,27 @@ def open_source_blocks(model: Any) -> GGUFBlocks | None:
     return GGUFBlocks(path, model.hf_config, model.config.num_layers)
 
 
+def unsupported_types_message(model: Any) -> str | None:
+    """Why a quantised artifact of ``model`` is refused (a tensor type it cannot take), else None."""
+    src = open_source_blocks(model)
+    bad = src.unsupported() if src is not None else []
+    if not bad:
+        return None
+    name, kind = bad[0]
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    return (f"{src.path.name}: tensor {name!r} is {kind}{more}, a GGUF type the compiler does not support; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}. Use a GGUF quantised to one of those (e.g. Q4_K_M), "
+            "or compile with --weights fp32")
+
+
 def default_weights(model: Any) -> str:
-    """``q4`` when the source weights are 4-bit (a GGUF whose linear layers are Q4_1/Q4_0/Q4_K...), else fp32."""
+    """``q4`` when most source weights are 4- to 6-bit blocks (a GGUF whose matrices are
+    Q4_1/Q4_K/Q5_0/Q6_K...), else fp32."""
     src = open_source_blocks(model)
     if src is None:
         return "fp32"
     kinds = [t.tensor_type.name for t in src.reader.tensors if len(t.shape) == 2]
-    return "q4" if kinds and sum(k.startswith("Q4") for k in kinds) * 2 > len(kinds) else "fp32"
+    return "q4" if kinds and sum(k[:2] in ("Q4", "Q5", "Q6") for k in kinds) * 2 > len(kinds) else "fp32"
 
 
 # ---- panel layouts for the kernels ----------------------------------------------------------

@@ -10,6 +10,12 @@ Bandwidth is measured with a streaming-read kernel built by the same TVM/LLVM (a
 vectorised sum over a 1 GiB fp32 array on the same threads; best of 5 runs).
 
     python tools/bench/bench_weight_kernels.py            # writes docs/results/weight_kernels.{json,md,png}
+
+``--kquant`` times the formats a q4 artifact keeps from a GGUF (Q4_K, Q6_K, Q5_0, Q8_0) against
+Q4_1 on Qwen2.5-1.5B's shapes, interleaved in one run (random valid blocks; the speed does not
+depend on the values):
+
+    python tools/bench/bench_weight_kernels.py --kquant   # writes docs/results/weight_kernels_kquant.{json,md}
 """
 
 from __future__ import annotations
@@ -103,12 +109,123 @@ def weight_copies(arrays: list[np.ndarray]) -> list[list]:
     return [[tvm.runtime.tensor(a.copy()) for a in arrays] for _ in range(count)]
 
 
+# Qwen2.5-Coder-1.5B: (name, K, N, calls per token as Q4_K, as Q6_K) — its Q4_K_M file holds
+# attn_v and ffn_down as Q6_K in 14 of the 28 layers, everything else as Q4_K
+QWEN_SHAPES = [("q/o proj", 1536, 1536, 56, 0), ("k/v proj", 1536, 256, 42, 14), ("gate/up proj", 1536, 8960, 56, 0),
+               ("down proj", 8960, 1536, 14, 14)]
+
+
+def random_block_arrays(ggml: str, K: int, N: int, nr: int, rng) -> list[np.ndarray]:
+    """Panel arrays of random valid blocks (fp16 scales finite) in GGUF type ``ggml``."""
+    import gguf
+
+    from edgekv.compiler import kquant_formats as kq
+    from edgekv.compiler import quant_formats as qf
+
+    qtype = getattr(gguf.GGMLQuantizationType, ggml)
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N, K // bs * ts), dtype=np.uint8)
+    blk = raw.reshape(-1, ts)
+    for o in {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2)}[ggml]:
+        blk[:, o:o + 2] = (rng.uniform(-1, 1, (blk.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if ggml in kq.KFORMATS:
+        return kq.kpanel_arrays(kq.kblocks_from_ggml(raw, kq.KFORMATS[ggml], K), nr)
+    fmt = {"Q4_1": qf.Q4_1, "Q8_0": qf.Q8_0}[ggml]
+    return qf.panel_arrays(qf.blocks_from_ggml(raw, fmt, K, "gguf"), nr)
+
+
+def kquant_main(args) -> int:
+    """Q4_K / Q6_K / Q5_0 / Q8_0 against Q4_1 on Qwen2.5-1.5B's linear shapes (one run, interleaved)."""
+    import tvm
+    from rich.progress import track
+
+    from edgekv.compiler import kquant_formats as kq
+    from edgekv.compiler import quant_formats as qf
+    from edgekv.compiler.kernels.dense import dense_tiles
+    from edgekv.compiler.kernels.kquant_dense import build_kquant_gemm_kernel, build_kquant_gemv_kernel
+    from edgekv.compiler.kernels.quant_dense import build_quant_gemm_kernel, build_quant_gemv_kernel
+    from edgekv.evaluation.report import provenance
+
+    origin = provenance([sys.executable, *sys.argv])
+    tgt = target(args.threads)
+    bw = bandwidth(tgt, args.threads)
+    rng = np.random.default_rng(0)
+    M = args.prefill_rows
+    formats = ("Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q8_0")
+    rows = []
+    for name, K, N, calls_q4k, calls_q6k in track(QWEN_SHAPES, description="kernels"):
+        nr = dense_tiles(M, K, N, args.threads)[1]
+        x1 = tvm.runtime.tensor(rng.standard_normal((1, 1, K)).astype(np.float32))
+        xm = tvm.runtime.tensor(rng.standard_normal((1, M, K)).astype(np.float32))
+        o1 = tvm.runtime.tensor(np.zeros((1, 1, N), np.float32))
+        om = tvm.runtime.tensor(np.zeros((1, M, N), np.float32))
+        for ggml in formats:
+            arrays = random_block_arrays(ggml, K, N, nr, rng)
+            if ggml in kq.KFORMATS:
+                fmt = kq.KFORMATS[ggml]
+                gemv = build(build_kquant_gemv_kernel((1, 1, K), (1, 1, N), fmt, K, N, nr), tgt)
+                gemm = build(build_kquant_gemm_kernel((1, M, K), (1, M, N), fmt, K, N, nr), tgt)
+            else:
+                fmt = {"Q4_1": qf.Q4_1, "Q8_0": qf.Q8_0}[ggml]
+                gemv = build(build_quant_gemv_kernel((1, 1, K), (1, 1, N), fmt, K, N, nr), tgt)
+                gemm = build(build_quant_gemm_kernel((1, M, K), (1, M, N), fmt, K, N, nr), tgt)
+            copies = weight_copies(arrays)
+            nbytes = sum(a.nbytes for a in arrays)
+            t1 = time_cold(gemv, copies, x1, o1)
+            tm = time_cold(gemm, copies[:4], xm, om)
+            rows.append({"kernel": name, "K": K, "N": N, "NR": nr, "weights": ggml, "weight_bytes": nbytes,
+                         "bytes_per_weight": nbytes / (K * N), "calls_q4k": calls_q4k, "calls_q6k": calls_q6k,
+                         "gemv_us": t1 * 1e6, "gemv_GBps": nbytes / t1 / 1e9,
+                         "gemm_ms": tm * 1e3, "gemm_GFLOPs": 2 * M * K * N / tm / 1e9})
+            del copies
+    # per token, the linear layers (the LM head apart): the file's own mix against all-Q4_1
+    def per_token(pick):
+        us = nbytes = 0.0
+        for name, *_ in QWEN_SHAPES:
+            for ggml, calls in pick(name):
+                r = next(r for r in rows if r["kernel"] == name and r["weights"] == ggml)
+                us += r["gemv_us"] * calls
+                nbytes += r["weight_bytes"] * calls
+        return {"gemv_ms_per_token": us / 1e3, "weight_MB_per_token": nbytes / 1e6, "GBps": nbytes / us / 1e3}
+
+    calls = {n: (a, b) for n, _, _, a, b in QWEN_SHAPES}
+    totals = {"Q4_K_M as kept (Q4_K + Q6_K)": per_token(lambda n: [("Q4_K", calls[n][0]), ("Q6_K", calls[n][1])]),
+              "all Q4_1 (requantised, before)": per_token(lambda n: [("Q4_1", sum(calls[n]))])}
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    command = "python tools/bench/bench_weight_kernels.py --kquant"
+    result = {"bandwidth_GBps": bw, "threads": args.threads, "prefill_rows": M, "rows": rows, "per_token": totals,
+              "cpu": cpu, "command": command, "provenance": origin,
+              "note": "formats interleaved per shape in one run; the machine may have been shared (other jobs running)"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "weight_kernels_kquant.json").write_text(json.dumps(result, indent=2))
+    lines = ["# GGUF formats kept by a q4 artifact, against Q4_1, on Qwen2.5-1.5B's shapes", "",
+             f"Regenerate: `{command}`. {cpu}, {args.threads} threads. {result['note']}.", "",
+             f"Memory read bandwidth: **{bw:.1f} GB/s**. Weights read cold (copies cycled past the last-level cache).", "",
+             f"| kernel | K × N | weights | bytes/weight | GEMV µs | GEMV GB/s | GEMV weights/ns | GEMM (M = {M}) ms | GEMM GFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['K']} × {r['N']} | {r['weights']} | {r['bytes_per_weight']:.4f} | "
+                     f"{r['gemv_us']:.0f} | {r['gemv_GBps']:.1f} | {r['K'] * r['N'] / r['gemv_us'] / 1e3:.2f} | "
+                     f"{r['gemm_ms']:.1f} | {r['gemm_GFLOPs']:.0f} |")
+    lines += ["", "Per decode token, the 196 linear layers (LM head apart):", "",
+              "| weights | weight MB read | GEMV ms | GB/s |", "|---|---:|---:|---:|"]
+    for k, t in totals.items():
+        lines.append(f"| {k} | {t['weight_MB_per_token']:.1f} | {t['gemv_ms_per_token']:.2f} | {t['GBps']:.1f} |")
+    (args.out / "weight_kernels_kquant.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--prefill-rows", type=int, default=128)
+    ap.add_argument("--kquant", action="store_true", help="Q4_K/Q6_K/Q5_0/Q8_0 against Q4_1 on Qwen2.5-1.5B's shapes")
     ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
+    if args.kquant:
+        return kquant_main(args)
     import tvm
 
     from edgekv.compiler import quant_formats as qf

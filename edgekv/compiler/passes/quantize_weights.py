@@ -26,13 +26,15 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
+from ..kernels.kquant_dense import build_kquant_gemm_kernel, build_kquant_gemv_kernel
 from ..kernels.quant_dense import (build_gpu_quant_matmul, build_gpu_quant_take, build_q8_gemv_nt_kernel,
                                   build_q8_take_kernel, build_quant_gemm_kernel, build_quant_gemv_kernel,
                                   gpu_row_shapes)
 from .pack_weights import _matmul_use, matmul_weights
 from .pack_weights import plan as packable_weights
 from .pretranspose_weights import SUFFIX
-from ..quant_formats import (EMBEDDING_FORMAT, GROUP, LINEAR_FORMAT, WeightFormat, panel_arrays, panel_shapes,
+from ..kquant_formats import KFormat, kpanel_arrays, kpanel_shapes
+from ..quant_formats import (EMBEDDING_FORMAT, GROUP, LINEAR_FORMAT, Q4_1, WeightFormat, panel_arrays, panel_shapes,
                             row_arrays, weight_blocks)
 from ..relax_util import SKIP, rebuild_function
 
@@ -40,7 +42,7 @@ from ..relax_util import SKIP, rebuild_function
 @dataclass(frozen=True)
 class Quantized:
     kind: str  # "linear" (stored Wᵀ [K, N]) | "rows" (the [V, K] embedding table)
-    fmt: WeightFormat
+    fmt: WeightFormat | KFormat  # a KFormat: the source GGUF's own K-quant / Q5_0 blocks (CPU linear)
     k: int
     n: int
     nr: int = 0  # CPU linear: the panel width
@@ -49,6 +51,9 @@ class Quantized:
     def inputs(self, name: str) -> list[tuple[str, tuple[int, ...], str]]:
         """(input name, shape, dtype) of the arrays that replace weight input ``name``."""
         base = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else name
+        if isinstance(self.fmt, KFormat):
+            shapes = kpanel_shapes(self.fmt, self.k, self.n, self.nr)
+            return [(f"{base}.{self.fmt.name}p{self.nr}.{part}", s, dt) for part, (s, dt) in zip(self.fmt.parts, shapes)]
         if self.gpu:
             shapes, tag = gpu_row_shapes(self.fmt, self.k, self.n), f"{self.fmt.name}r"
         elif self.kind == "linear":
@@ -61,6 +66,8 @@ class Quantized:
 
     def arrays(self, blocks) -> list[np.ndarray]:
         """The stored arrays of these blocks, in ``inputs`` order."""
+        if isinstance(self.fmt, KFormat):
+            return kpanel_arrays(blocks, self.nr)
         if self.gpu:
             return row_arrays(blocks, gpu=True)
         return panel_arrays(blocks, self.nr) if self.kind == "linear" else row_arrays(blocks)
@@ -111,14 +118,18 @@ def _table_plan(mod: tvm.IRModule, functions: list[str], gpu: bool) -> dict[str,
     return out
 
 
-def plan(mod: tvm.IRModule, functions: list[str], cores: int, weights: str, gpu: bool = False) -> dict[str, Quantized]:
+def plan(mod: tvm.IRModule, functions: list[str], cores: int, weights: str, gpu: bool = False,
+         source=None) -> dict[str, Quantized]:
+    """``source`` (``quant_formats.GGUFBlocks``): in a q4 CPU build a linear weight the file holds
+    as Q4_1, Q8_0, Q4_K, Q6_K or Q5_0 keeps that format (its blocks, exactly); the rest are Q4_1."""
     fmt = LINEAR_FORMAT[weights]
     out: dict[str, Quantized] = {}
     linear = ({w: 0 for w in matmul_weights(mod, functions)} if gpu else packable_weights(mod, functions, cores))
     for name, nr in linear.items():
         p = next(p for p in mod[functions[0]].params if p.name == name)
         K, N = shape_of(p)
-        out[name] = Quantized("linear", fmt, K, N, nr, gpu)
+        own = source.kept_format(hf_name(name), (N, K)) if source is not None and fmt is Q4_1 and not gpu else None
+        out[name] = Quantized("linear", own or fmt, K, N, nr, gpu)
     out.update(_table_plan(mod, functions, gpu))
     return out
 
@@ -178,7 +189,10 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
         xs, _ = _matmul_use(v, w)
         cs = xs[:-1] + (q.n,)
         gemv = xs[-2] == 1
-        if q.gpu:
+        if isinstance(q.fmt, KFormat):
+            build = ((lambda: build_kquant_gemv_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)) if gemv else  # noqa: E731
+                     (lambda: build_kquant_gemm_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)))
+        elif q.gpu:
             build = lambda: build_gpu_quant_matmul(xs, q.fmt, q.k, q.n)  # noqa: E731
         elif gemv:
             build = lambda: build_quant_gemv_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)  # noqa: E731
@@ -194,17 +208,18 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
 
 @tvm.ir.transform.module_pass(opt_level=0, name="edgekv.QuantizeWeights")
 class QuantizeWeights:
-    def __init__(self, functions: list[str], cores: int, weights: str, gpu: bool = False):
+    def __init__(self, functions: list[str], cores: int, weights: str, gpu: bool = False, source=None):
         if weights not in LINEAR_FORMAT:
             raise ValueError(f"unknown weight format {weights!r}")
         self.functions = list(functions)
         self.cores = max(1, int(cores))
         self.weights = weights
         self.gpu = gpu
+        self.source = source  # quant_formats.GGUFBlocks: the file whose own formats a q4 build keeps
         self.plan: dict[str, Quantized] = {}
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        self.plan = plan(mod, self.functions, self.cores, self.weights, self.gpu)
+        self.plan = plan(mod, self.functions, self.cores, self.weights, self.gpu, self.source)
         for name in self.functions if self.plan else ():
             mod = quantize_function(mod, name, self.plan)
         return mod
@@ -225,7 +240,12 @@ def quantize_params(params: list[tuple[str, Any]], quantized: dict[str, Quantize
         if progress is not None:
             progress(i, len(params))
         w = np.asarray(a, np.float32)
-        blocks = weight_blocks(w.T if q.kind == "linear" else w, q.fmt, source, hf_name(name))
+        if isinstance(q.fmt, KFormat):  # the plan chose it because the file has it: taken as it is
+            blocks = source.get(hf_name(name), q.fmt, (q.n, q.k))
+            if blocks is None:
+                raise RuntimeError(f"{hf_name(name)}: planned as the source's {q.fmt.ggml} blocks, which it lacks")
+        else:
+            blocks = weight_blocks(w.T if q.kind == "linear" else w, q.fmt, source, hf_name(name))
         origin[blocks.source] += 1
         for (n, shape, dt), arr in zip(q.inputs(name), q.arrays(blocks)):
             if tuple(arr.shape) != tuple(shape) or str(arr.dtype) != dt:
