@@ -44,6 +44,9 @@ ReportPath = Annotated[Optional[Path], typer.Option("-o", "--output", "--report"
 MemLimit = Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])]
 BeyondContext = Annotated[bool, typer.Option(help=HELP["beyond"])]
 Threads = Annotated[Optional[int], typer.Option(help=HELP["threads"])]
+NoVerify = Annotated[bool, typer.Option("--no-verify", help="for an ARTIFACT: trust its weights, skipping the check of "
+                                        "each weight's checksum at open (a corrupt params file is refused otherwise; "
+                                        "a clean check is remembered beside the artifact until the file changes)")]
 
 
 def fail(exc: Exception) -> None:

@@ -4,7 +4,7 @@
  *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3|@FILE [--chat]
  *              [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--threads N]
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
- *              [--verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
+ *              [--no-verify | --verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
  *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
  *   edgekv-run ARTIFACT --load-cache F --question Q ...
  *   edgekv-run ARTIFACT --prompt ... --repeat-open N   (open, run, close N times: a teardown check)
@@ -53,7 +53,7 @@ static int fail(const char *fmt, const char *a, const char *b) {
 static void usage(FILE *f) {
   fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3|@FILE) [--chat]\n"
         "                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads N]\n"
-        "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--verify-weights]\n"
+        "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--no-verify | --verify-weights]\n"
         "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
         "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q [--question Q2 ...] [--save-cache F]\n"
         "       edgekv-run ARTIFACT --load-cache F --question Q [--question Q2 ...]\n"
@@ -62,6 +62,9 @@ static void usage(FILE *f) {
         "  --load-cache       answer from a saved cache instead of reading a document (its --chat form is kept)\n"
         "Runs an artifact written by `edgekv compile` (program.ekv, model.so, params, tokenizer.ekt).\n"
         "  --check            open and validate the artifact, then exit\n"
+        "  --no-verify        trust the weights: skip the check of each weight's checksum at open (by default a corrupt\n"
+        "                     params file is refused; a stamp beside the artifact makes later opens of the same file free)\n"
+        "  --verify-weights   check every weight's checksum even when the stamp says an earlier open did\n"
         "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
         "  --threads          kernel threads (default: every online core)\n"
         "  --warmup           run the prompt's first block once before the timed run (benchmarks)\n"
@@ -120,6 +123,7 @@ static int parse_args(int argc, char **argv, options *o) {
       {"threads", required_argument, 0, 'T'},      {"mem-limit", required_argument, 0, 'm'},
       {"report", required_argument, 0, 'r'},       {"allow-beyond-context", no_argument, 0, 'A'},
       {"verify-weights", no_argument, 0, 'V'},     {"quiet", no_argument, 0, 'q'},
+      {"no-verify", no_argument, 0, 'N'},
       {"check", no_argument, 0, 'C'},              {"help", no_argument, 0, 'h'},
       {"warmup", no_argument, 0, 'W'},             {"ignore-eos", no_argument, 0, 'E'},
       {"question", required_argument, 0, 'Q'},     {"save-cache", required_argument, 0, 'S'},
@@ -127,10 +131,11 @@ static int parse_args(int argc, char **argv, options *o) {
       {0, 0, 0, 0}};
   o->max_new = 64;
   o->top_p = 1.0f;
+  o->verify_weights = EKV_VERIFY_DEFAULT;
   long v;
   int c;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWEQ:S:L:R:", LONG, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVNqChWEQ:S:L:R:", LONG, NULL)) != -1) {
     switch (c) {
       case 'p': o->prompt = optarg; break;
       case 'f': o->prompt_file = optarg; break;
@@ -162,7 +167,8 @@ static int parse_args(int argc, char **argv, options *o) {
         break;
       case 'r': o->report = optarg; break;
       case 'A': o->allow_beyond = 1; break;
-      case 'V': o->verify_weights = 1; break;
+      case 'V': o->verify_weights = EKV_VERIFY_ALWAYS; break;
+      case 'N': o->verify_weights = EKV_VERIFY_OFF; break;
       case 'q': o->quiet = 1; break;
       case 'C': o->check_only = 1; break;
       case 'W': o->warmup = 1; break;
@@ -627,6 +633,7 @@ static int repeat_open(const options *o) {
   ekv_model_options_init(&mo);
   mo.threads = o->threads;
   mo.mem_limit_bytes = o->mem_limit;
+  mo.verify_weights = o->verify_weights;
   size_t cap = (size_t)o->max_new + 1;
   int32_t *first = calloc(cap, sizeof *first), *got = calloc(cap, sizeof *got);
   size_t n_first = 0;

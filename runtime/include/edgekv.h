@@ -117,8 +117,15 @@ typedef struct ekv_model_options {
   int threads;               /* worker threads for the kernels; 0 = every online core */
   uint64_t mem_limit_bytes;  /* 0 = none; refuse (EKV_ERR_NO_MEMORY) before allocating when the
                                 plan (weights + caches + arena) is above it */
-  int verify_weights;        /* 1: CRC-32 of the whole params file at open (reads every page) */
+  int verify_weights;        /* EKV_VERIFY_*; ekv_model_options_init sets EKV_VERIFY_DEFAULT */
 } ekv_model_options;
+/* Weight verification at open. DEFAULT: each weight's CRC-32 (the program records them) is checked,
+ * a corrupt one refused by its name, unless a stamp beside the artifact (.params.verified: the params
+ * file's size, inode, mtime and ctime and the program's CRC) says an earlier open checked this very
+ * file; a clean check writes the stamp (an unwritable directory only means checking every time).
+ * ALWAYS ignores the stamp; OFF trusts the file (`--no-verify`). */
+enum { EKV_VERIFY_OFF = 0, EKV_VERIFY_DEFAULT = 1, EKV_VERIFY_ALWAYS = 2 };
+enum { EKV_WEIGHTS_UNCHECKED = 0, EKV_WEIGHTS_CHECKED = 1, EKV_WEIGHTS_STAMPED = 2 };
 
 void ekv_model_options_init(ekv_model_options *opts);
 /* The devices this build of the runtime runs artifacts on: "cpu" or "cpu,opencl". */
@@ -141,6 +148,8 @@ typedef struct ekv_model_info {
   uint64_t plan_bytes;      /* weights + caches + arena + inputs */
   int32_t n_kernels, n_calls_prefill, n_calls_decode;
   const char *device; /* "cpu", or "opencl: <platform> / <device>" */
+  int32_t weights_check;  /* EKV_WEIGHTS_*: how this open trusted the weights */
+  double verify_seconds;  /* the seconds the check took (0 when stamped or off) */
 } ekv_model_info;
 /* Strings point into the model; valid until ekv_model_close. */
 void ekv_model_get_info(const ekv_model *model, ekv_model_info *info);
