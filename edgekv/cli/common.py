@@ -117,6 +117,9 @@ def setup_threads(threads: int | None):
     from ..threads import apply_threads, choose_threads
 
     choice = choose_threads(threads)
+    if choice.clamped:
+        warn(f"--threads {choice.asked} is more than the {choice.cores} usable cores here (affinity, physical and "
+             f"big cores, CPU quota): using {choice.count}; threads beyond the cores only wait for each other")
     apply_threads(choice.count)
     say(f"threads: {choice.count} ({choice.source}" + ("" if choice.source == "--threads" else f": {choice.reason}")
         + ")")

@@ -107,7 +107,8 @@ class _ModelInfo(ctypes.Structure):
                                                "pseudo_rows", "threads", "chat")] + \
                [(n, ctypes.c_uint64) for n in ("weights_bytes", "cache_bytes", "arena_bytes", "plan_bytes")] + \
                [(n, ctypes.c_int32) for n in ("n_kernels", "n_calls_prefill", "n_calls_decode")] + \
-               [("device", ctypes.c_char_p), ("weights_check", ctypes.c_int32), ("verify_seconds", ctypes.c_double)]
+               [("device", ctypes.c_char_p), ("weights_check", ctypes.c_int32), ("verify_seconds", ctypes.c_double),
+                ("threads_cores", ctypes.c_int32), ("threads_busy", ctypes.c_int32)]
 
 VERIFY_MODES = {"off": 0, "default": 1, "always": 2}  # edgekv.h's EKV_VERIFY_*
 WEIGHTS_CHECK = {0: "unchecked", 1: "checked", 2: "stamped"}  # EKV_WEIGHTS_*

@@ -38,9 +38,12 @@ typedef struct {
 
 static ekv_session *g_session; /* for SIGINT: cancel at the next block or token */
 
+/* the first ^C stops the work at the next kernel call and the run ends with 130; a second one
+ * (the default action) ends the process at once */
 static void on_sigint(int sig) {
   (void)sig;
   if (g_session != NULL) ekv_session_cancel(g_session);
+  signal(SIGINT, SIG_DFL);
 }
 
 static int fail(const char *fmt, const char *a, const char *b) {
@@ -66,7 +69,8 @@ static void usage(FILE *f) {
         "                     params file is refused; a stamp beside the artifact makes later opens of the same file free)\n"
         "  --verify-weights   check every weight's checksum even when the stamp says an earlier open did\n"
         "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
-        "  --threads          kernel threads (default: every online core)\n"
+        "  --threads          kernel threads (default: the usable cores — affinity, physical and big cores, a CPU\n"
+        "                     quota — less those busy with other work; more than the usable cores is clamped to them)\n"
         "  --warmup           run the prompt's first block once before the timed run (benchmarks)\n"
         "  --ignore-eos       decode exactly --max-new-tokens tokens (benchmarks)\n"
         "  --repeat-open N    open the artifact twice, run the prompt greedily on each, free and close them; N rounds\n"
@@ -680,6 +684,14 @@ int main(int argc, char **argv) {
   mo.threads = o.threads;
   mo.mem_limit_bytes = o.mem_limit;
   mo.verify_weights = o.verify_weights;
+  if (o.threads > 0) { /* the runtime clamps a count above the usable cores: say so */
+    ekv_thread_choice tc;
+    ekv_choose_threads(o.threads, &tc);
+    if (tc.clamped)
+      fprintf(stderr, "warning: --threads %d is more than the %d usable cores here (affinity, physical and big "
+              "cores, CPU quota): using %d; threads beyond the cores only wait for each other\n", o.threads, tc.cores,
+              tc.count);
+  }
   ekv_model *model = NULL;
   if (ekv_model_open(o.artifact, &mo, &model) != EKV_OK) {
     rc = fail("%s%s", ekv_model_last_error(model), "");
@@ -730,7 +742,10 @@ int main(int argc, char **argv) {
     if (!o.quiet && r.text_len > 0) fputc('\n', stdout);
     const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
     if (o.report != NULL) write_report(&o, model, s, &r, n, st == EKV_OK ? "ok" : ekv_status_string(st), err);
-    if (st == EKV_ERR_CANCELLED) rc = 130;
+    if (st == EKV_ERR_CANCELLED) {
+      fprintf(stderr, "edgekv-run: %s\n", err);
+      rc = 130;
+    }
     else if (st != EKV_OK) rc = r.reported ? 2 : fail("%s%s", err, "");
     g_session = NULL;
   }

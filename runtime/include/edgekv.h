@@ -128,6 +128,16 @@ enum { EKV_VERIFY_OFF = 0, EKV_VERIFY_DEFAULT = 1, EKV_VERIFY_ALWAYS = 2 };
 enum { EKV_WEIGHTS_UNCHECKED = 0, EKV_WEIGHTS_CHECKED = 1, EKV_WEIGHTS_STAMPED = 2 };
 
 void ekv_model_options_init(ekv_model_options *opts);
+
+/* The thread count of a run (runtime/src/threads.c; edgekv/threads.py is the same rule): the usable
+ * cores (affinity, physical cores, big cores, a cgroup CPU quota); by default those minus the other
+ * runnable processes (at least 1); a request above the usable cores clamped to them (clamped = 1).
+ * ekv_model_open applies it to options.threads (0 = the default). */
+typedef struct ekv_thread_choice {
+  int count, requested, cores, busy, clamped;
+} ekv_thread_choice;
+void ekv_choose_threads(int requested, ekv_thread_choice *out);
+int ekv_usable_cores(void);
 /* The devices this build of the runtime runs artifacts on: "cpu" or "cpu,opencl". */
 const char *ekv_runtime_devices(void);
 /* Open an artifact directory: program.ekv (validated whole: every index, offset and size),
@@ -150,6 +160,7 @@ typedef struct ekv_model_info {
   const char *device; /* "cpu", or "opencl: <platform> / <device>" */
   int32_t weights_check;  /* EKV_WEIGHTS_*: how this open trusted the weights */
   double verify_seconds;  /* the seconds the check took (0 when stamped or off) */
+  int32_t threads_cores, threads_busy; /* the thread choice: usable cores, other runnable processes seen */
 } ekv_model_info;
 /* Strings point into the model; valid until ekv_model_close. */
 void ekv_model_get_info(const ekv_model *model, ekv_model_info *info);
@@ -191,6 +202,9 @@ size_t ekv_session_position(const ekv_session *session);
 void ekv_session_allow_beyond_context(ekv_session *session, int allow);
 /* Ask a running prefill/generate to stop at the next block or token (any thread). */
 void ekv_session_cancel(ekv_session *session);
+/* (Safe from a signal handler. The work stops before the next kernel call: within one kernel's time.
+ * A prefill or decode stopped inside a block leaves that block half applied: reset the session,
+ * or load a snapshot, before using it again.) */
 
 /* Layer `layer`'s kept entries: the cache's fill count and per KV head its original positions
  * ([heads][fill], head-major, into out with room for cap). */

@@ -218,7 +218,10 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
   if (st == EKV_OK) st = open_device(m, artifact_dir);
   if (st == EKV_OK) st = load_library(m, artifact_dir);
-  if (st == EKV_OK) st = ekv_threadpool_new(&m->err, opts->threads, &m->pool); /* the weight check uses it */
+  if (st == EKV_OK) { /* the weight check uses the pool */
+    ekv_choose_threads(opts->threads, &m->threads);
+    st = ekv_threadpool_new(&m->err, m->threads.count, &m->pool);
+  }
   if (st == EKV_OK) st = map_weights(m, artifact_dir, opts->verify_weights);
   if (st == EKV_OK) st = upload_constants(m);
   if (st == EKV_OK) st = open_tokenizer(m, artifact_dir);
@@ -272,4 +275,6 @@ void ekv_model_get_info(const ekv_model *m, ekv_model_info *info) {
   info->device = m->device != NULL ? m->device->name : "none";
   info->weights_check = m->weights_check;
   info->verify_seconds = m->verify_seconds;
+  info->threads_cores = m->threads.cores;
+  info->threads_busy = m->threads.busy;
 }
