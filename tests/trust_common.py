@@ -51,8 +51,8 @@ def copy_artifact(art: Path, dest: Path) -> Path:
 
 
 def edgekv(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
-    """`edgekv ...` in a child process, as a user runs it (a wide terminal is not assumed)."""
-    env = dict(os.environ, COLUMNS="80")
+    """`edgekv ...` in a child process, as a user runs it, piped (no terminal width set)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH", "LINES")}
     return subprocess.run([sys.executable, "-m", "edgekv", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, **kw)
 

@@ -214,8 +214,9 @@ static int parse_args(int argc, char **argv, options *o) {
   return 0;
 }
 
-/* The report path is checked before any work, so a run never ends by losing its result. */
-static int check_report_path(const char *path) {
+/* An output path (--report, --save-cache) is checked before any work, so a run never ends by
+ * losing its result. */
+static int check_output_path(const char *option, const char *path) {
   if (path == NULL) return 0;
   char dir[PATH_MAX];
   snprintf(dir, sizeof dir, "%s", path);
@@ -223,14 +224,16 @@ static int check_report_path(const char *path) {
   if (slash == NULL) snprintf(dir, sizeof dir, ".");
   else if (slash == dir) dir[1] = '\0';
   else *slash = '\0';
-  if (access(dir, W_OK) != 0) return fail("--report %s: the folder %s does not exist or is not writable", path, dir);
-  if (access(path, F_OK) == 0 && access(path, W_OK) != 0) return fail("--report %s is not writable%s", path, "");
+  char what[4200];
+  snprintf(what, sizeof what, "%s %s", option, path);
+  if (access(dir, W_OK) != 0) return fail("%s: the folder %s does not exist or is not writable", what, dir);
+  if (access(path, F_OK) == 0 && access(path, W_OK) != 0) return fail("%s is not writable%s", what, "");
   FILE *probe = fopen(path, "r");
   if (probe != NULL) {
     char c;
     int is_dir = fread(&c, 1, 1, probe) == 0 && ferror(probe);
     fclose(probe);
-    if (is_dir) return fail("--report %s is a directory; give a file path%s", path, "");
+    if (is_dir) return fail("%s is a directory; give a file path%s", what, "");
   }
   return 0;
 }
@@ -274,6 +277,21 @@ static int encode_text(ekv_model *model, const char *text, size_t len, int chat,
   return 0;
 }
 
+/* The text rules both runtimes apply (edgekv/cli/common.py, check_text): UTF-8, and not only
+ * whitespace (space, tab, newline, carriage return, vertical tab, form feed). */
+static int check_text(const char *option, const char *file, const char *text, size_t len) {
+  size_t bad = ekv_utf8_check(text, len);
+  if (bad < len) {
+    char what[4200], where[64];
+    snprintf(what, sizeof what, "%s%s%s", option, file != NULL ? " " : "", file != NULL ? file : "");
+    snprintf(where, sizeof where, "byte 0x%02x at offset %zu", (unsigned char)text[bad], bad);
+    return fail("%s is not UTF-8 text (%s); save it as UTF-8", what, where);
+  }
+  for (size_t i = 0; i < len; i++)
+    if (strchr(" \t\n\r\v\f", text[i]) == NULL || text[i] == '\0') return 0;
+  return fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
+}
+
 static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size_t *n) {
   *ids = NULL;
   *n = 0;
@@ -310,12 +328,9 @@ static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size
   char *text = (char *)o->prompt;
   size_t len = text != NULL ? strlen(text) : 0;
   if (o->prompt_file != NULL && read_prompt_file("--prompt-file", o->prompt_file, &text, &len) != 0) return 2;
-  int only_space = 1;
-  for (size_t i = 0; i < len && only_space; i++) only_space = text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r';
-  int rc = 0;
+  int rc = check_text(o->prompt_file != NULL ? "--prompt-file" : "--prompt", o->prompt_file, text, len);
   ekv_text_part part = (o->n_questions > 0 || o->save_cache != NULL) ? EKV_PART_DOCUMENT : EKV_PART_WHOLE;
-  if (only_space) rc = fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
-  else rc = encode_text(model, text, len, o->chat, part, ids, n);
+  if (rc == 0) rc = encode_text(model, text, len, o->chat, part, ids, n);
   if (text != o->prompt) free(text);
   return rc;
 }
@@ -677,7 +692,16 @@ int main(int argc, char **argv) {
   memset(&o, 0, sizeof o);
   int rc = parse_args(argc, argv, &o);
   if (rc != 0) return rc;
-  if (check_report_path(o.report) != 0) return 2;
+  if (check_output_path("--report", o.report) != 0 || check_output_path("--save-cache", o.save_cache) != 0) return 2;
+  if (o.prompt != NULL && check_text("--prompt", NULL, o.prompt, strlen(o.prompt)) != 0) return 2;
+  if (o.prompt_file != NULL) { /* read now too: a bad prompt is refused before the model loads */
+    char *text = NULL;
+    size_t len = 0;
+    rc = read_prompt_file("--prompt-file", o.prompt_file, &text, &len);
+    if (rc == 0) rc = check_text("--prompt-file", o.prompt_file, text, len);
+    free(text);
+    if (rc != 0) return 2;
+  }
   if (o.repeat_open > 0) return repeat_open(&o);
   ekv_model_options mo;
   ekv_model_options_init(&mo);

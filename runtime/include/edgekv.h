@@ -101,6 +101,10 @@ typedef struct ekv_utf8_stream {
   int n_pending;
 } ekv_utf8_stream;
 void ekv_utf8_stream_init(ekv_utf8_stream *s);
+/* The offset of the first byte of text that is not well-formed UTF-8 (strict, as Python's
+ * decoder: no overlongs, surrogates or code points above U+10FFFF; a sequence cut off at the end
+ * counts), or n when it all is. Input text is refused at that byte, as the Python CLI refuses it. */
+size_t ekv_utf8_check(const char *text, size_t n);
 /* Appends the complete text of (held bytes + in[0..n)) to out (capacity cap, at least 4*(n+4)
  * bytes); returns the bytes written. */
 size_t ekv_utf8_stream_push(ekv_utf8_stream *s, const char *in, size_t n, char *out, size_t cap);

@@ -9,6 +9,7 @@
 #include "alloc.h"
 #include "cpu_check.h"
 #include "model.h"
+#include "manifest_check.h"
 #include "weights_check.h"
 
 #define PROGRAM_FILE "program.ekv"
@@ -214,6 +215,7 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   if (m == NULL) return EKV_ERR_NO_MEMORY;
   ekv_status st = artifact_dir == NULL ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory given")
                                        : read_program(m, artifact_dir);
+  if (st == EKV_OK) st = ekv_manifest_check(&m->err, artifact_dir, &m->prog);
   if (st == EKV_OK) st = remember_dir(m, artifact_dir);
   if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
   if (st == EKV_OK) st = open_device(m, artifact_dir);
