@@ -65,6 +65,7 @@ static void usage(FILE *f) {
         "  --load-cache       answer from a saved cache instead of reading a document (its --chat form is kept)\n"
         "Runs an artifact written by `edgekv compile` (program.ekv, model.so, params, tokenizer.ekt).\n"
         "  --check            open and validate the artifact, then exit\n"
+        "  --quiet            print the answer only: no progress, warnings or summary line on stderr (errors still)\n"
         "  --no-verify        trust the weights: skip the check of each weight's checksum at open (by default a corrupt\n"
         "                     params file is refused; a stamp beside the artifact makes later opens of the same file free)\n"
         "  --verify-weights   check every weight's checksum even when the stamp says an earlier open did\n"
@@ -394,10 +395,8 @@ static int on_token(void *user, int32_t id, const char *text, size_t len) {
     memcpy(r->text + r->text_len, text, len);
     r->text_len += len;
     r->text[r->text_len] = '\0';
-    if (!r->o->quiet) {
-      fwrite(text, 1, len, stdout);
-      fflush(stdout);
-    }
+    fwrite(text, 1, len, stdout); /* the answer, with or without --quiet */
+    fflush(stdout);
   }
   return 0;
 }
@@ -601,7 +600,7 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     size_t n_out = 0;
     st = ekv_session_generate(s, ids, n, o->max_new, sampler, NULL, on_token, r, NULL, 0, &n_out);
     free(ids);
-    if (!o->quiet && r->text_len > 0) fputc('\n', stdout);
+    if (r->text_len > 0) fputc('\n', stdout);
     ekv_stats stats;
     ekv_session_get_stats(s, &stats);
     a->prompt_tokens = n;
@@ -763,8 +762,20 @@ int main(int argc, char **argv) {
       st = run_document(&o, model, s, sampler, ids, n, &r);
     else if (st == EKV_OK)
       st = ekv_session_generate(s, ids, n, o.max_new, sampler, on_progress, on_token, &r, NULL, 0, &n_out);
-    if (!o.quiet && r.text_len > 0) fputc('\n', stdout);
+    if (r.text_len > 0) fputc('\n', stdout);
     const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
+    if (st == EKV_OK && !o.quiet) { /* the run in one line, as `edgekv run` prints its table */
+      ekv_stats sum;
+      ekv_session_get_stats(s, &sum);
+      fprintf(stderr, "edgekv-run: load %.2f s; prefill %llu tokens, %.1f tok/s; decode %llu tokens, %.1f tok/s; "
+              "memory plan %.1f MiB (KV cache %.1f MiB), peak RSS %.1f MiB; threads %d\n", sum.load_seconds,
+              (unsigned long long)sum.prefill_tokens,
+              sum.prefill_seconds > 0 ? (double)sum.prefill_tokens / sum.prefill_seconds : 0.0,
+              (unsigned long long)sum.decode_tokens,
+              sum.decode_seconds > 0 ? (double)sum.decode_tokens / sum.decode_seconds : 0.0,
+              (double)info.plan_bytes / 1048576.0, (double)info.cache_bytes / 1048576.0,
+              (double)sum.peak_rss_bytes / 1048576.0, info.threads);
+    }
     if (o.report != NULL) write_report(&o, model, s, &r, n, st == EKV_OK ? "ok" : ekv_status_string(st), err);
     if (st == EKV_ERR_CANCELLED) {
       fprintf(stderr, "edgekv-run: %s\n", err);

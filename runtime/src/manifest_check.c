@@ -36,7 +36,7 @@ static const char *scan(const char *t, size_t n, top_field *fields, int n_fields
   size_t i = 0;
   while (i < n && strchr(" \t\r\n", t[i]) != NULL) i++;
   if (i == n || t[i] != '{') return "is not a JSON object";
-  int depth = 0;
+  int depth = 0, expect_key = 0; /* at depth 1: the next string is a key (after '{' or ',') */
   const char *key = NULL;
   size_t key_len = 0, value_start = 0;
   top_field *pending = NULL;
@@ -45,9 +45,10 @@ static const char *scan(const char *t, size_t n, top_field *fields, int n_fields
     if (c == '"') {
       size_t end = skip_string(t, i, n);
       if (end == 0) return "is cut off (a string never ends)";
-      if (depth == 1 && key == NULL && pending == NULL) {
+      if (depth == 1 && expect_key) {
         key = t + i + 1;
         key_len = end - i - 2;
+        expect_key = 0;
       }
       i = end - 1;
       continue;
@@ -67,7 +68,8 @@ static const char *scan(const char *t, size_t n, top_field *fields, int n_fields
       pending->len = end - value_start;
       pending = NULL;
     }
-    if (c == '{' || c == '[') depth++;
+    if (depth == 1 && c == ',') expect_key = 1;
+    if (c == '{' || c == '[') expect_key = ++depth == 1;
     else if (c == '}' || c == ']') {
       if (--depth < 0) return "is not valid JSON (an unmatched bracket)";
       if (depth == 0) {
@@ -117,8 +119,13 @@ ekv_status ekv_manifest_check(ekv_error *err, const char *dir, const ekv_program
         st = ekv_fail(err, EKV_ERR_FORMAT, "%s has no '%s' (%s); %s", path, fields[i].key, fields[i].meaning,
                       recompile);
       } else if (!as_int(&fields[i], &v)) {
-        st = ekv_fail(err, EKV_ERR_FORMAT, "%s: '%s' is %.*s, expected an integer (%s); %s", path, fields[i].key,
-                      (int)(fields[i].len > 40 ? 40 : fields[i].len), fields[i].value, fields[i].meaning, recompile);
+        char shown[44]; /* the value on one line: whitespace between its tokens dropped */
+        size_t k = 0;
+        for (size_t j = 0; j < fields[i].len && k < 40; j++)
+          if (strchr(" \t\r\n", fields[i].value[j]) == NULL) shown[k++] = fields[i].value[j];
+        shown[k] = '\0';
+        st = ekv_fail(err, EKV_ERR_FORMAT, "%s: '%s' is %s, expected an integer (%s); %s", path, fields[i].key, shown,
+                      fields[i].meaning, recompile);
       } else if (v != want[i]) {
         st = i == 0 ? ekv_fail(err, EKV_ERR_FORMAT, "%s: artifact format version %lld is not supported by this "
                                "runtime (it reads %d); recompile the artifact with this edgekv", path, v,
