@@ -1,4 +1,4 @@
-/* manifest.json, checked minimally: the native runtime's contract is program.ekv (validated whole,
+/* The artifact's manifest, checked minimally (keys: manifest_keys.h, generated from manifest.py): the native runtime's contract is program.ekv (validated whole,
  * every section CRC-checked), but an artifact whose manifest is cut off or damaged is a broken copy,
  * and the Python runtimes refuse it (edgekv/artifact/manifest.py, the typed reader) — so this one
  * does too, without a general JSON parser: the file must be one complete JSON object, and its
@@ -10,11 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "manifest_keys.h"
 #include "reader.h"
 
-#define MANIFEST_FILE "manifest.json"
 #define MAX_MANIFEST_BYTES ((size_t)64 << 20)
-#define ARTIFACT_VERSION 2
 
 typedef struct {
   const char *key;
@@ -95,7 +94,7 @@ static int as_int(const top_field *f, long long *out) {
 
 ekv_status ekv_manifest_check(ekv_error *err, const char *dir, const ekv_program *prog) {
   char path[PATH_MAX];
-  if (!ekv_path_join(path, sizeof path, dir, MANIFEST_FILE)) return EKV_OK;
+  if (!ekv_path_join(path, sizeof path, dir, EKV_MANIFEST_FILE)) return EKV_OK;
   FILE *f = fopen(path, "rb");
   if (f == NULL) return EKV_OK; /* a program-only artifact (the native runtime needs no manifest) */
   char *text = malloc(MAX_MANIFEST_BYTES + 1);
@@ -104,15 +103,15 @@ ekv_status ekv_manifest_check(ekv_error *err, const char *dir, const ekv_program
   if (text == NULL) return ekv_fail(err, EKV_ERR_NO_MEMORY, "cannot read %s: out of memory", path);
   const char *recompile = "the manifest is damaged or was not written by edgekv: recompile the artifact "
                           "(edgekv compile ... -o DIR), or copy it again";
-  top_field fields[] = {{"format_version", "the artifact format", NULL, 0},
-                        {"budget", "N: KV entries kept per layer and KV head", NULL, 0},
-                        {"block", "B: prompt tokens per prefill step", NULL, 0}};
+  top_field fields[] = {{EKV_MANIFEST_FORMAT_VERSION, "the artifact format", NULL, 0},
+                        {EKV_MANIFEST_BUDGET, "N: KV entries kept per layer and KV head", NULL, 0},
+                        {EKV_MANIFEST_BLOCK, "B: prompt tokens per prefill step", NULL, 0}};
   const char *bad = n > MAX_MANIFEST_BYTES ? "is larger than 64 MiB" : scan(text, n, fields, 3);
   ekv_status st = EKV_OK;
   if (bad != NULL) {
     st = ekv_fail(err, EKV_ERR_FORMAT, "%s %s; %s", path, bad, recompile);
   } else {
-    const long long want[3] = {ARTIFACT_VERSION, prog->budget, prog->block};
+    const long long want[3] = {EKV_ARTIFACT_VERSION, prog->budget, prog->block};
     for (int i = 0; i < 3 && st == EKV_OK; i++) {
       long long v;
       if (fields[i].value == NULL) {
@@ -129,7 +128,7 @@ ekv_status ekv_manifest_check(ekv_error *err, const char *dir, const ekv_program
       } else if (v != want[i]) {
         st = i == 0 ? ekv_fail(err, EKV_ERR_FORMAT, "%s: artifact format version %lld is not supported by this "
                                "runtime (it reads %d); recompile the artifact with this edgekv", path, v,
-                               ARTIFACT_VERSION)
+                               EKV_ARTIFACT_VERSION)
                     : ekv_fail(err, EKV_ERR_MISMATCH, "%s: '%s' is %lld but program.ekv has %lld: the two files come "
                                "from different compiles; recompile the artifact", path, fields[i].key, v, want[i]);
       }

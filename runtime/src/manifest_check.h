@@ -1,4 +1,4 @@
-/* manifest.json's minimal check (manifest_check.c): complete, and agreeing with program.ekv. */
+/* The manifest's minimal check (manifest_check.c): complete, and agreeing with program.ekv. */
 #ifndef EKV_MANIFEST_CHECK_H
 #define EKV_MANIFEST_CHECK_H
 
