@@ -110,13 +110,15 @@ RUNTIMES = ("auto", "native", "tvm")
 
 
 def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
-                  threads: int | None = None) -> tuple[Session, ArtifactModel]:
+                  threads: int | None = None, verify: str = "default") -> tuple[Session, ArtifactModel]:
     """Load a compiled artifact for ``edgekv run ARTIFACT`` and describe its model: refuses a corrupt
     or mismatched one, one compiled for another target (before anything tries to load it), and one
     whose memory plan does not fit ``mem_limit`` or the machine (before its caches are allocated).
     This is the one place that picks the runtime that runs an artifact: ``native`` (the C runtime,
     no TVM in the process), ``tvm`` (HostRuntime, TVM's Relax VM) or ``auto`` — native when it is
-    built and the artifact carries a program."""
+    built and the artifact carries a program. ``verify``: the weights' checksums at open, by either
+    runtime (``default``: checked, or trusted from a stamp of an earlier check of the same file;
+    ``always``; ``off``: ``--no-verify``)."""
     from .artifact import PROGRAM_FILE, ArtifactError
     from .artifact_target import artifact_runs_here, device_artifact_message
     from .memory import MemoryPlan, check_plan
@@ -146,13 +148,13 @@ def open_artifact(path, *, mem_limit: int | None = None, runtime: str = "auto",
             raise InputError(f"{path} has no {PROGRAM_FILE} for the native runtime; recompile it with this edgekv, "
                              "or run it with --runtime tvm")
         try:
-            rt = native.NativeRuntime(path, threads=threads, mem_limit=mem_limit)
+            rt = native.NativeRuntime(path, threads=threads, mem_limit=mem_limit, verify=verify)
         except native.NativeRuntimeMissing as exc:
             raise InputError(str(exc)) from None
     else:
         from .runtime import HostRuntime
 
-        rt = HostRuntime(path)
+        rt = HostRuntime(path, verify=verify)
     return rt, ArtifactModel(model_id=manifest.model_id, config=ModelConfig(**manifest.model_config),
                              tokenizer=rt.tokenizer, chat=manifest.chat)
 
@@ -283,6 +285,7 @@ class RunSettings:
     allow_beyond_context: bool = False
     runtime: str = "auto"
     output: Path | None = None  # the report's file
+    verify: str = "default"  # an artifact's weights: checked at open ("off": --no-verify)
 
     @property
     def document(self) -> bool:
@@ -429,7 +432,7 @@ def run_plan(plan: RunPlan, console: RunConsole | None = None, threads=None) -> 
     if plan.artifact:
         console.say(f"loading the artifact {s.model}")
         rt, model = open_artifact(s.model, mem_limit=s.mem_limit, runtime=s.runtime,
-                                  threads=threads.count if threads is not None else None)
+                                  threads=threads.count if threads is not None else None, verify=s.verify)
         if s.allow_beyond_context and hasattr(rt, "allow_beyond_context"):
             rt.allow_beyond_context()
         block, made_from = rt.block, ""

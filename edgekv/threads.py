@@ -5,6 +5,13 @@
     choice = choose_threads(None)     # None: the default; an int: what the user asked for
     apply_threads(choice.count)       # torch + TVM; a native runtime takes choice.count itself
 
+The rule (the native runtime's ``runtime/src/threads.c`` is the same rule in C; docs/NATIVE.md,
+"Threads"): **usable cores** = the CPUs this process may run on (affinity), one per physical core,
+the big cores of a big.LITTLE chip, at most a cgroup CPU quota; **the default** = usable cores less
+the other runnable processes, at least 1; **a request above the usable cores is clamped** to them,
+with a warning (``ThreadChoice.asked``): threads beyond the cores only wait for each other — on a
+2-core machine 64 threads ran one token 10x slower than 4, and 999 did not finish.
+
 Why this default (measured by ``tools/bench/measure_threads.py``, results in docs/results/threads.md):
 
 - **As many threads as there are free cores**, not all cores. A thread that shares its core with
@@ -52,6 +59,11 @@ class ThreadChoice:
     cores: int  # cores this process may use (physical, big cores on big.LITTLE)
     busy: int  # other runnable processes seen when choosing (0 when not measured)
     reason: str  # one line for the console
+    asked: int | None = None  # a --threads above the usable cores, clamped to them
+
+    @property
+    def clamped(self) -> bool:
+        return self.asked is not None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,15 +181,20 @@ def _default_choice() -> ThreadChoice:
 
 
 def choose_threads(requested: int | None) -> ThreadChoice:
-    """The user's ``--threads`` when given (≥ 1), else the default."""
+    """The user's ``--threads`` when given (≥ 1; above the usable cores: clamped to them), else the
+    default."""
     if requested is not None:
         if requested < 1:
             from .errors import InputError
 
             raise InputError(f"--threads {requested}: give a thread count of 1 or more, or leave it out "
                              f"for the default (the free cores)")
-        return ThreadChoice(count=int(requested), source="--threads", cores=usable_cores(), busy=0,
-                            reason="--threads")
+        cores = usable_cores()
+        if requested > cores:
+            return ThreadChoice(count=cores, source="--threads", cores=cores, busy=0, asked=int(requested),
+                                reason=f"--threads {requested} clamped to the {cores} usable core"
+                                       f"{'s' if cores != 1 else ''}")
+        return ThreadChoice(count=int(requested), source="--threads", cores=cores, busy=0, reason="--threads")
     return _default_choice()
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from .errors import ArtifactError
 from .manifest import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, Keys, Manifest
+from .weights_check import verify_weights
 
 __all__ = ["ARTIFACT_FORMAT", "ARTIFACT_VERSION", "MANIFEST", "PARAMS_FILE", "PROGRAM_FILE", "TOKENIZER_DIR",
            "TOKENIZER_FILE", "ArtifactError", "Keys", "Manifest", "check_runs_here", "crc32_file", "edgekv_version",
-           "is_artifact", "sha256_file", "verify_artifact"]
+           "is_artifact", "sha256_file", "verify_artifact", "verify_weights"]
 
 PARAMS_FILE = "params.safetensors"
 PROGRAM_FILE = "program.ekv"
@@ -66,13 +67,18 @@ def is_artifact(path: str | Path | None) -> bool:
 
 
 def verify_artifact(path: str | Path, manifest: Manifest, *, check_hashes: bool = True,
-                    tvm_version: str | None = None) -> None:
-    """Files present and (with ``check_hashes``) equal to their sha256; the artifact made by this
-    edgekv version; ``tvm_version``: the TVM that will run it (HostRuntime) must be the one that
-    built it."""
+                    tvm_version: str | None = None, verify: str = "default"):
+    """Files present and (with ``check_hashes``) equal to their sha256; the weights checked tensor by
+    tensor against the program's CRC-32s (``weights_check``; ``verify``: ``default``, ``always`` or
+    ``off`` = ``--no-verify``); the artifact made by this edgekv version; ``tvm_version``: the TVM
+    that will run it (HostRuntime) must be the one that built it. Returns the ``WeightsCheck``."""
+    from .weights_check import WeightsCheck, verify_weights
+
     path = Path(path)
     m = manifest
     files = m.files
+    program = files.get(Keys.Files.PROGRAM)
+    has_program = bool(program) and (path / program.name).is_file()
     tok = files.get(Keys.Files.TOKENIZER)
     if tok and isinstance(tok.sha256, dict):  # the HF tokenizer directory, file by file
         for name, digest in tok.sha256.items():
@@ -90,8 +96,13 @@ def verify_artifact(path: str | Path, manifest: Manifest, *, check_hashes: bool 
         f = path / entry.name
         if not f.exists():
             raise ArtifactError(f"artifact file missing: {f}")
+        if key == Keys.Files.PARAMS and (has_program or verify == "off"):
+            continue  # the weights: checked below by their CRC-32s, with a stamp (or not at all: --no-verify)
         if check_hashes and sha256_file(f) != entry.sha256:
             raise ArtifactError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); recompile")
+    weights = WeightsCheck("unchecked")
+    if has_program:
+        weights = verify_weights(path, files[Keys.Files.PARAMS].name, program.name, mode=verify)
     built_edgekv, built_tvm = m.versions.get(Keys.Versions.EDGEKV), m.versions.get(Keys.Versions.TVM)
     if built_edgekv != edgekv_version():
         raise ArtifactError(f"artifact was built by edgekv {built_edgekv}, this is edgekv {edgekv_version()}; "
@@ -100,6 +111,7 @@ def verify_artifact(path: str | Path, manifest: Manifest, *, check_hashes: bool 
         raise ArtifactError(f"artifact was built with TVM {built_tvm}, this runtime has TVM {tvm_version}; "
                             "recompile it with this installation")
     check_runs_here(path, m)
+    return weights
 
 
 # LLVM's feature names → the flags Linux lists in /proc/cpuinfo, where they differ

@@ -624,7 +624,12 @@ class Manifest:
         if not isinstance(data, dict) or data.get(Keys.FORMAT) != ARTIFACT_FORMAT:
             fmt = data.get(Keys.FORMAT) if isinstance(data, dict) else None
             raise ArtifactError(f"{mf} is not an edgekv artifact manifest (format={fmt!r})")
-        if data.get(Keys.FORMAT_VERSION) != ARTIFACT_VERSION:
+        version = data.get(Keys.FORMAT_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool):
+            got = "missing" if version is None else f"{type(version).__name__} {json.dumps(version)[:40]}"
+            raise ArtifactError(f"{mf}: '{Keys.FORMAT_VERSION}' is {got}, expected an integer (the artifact format); "
+                                f"the manifest is damaged or was not written by edgekv: {_recompile(str(mf))}")
+        if version != ARTIFACT_VERSION:
             raise ArtifactError(f"artifact format version {data.get(Keys.FORMAT_VERSION)} is not supported by this "
                                 f"edgekv (expects {ARTIFACT_VERSION}); recompile it")
         return cls.from_json(data, str(mf))

@@ -2,7 +2,7 @@
 memory plan — the file the native runtime (``runtime/src/program.c``) reads without a general
 parser. This module writes it (``edgekv compile``) and reads it back (tests, ``targets.finish``).
 
-Layout, little-endian, version 1.1::
+Layout, little-endian, version 1.2::
 
     header (64 bytes)
       0   8s   magic  b"EKVPROG\\0"
@@ -20,7 +20,7 @@ Layout, little-endian, version 1.1::
                              u32 0, then 8 bytes: the int64 / the f64 / (u32 off, u32 len)
       KERNELS     record 8:  u32 name_off, u32 name_len — the library exports __tvm_ffi_<name>
       BUFFERS     record 96: u8 kind, u8 dtype code (DLPack: 0 int, 1 uint, 2 float), u8 bits,
-                             u8 ndim (≤ 8), u32 name_off, u32 name_len, u32 0, i64 shape[8],
+                             u8 ndim (≤ 8), u32 name_off, u32 name_len, u32 crc32, i64 shape[8],
                              u64 a, u64 b — by kind:
                                INPUT    (1) filled by the caller before a call: a = b = 0
                                CACHE    (2) a = layer, b = cache field index
@@ -28,6 +28,9 @@ Layout, little-endian, version 1.1::
                                CONSTANT (4) a = byte offset in CONSTANTS, b = bytes
                                ARENA    (5) a = byte offset in the arena, b = bytes
                                VIEW     (6) a = id of an earlier buffer it reshapes, b = 0
+                             crc32 (1.2): a WEIGHT's zlib CRC-32 of its b bytes in the params
+                             file, which a runtime checks before it trusts the weight (the
+                             setting ``weight_crc32s`` = 1 says they are there); 0 otherwise
       CONSTANTS   record 1:  tensor constants, each 64-byte aligned
       FUNCTIONS   record 32: u32 name_off, u32 name_len, u32 call_begin, u32 call_count,
                              u32 in_begin, u32 in_count, u32 out_begin, u32 out_count
@@ -65,7 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAGIC = b"EKVPROG\0"
-MAJOR, MINOR = 1, 1
+MAJOR, MINOR = 1, 2
+WEIGHT_CRCS = "weight_crc32s"  # setting: 1 when every WEIGHT buffer carries its CRC-32 (1.2)
 HEADER_BYTES = 64
 SECTION_ENTRY = 32
 ALIGN = 64
@@ -118,6 +122,7 @@ class Buffer:
     name: str = ""
     a: int = 0
     b: int = 0
+    crc32: int = 0  # a WEIGHT's CRC-32 of its bytes in the params file (``fill_weight_crcs``)
 
     @property
     def nbytes(self) -> int:
@@ -222,8 +227,8 @@ def to_bytes(prog: Program) -> bytes:
         if len(buf.shape) > MAX_DIMS:
             raise ValueError(f"buffer {buf.name}: {len(buf.shape)} dimensions, at most {MAX_DIMS}")
         shape = list(buf.shape) + [0] * (MAX_DIMS - len(buf.shape))
-        recs.append(struct.pack("<BBBB II I 8q QQ", buf.kind, code, bits, len(buf.shape), *strings.ref(buf.name), 0,
-                                *shape, buf.a, buf.b))
+        recs.append(struct.pack("<BBBB II I 8q QQ", buf.kind, code, bits, len(buf.shape), *strings.ref(buf.name),
+                                buf.crc32 if buf.kind == WEIGHT else 0, *shape, buf.a, buf.b))
     sections[BUFFERS] = (b"".join(recs), len(recs))
     calls, args, fbufs, frecs = [], [], [], []
     for fn in prog.functions:
@@ -278,10 +283,29 @@ def to_bytes(prog: Program) -> bytes:
     return head + b"\0" * (align(header_bytes) - len(head)) + bytes(body)
 
 
+def fill_weight_crcs(prog: Program, params_path: str | Path) -> None:
+    """Record each WEIGHT buffer's CRC-32 from the params file it points into, and the setting
+    that says they are there: what lets a runtime refuse a corrupt weight by its name."""
+    import numpy as np
+
+    mm = np.memmap(params_path, dtype=np.uint8, mode="r")
+    for buf in prog.buffers:
+        if buf.kind == WEIGHT:
+            if buf.a + buf.b > mm.size:
+                raise ValueError(f"weight {buf.name} ({buf.b} bytes at {buf.a}) lies outside {params_path}")
+            buf.crc32 = zlib.crc32(memoryview(mm[buf.a: buf.a + buf.b]))
+    prog.settings[WEIGHT_CRCS] = 1
+
+
 def write(prog: Program, path: str | Path) -> int:
-    """Write atomically (a temporary file renamed into place); returns the size."""
-    data = to_bytes(prog)
+    """Write atomically (a temporary file renamed into place); returns the size. A program whose
+    settings name its params file (``params_name``, beside ``path``) gets each weight's CRC-32
+    first (``fill_weight_crcs``): the exporter always has the weights written by then."""
     path = Path(path)
+    params = path.parent / str(prog.settings.get("params_name", ""))
+    if prog.settings.get("params_name") and params.is_file() and not prog.settings.get(WEIGHT_CRCS):
+        fill_weight_crcs(prog, params)
+    data = to_bytes(prog)
     tmp = path.with_name(path.name + ".part")
     tmp.write_bytes(data)
     tmp.replace(path)
@@ -335,11 +359,11 @@ def from_bytes(data: bytes) -> Program:
             prog.settings[s(ko, kl)] = s(*struct.unpack_from("<II", r, 16))
     prog.kernels = [s(*struct.unpack("<II", r)) for r in records(KERNELS)]
     for r in records(BUFFERS):
-        kind, code, bits, ndim, no, nl, _ = struct.unpack_from("<BBBBIII", r)
+        kind, code, bits, ndim, no, nl, crc = struct.unpack_from("<BBBBIII", r)
         shape = struct.unpack_from("<8q", r, 16)[:ndim]
         a, b = struct.unpack_from("<QQ", r, 80)
         _need((code, bits) in DTYPE_NAMES, f"buffer with unknown dtype ({code}, {bits})")
-        prog.buffers.append(Buffer(kind, DTYPE_NAMES[(code, bits)], tuple(shape), s(no, nl), a, b))
+        prog.buffers.append(Buffer(kind, DTYPE_NAMES[(code, bits)], tuple(shape), s(no, nl), a, b, crc))
     prog.constants = bytearray(raw[CONSTANTS][0])
     calls = [struct.unpack("<IIII", r)[:3] for r in records(CALLS)]
     args = []

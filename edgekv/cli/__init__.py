@@ -14,7 +14,15 @@ stays quick."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from ..threads import prepare_process
+
+# typer's help and usage errors (rich) wrap at 80 columns when piped, cutting option names: give
+# them a wide page unless the user set a width (common.py does the same for edgekv's own messages)
+if not sys.stdout.isatty() and not os.environ.get("COLUMNS") and not os.environ.get("TERMINAL_WIDTH"):
+    os.environ["TERMINAL_WIDTH"] = "200"
 
 prepare_process()  # before torch / TVM load: thread pools that sleep instead of spinning
 

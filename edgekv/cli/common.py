@@ -4,6 +4,7 @@ options that mean the same in every command (README, "Using it")."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,8 +16,22 @@ from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET
 from ..errors import InputError
 from ..policies import DEFAULT_POLICY
 
-err = Console(stderr=True)
-out = Console()
+# Piped or redirected, rich would wrap at 80 columns and cut option names in half: a console
+# that is not a terminal gets a wide width (a line is never wrapped mid-message), a terminal its own.
+PIPED_WIDTH = 10_000
+
+
+def _console(stderr: bool) -> Console:
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty() or os.environ.get("COLUMNS"):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=PIPED_WIDTH)
+
+
+err = _console(stderr=True)
+out = _console(stderr=False)
 
 # the help texts of the options every command shares
 HELP = {
@@ -44,6 +59,9 @@ ReportPath = Annotated[Optional[Path], typer.Option("-o", "--output", "--report"
 MemLimit = Annotated[Optional[str], typer.Option(help=HELP["mem_limit"])]
 BeyondContext = Annotated[bool, typer.Option(help=HELP["beyond"])]
 Threads = Annotated[Optional[int], typer.Option(help=HELP["threads"])]
+NoVerify = Annotated[bool, typer.Option("--no-verify", help="for an ARTIFACT: trust its weights, skipping the check of "
+                                        "each weight's checksum at open (a corrupt params file is refused otherwise; "
+                                        "a clean check is remembered beside the artifact until the file changes)")]
 
 
 def fail(exc: Exception) -> None:
@@ -69,17 +87,36 @@ def parse_policy_args(pairs: list[str] | None, policy: str | None = None) -> dic
     return policy_arguments(pairs, [name]).get(name, {})
 
 
+# whitespace that makes no prompt, the same bytes edgekv-run's check_text skips
+PROMPT_SPACE = " \t\n\r\v\f"
+
+
+def check_text(option: str, data: bytes) -> str:
+    """The text rules of both runtimes (edgekv-run's ``check_text`` in runtime/cli/edgekv_run.c):
+    strict UTF-8, refused at its first bad byte, and not only whitespace. Returns the text."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{option} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                         "save it as UTF-8") from None
+    if not text.strip(PROMPT_SPACE):
+        raise InputError("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text")
+    return text
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt, checked before anything loads (``check_text``)."""
     if prompt is not None and prompt_file is not None:
         raise InputError("give either --prompt or --prompt-file, not both")
     if prompt_file is not None:
         try:
-            return prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+            data = prompt_file.read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read --prompt-file {prompt_file}: {exc.strerror or exc}") from None
+        return check_text(f"--prompt-file {prompt_file}", data)
     if prompt is None:
         raise InputError("no prompt: pass --prompt TEXT or --prompt-file FILE")
-    return prompt
+    return check_text("--prompt", prompt.encode("utf-8", "surrogateescape"))
 
 
 def merge_model(positional: str | None, option: str | None, command: str) -> str | None:
@@ -114,6 +151,9 @@ def setup_threads(threads: int | None):
     from ..threads import apply_threads, choose_threads
 
     choice = choose_threads(threads)
+    if choice.clamped:
+        warn(f"--threads {choice.asked} is more than the {choice.cores} usable cores here (affinity, physical and "
+             f"big cores, CPU quota): using {choice.count}; threads beyond the cores only wait for each other")
     apply_threads(choice.count)
     say(f"threads: {choice.count} ({choice.source}" + ("" if choice.source == "--threads" else f": {choice.reason}")
         + ")")

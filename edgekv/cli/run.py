@@ -15,7 +15,7 @@ from rich.table import Table
 from ..errors import USER_ERRORS, InputError
 from ..output_files import check_writable
 from ..units import human_bytes
-from .common import (HELP, BeyondContext, MemLimit, ReportPath, Temperature, Threads, TopP, check_block,
+from .common import (HELP, BeyondContext, MemLimit, NoVerify, ReportPath, Temperature, Threads, TopP, check_block,
                      check_sampling, compiler_errors, err, fail, out, parse_kv_dtype, parse_mem_limit,
                      prefill_progress, read_prompt, say, setup_threads, warn)
 
@@ -93,6 +93,7 @@ def run_cmd(
                                               "or auto (native when built)")] = "auto",
     kv_dtype: Annotated[Optional[str], typer.Option(help=HELP["kv_dtype"] + " (with --load-cache: the saved "
                                                                            "cache's)")] = None,
+    no_verify: NoVerify = False,
 ):
     """Generate from a long prompt under a KV budget, block by block; print text and a memory table.
     With --question: the prompt is a document, read once, and each question is answered from its
@@ -102,7 +103,7 @@ def run_cmd(
                     save_cache=save_cache, load_cache=load_cache, budget=budget, block=block, policy=policy,
                     policy_arg=policy_arg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, output=output, mem_limit=mem_limit, allow_beyond_context=allow_beyond_context,
-                    threads=threads, runtime=runtime, kv_dtype=kv_dtype)
+                    threads=threads, runtime=runtime, kv_dtype=kv_dtype, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
 
@@ -120,6 +121,7 @@ def ask_cmd(
     allow_beyond_context: BeyondContext = False,
     threads: Threads = None,
     runtime: Annotated[str, typer.Option(help="for a compiled artifact's cache: native, tvm or auto")] = "auto",
+    no_verify: NoVerify = False,
 ):
     """Answer questions about a document read earlier, from its saved cache: no re-reading."""
     try:
@@ -127,7 +129,7 @@ def ask_cmd(
                     load_cache=snapshot, budget=None, block=None, policy=None, policy_arg=None,
                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, output=output,
                     mem_limit=mem_limit, allow_beyond_context=allow_beyond_context, threads=threads,
-                    runtime=runtime)
+                    runtime=runtime, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
 
@@ -151,7 +153,7 @@ def check_document_options(prompt, prompt_file, questions, save_cache, load_cach
 
 def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load_cache, budget, block, policy,
                 policy_arg, max_new_tokens, temperature, top_p, seed, output, mem_limit, allow_beyond_context,
-                threads, runtime, kv_dtype=None) -> None:
+                threads, runtime, kv_dtype=None, no_verify=False) -> None:
     """`edgekv run` and `edgekv ask`: check every option, then the run (``edgekv/job.py``), printed."""
     from .. import job
 
@@ -165,7 +167,8 @@ def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load
                                load_cache=load_cache, budget=budget, block=block, policy=policy, policy_arg=policy_arg,
                                kv_dtype=kv_dtype, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                seed=seed, mem_limit=parse_mem_limit(mem_limit),
-                               allow_beyond_context=allow_beyond_context, runtime=runtime, output=output)
+                               allow_beyond_context=allow_beyond_context, runtime=runtime, output=output,
+                               verify="off" if no_verify else "default")
     console = CliRunConsole()
     plan = job.plan_run(settings, console)
     job.run_plan(plan, console, threads=setup_threads(threads))

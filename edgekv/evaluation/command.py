@@ -30,9 +30,12 @@ def parse_lengths(text: str, what: str) -> list[int]:
         if not _TOKENS.match(item):
             raise InputError(f"{what} {item!r}: write token counts such as 512, 1k or 4096 (comma-separated)")
         try:
-            out.append(parse_budget(item, block=1))
-        except BudgetError as exc:
-            raise InputError(f"{what} {item!r}: {exc}") from None
+            n = parse_budget(item, block=1)
+        except BudgetError:
+            n = 0
+        if n <= 0:  # a length, not a budget: say so in the option's own words
+            raise InputError(f"{what} {item!r}: give a positive token count such as 512, 1k or 4096")
+        out.append(n)
     return out
 
 
@@ -202,8 +205,7 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
     from ..models import load_model
     from . import report
 
-    out_dir = Path(out_dir).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out_dir).expanduser()  # made once every check has passed: a refusal leaves no folder
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -226,6 +228,7 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
     runner = Runner(model, spec, progress_factory=(lambda total: _Bar(console, total)) if progress else None,
                     on_prompt_done=save_partial)  # called after every run (every prompt with a pool)
     pool = make_pool(workers, ray, model_name, spec, threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
     # results are reproducible for a thread count: record the one the engine ran with
     data["meta"]["execution"] = ({"where": "this process", "workers": 1, "threads": torch.get_num_threads()}
                                  if pool is None else {"where": pool.describe(), "workers": pool.workers,

@@ -62,10 +62,13 @@ def _rss() -> int:
 
 
 class HostRuntime:
+    weights_check = None  # the WeightsCheck of an artifact opened from a directory
     def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None,
-                 device=None):
+                 device=None, verify: str = "default"):
         """Load an artifact directory; refuses a missing, corrupt or mismatched one (ArtifactError).
-        ``device``: the TVM device of a device artifact (e.g. ``tvm.cuda()``); default the CPU."""
+        ``device``: the TVM device of a device artifact (e.g. ``tvm.cuda()``); default the CPU.
+        ``verify``: the weights' checksums — ``default`` (checked, or a stamp of an earlier check of
+        the same file), ``always``, ``off`` (``--no-verify``)."""
         import tvm
 
         from ..artifact.params_file import map_params
@@ -81,7 +84,8 @@ class HostRuntime:
                                     "native runtime (edgekv run ARTIFACT, or edgekv-run ARTIFACT)")
             if not artifact_runs_here(manifest):
                 raise ArtifactError(device_artifact_message(path, manifest))
-        verify_artifact(path, manifest, check_hashes=check_hashes, tvm_version=str(tvm.__version__))
+        self.weights_check = verify_artifact(path, manifest, check_hashes=check_hashes,
+                                             tvm_version=str(tvm.__version__), verify=verify)
         if expected_weight_hash and expected_weight_hash != manifest.weight_hash:
             raise ArtifactError("the artifact was compiled from different weights than the model given "
                                 f"({manifest.weight_hash[:12]}… vs {expected_weight_hash[:12]}…)")

@@ -107,7 +107,11 @@ class _ModelInfo(ctypes.Structure):
                                                "pseudo_rows", "threads", "chat")] + \
                [(n, ctypes.c_uint64) for n in ("weights_bytes", "cache_bytes", "arena_bytes", "plan_bytes")] + \
                [(n, ctypes.c_int32) for n in ("n_kernels", "n_calls_prefill", "n_calls_decode")] + \
-               [("device", ctypes.c_char_p)]
+               [("device", ctypes.c_char_p), ("weights_check", ctypes.c_int32), ("verify_seconds", ctypes.c_double),
+                ("threads_cores", ctypes.c_int32), ("threads_busy", ctypes.c_int32)]
+
+VERIFY_MODES = {"off": 0, "default": 1, "always": 2}  # edgekv.h's EKV_VERIFY_*
+WEIGHTS_CHECK = {0: "unchecked", 1: "checked", 2: "stamped"}  # EKV_WEIGHTS_*
 
 
 class _Stats(ctypes.Structure):
@@ -180,7 +184,7 @@ class NativeRuntime:
     """
 
     def __init__(self, artifact, *, threads: int | None = None, mem_limit: int | None = None,
-                 verify_weights: bool = False, library: str | None = None):
+                 verify: str = "default", verify_weights: bool = False, library: str | None = None):
         import numpy as np
 
         from ..artifact import ArtifactError, Manifest
@@ -192,7 +196,11 @@ class NativeRuntime:
         self.lib.ekv_model_options_init(ctypes.byref(opts))
         opts.threads = int(threads or 0)
         opts.mem_limit_bytes = int(mem_limit or 0)
-        opts.verify_weights = int(bool(verify_weights))
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify {verify!r}: one of {', '.join(VERIFY_MODES)}")
+        # the weights' checksums at open (runtime/src/weights_check.c); verify_weights: the older
+        # spelling of verify="always"
+        opts.verify_weights = VERIFY_MODES["always" if verify_weights else verify]
         self._model = ctypes.c_void_p()
         self._session = ctypes.c_void_p()
         st = self.lib.ekv_model_open(str(self.path).encode(), ctypes.byref(opts), ctypes.byref(self._model))
@@ -217,6 +225,10 @@ class NativeRuntime:
         self.num_layers, self.vocab_size = self.info["num_layers"], self.info["vocab_size"]
         self.policy = self.info["policy"]
         self.threads = self.info["threads"]
+        from ..artifact.weights_check import WeightsCheck
+
+        self.weights_check = WeightsCheck(WEIGHTS_CHECK.get(self.info["weights_check"], "unchecked"),
+                                          self.info["verify_seconds"])
         self._block_hook = None
 
     # ---- lifetime ----------------------------------------------------------------------------

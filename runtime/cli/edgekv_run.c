@@ -4,7 +4,7 @@
  *   edgekv-run ARTIFACT --prompt TEXT | --prompt-file F | --prompt-ids 1,2,3|@FILE [--chat]
  *              [--max-new-tokens 64] [--temperature 0] [--top-p 1] [--seed 0] [--threads N]
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
- *              [--verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
+ *              [--no-verify | --verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
  *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
  *   edgekv-run ARTIFACT --load-cache F --question Q ...
  *   edgekv-run ARTIFACT --prompt ... --repeat-open N   (open, run, close N times: a teardown check)
@@ -38,9 +38,12 @@ typedef struct {
 
 static ekv_session *g_session; /* for SIGINT: cancel at the next block or token */
 
+/* the first ^C stops the work at the next kernel call and the run ends with 130; a second one
+ * (the default action) ends the process at once */
 static void on_sigint(int sig) {
   (void)sig;
   if (g_session != NULL) ekv_session_cancel(g_session);
+  signal(SIGINT, SIG_DFL);
 }
 
 static int fail(const char *fmt, const char *a, const char *b) {
@@ -53,7 +56,7 @@ static int fail(const char *fmt, const char *a, const char *b) {
 static void usage(FILE *f) {
   fputs("usage: edgekv-run ARTIFACT (--prompt TEXT | --prompt-file FILE | --prompt-ids 1,2,3|@FILE) [--chat]\n"
         "                  [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads N]\n"
-        "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--verify-weights]\n"
+        "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--no-verify | --verify-weights]\n"
         "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
         "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q [--question Q2 ...] [--save-cache F]\n"
         "       edgekv-run ARTIFACT --load-cache F --question Q [--question Q2 ...]\n"
@@ -62,8 +65,13 @@ static void usage(FILE *f) {
         "  --load-cache       answer from a saved cache instead of reading a document (its --chat form is kept)\n"
         "Runs an artifact written by `edgekv compile` (program.ekv, model.so, params, tokenizer.ekt).\n"
         "  --check            open and validate the artifact, then exit\n"
+        "  --quiet            print the answer only: no progress, warnings or summary line on stderr (errors still)\n"
+        "  --no-verify        trust the weights: skip the check of each weight's checksum at open (by default a corrupt\n"
+        "                     params file is refused; a stamp beside the artifact makes later opens of the same file free)\n"
+        "  --verify-weights   check every weight's checksum even when the stamp says an earlier open did\n"
         "  --mem-limit        refuse before allocating when the plan is above it (512MiB, 1.5GiB, bytes)\n"
-        "  --threads          kernel threads (default: every online core)\n"
+        "  --threads          kernel threads (default: the usable cores — affinity, physical and big cores, a CPU\n"
+        "                     quota — less those busy with other work; more than the usable cores is clamped to them)\n"
         "  --warmup           run the prompt's first block once before the timed run (benchmarks)\n"
         "  --ignore-eos       decode exactly --max-new-tokens tokens (benchmarks)\n"
         "  --repeat-open N    open the artifact twice, run the prompt greedily on each, free and close them; N rounds\n"
@@ -120,6 +128,7 @@ static int parse_args(int argc, char **argv, options *o) {
       {"threads", required_argument, 0, 'T'},      {"mem-limit", required_argument, 0, 'm'},
       {"report", required_argument, 0, 'r'},       {"allow-beyond-context", no_argument, 0, 'A'},
       {"verify-weights", no_argument, 0, 'V'},     {"quiet", no_argument, 0, 'q'},
+      {"no-verify", no_argument, 0, 'N'},
       {"check", no_argument, 0, 'C'},              {"help", no_argument, 0, 'h'},
       {"warmup", no_argument, 0, 'W'},             {"ignore-eos", no_argument, 0, 'E'},
       {"question", required_argument, 0, 'Q'},     {"save-cache", required_argument, 0, 'S'},
@@ -127,10 +136,11 @@ static int parse_args(int argc, char **argv, options *o) {
       {0, 0, 0, 0}};
   o->max_new = 64;
   o->top_p = 1.0f;
+  o->verify_weights = EKV_VERIFY_DEFAULT;
   long v;
   int c;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVqChWEQ:S:L:R:", LONG, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "p:f:i:cn:t:P:s:T:m:r:AVNqChWEQ:S:L:R:", LONG, NULL)) != -1) {
     switch (c) {
       case 'p': o->prompt = optarg; break;
       case 'f': o->prompt_file = optarg; break;
@@ -162,7 +172,8 @@ static int parse_args(int argc, char **argv, options *o) {
         break;
       case 'r': o->report = optarg; break;
       case 'A': o->allow_beyond = 1; break;
-      case 'V': o->verify_weights = 1; break;
+      case 'V': o->verify_weights = EKV_VERIFY_ALWAYS; break;
+      case 'N': o->verify_weights = EKV_VERIFY_OFF; break;
       case 'q': o->quiet = 1; break;
       case 'C': o->check_only = 1; break;
       case 'W': o->warmup = 1; break;
@@ -204,8 +215,9 @@ static int parse_args(int argc, char **argv, options *o) {
   return 0;
 }
 
-/* The report path is checked before any work, so a run never ends by losing its result. */
-static int check_report_path(const char *path) {
+/* An output path (--report, --save-cache) is checked before any work, so a run never ends by
+ * losing its result. */
+static int check_output_path(const char *option, const char *path) {
   if (path == NULL) return 0;
   char dir[PATH_MAX];
   snprintf(dir, sizeof dir, "%s", path);
@@ -213,14 +225,16 @@ static int check_report_path(const char *path) {
   if (slash == NULL) snprintf(dir, sizeof dir, ".");
   else if (slash == dir) dir[1] = '\0';
   else *slash = '\0';
-  if (access(dir, W_OK) != 0) return fail("--report %s: the folder %s does not exist or is not writable", path, dir);
-  if (access(path, F_OK) == 0 && access(path, W_OK) != 0) return fail("--report %s is not writable%s", path, "");
+  char what[4200];
+  snprintf(what, sizeof what, "%s %s", option, path);
+  if (access(dir, W_OK) != 0) return fail("%s: the folder %s does not exist or is not writable", what, dir);
+  if (access(path, F_OK) == 0 && access(path, W_OK) != 0) return fail("%s is not writable%s", what, "");
   FILE *probe = fopen(path, "r");
   if (probe != NULL) {
     char c;
     int is_dir = fread(&c, 1, 1, probe) == 0 && ferror(probe);
     fclose(probe);
-    if (is_dir) return fail("--report %s is a directory; give a file path%s", path, "");
+    if (is_dir) return fail("%s is a directory; give a file path%s", what, "");
   }
   return 0;
 }
@@ -264,6 +278,21 @@ static int encode_text(ekv_model *model, const char *text, size_t len, int chat,
   return 0;
 }
 
+/* The text rules both runtimes apply (edgekv/cli/common.py, check_text): UTF-8, and not only
+ * whitespace (space, tab, newline, carriage return, vertical tab, form feed). */
+static int check_text(const char *option, const char *file, const char *text, size_t len) {
+  size_t bad = ekv_utf8_check(text, len);
+  if (bad < len) {
+    char what[4200], where[64];
+    snprintf(what, sizeof what, "%s%s%s", option, file != NULL ? " " : "", file != NULL ? file : "");
+    snprintf(where, sizeof where, "byte 0x%02x at offset %zu", (unsigned char)text[bad], bad);
+    return fail("%s is not UTF-8 text (%s); save it as UTF-8", what, where);
+  }
+  for (size_t i = 0; i < len; i++)
+    if (strchr(" \t\n\r\v\f", text[i]) == NULL || text[i] == '\0') return 0;
+  return fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
+}
+
 static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size_t *n) {
   *ids = NULL;
   *n = 0;
@@ -300,12 +329,9 @@ static int encode_prompt(const options *o, ekv_model *model, int32_t **ids, size
   char *text = (char *)o->prompt;
   size_t len = text != NULL ? strlen(text) : 0;
   if (o->prompt_file != NULL && read_prompt_file("--prompt-file", o->prompt_file, &text, &len) != 0) return 2;
-  int only_space = 1;
-  for (size_t i = 0; i < len && only_space; i++) only_space = text[i] == ' ' || text[i] == '\n' || text[i] == '\t' || text[i] == '\r';
-  int rc = 0;
+  int rc = check_text(o->prompt_file != NULL ? "--prompt-file" : "--prompt", o->prompt_file, text, len);
   ekv_text_part part = (o->n_questions > 0 || o->save_cache != NULL) ? EKV_PART_DOCUMENT : EKV_PART_WHOLE;
-  if (only_space) rc = fail("the prompt is empty; pass --prompt TEXT or --prompt-file FILE with some text%s%s", "", "");
-  else rc = encode_text(model, text, len, o->chat, part, ids, n);
+  if (rc == 0) rc = encode_text(model, text, len, o->chat, part, ids, n);
   if (text != o->prompt) free(text);
   return rc;
 }
@@ -369,10 +395,8 @@ static int on_token(void *user, int32_t id, const char *text, size_t len) {
     memcpy(r->text + r->text_len, text, len);
     r->text_len += len;
     r->text[r->text_len] = '\0';
-    if (!r->o->quiet) {
-      fwrite(text, 1, len, stdout);
-      fflush(stdout);
-    }
+    fwrite(text, 1, len, stdout); /* the answer, with or without --quiet */
+    fflush(stdout);
   }
   return 0;
 }
@@ -576,7 +600,7 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     size_t n_out = 0;
     st = ekv_session_generate(s, ids, n, o->max_new, sampler, NULL, on_token, r, NULL, 0, &n_out);
     free(ids);
-    if (!o->quiet && r->text_len > 0) fputc('\n', stdout);
+    if (r->text_len > 0) fputc('\n', stdout);
     ekv_stats stats;
     ekv_session_get_stats(s, &stats);
     a->prompt_tokens = n;
@@ -627,6 +651,7 @@ static int repeat_open(const options *o) {
   ekv_model_options_init(&mo);
   mo.threads = o->threads;
   mo.mem_limit_bytes = o->mem_limit;
+  mo.verify_weights = o->verify_weights;
   size_t cap = (size_t)o->max_new + 1;
   int32_t *first = calloc(cap, sizeof *first), *got = calloc(cap, sizeof *got);
   size_t n_first = 0;
@@ -666,13 +691,30 @@ int main(int argc, char **argv) {
   memset(&o, 0, sizeof o);
   int rc = parse_args(argc, argv, &o);
   if (rc != 0) return rc;
-  if (check_report_path(o.report) != 0) return 2;
+  if (check_output_path("--report", o.report) != 0 || check_output_path("--save-cache", o.save_cache) != 0) return 2;
+  if (o.prompt != NULL && check_text("--prompt", NULL, o.prompt, strlen(o.prompt)) != 0) return 2;
+  if (o.prompt_file != NULL) { /* read now too: a bad prompt is refused before the model loads */
+    char *text = NULL;
+    size_t len = 0;
+    rc = read_prompt_file("--prompt-file", o.prompt_file, &text, &len);
+    if (rc == 0) rc = check_text("--prompt-file", o.prompt_file, text, len);
+    free(text);
+    if (rc != 0) return 2;
+  }
   if (o.repeat_open > 0) return repeat_open(&o);
   ekv_model_options mo;
   ekv_model_options_init(&mo);
   mo.threads = o.threads;
   mo.mem_limit_bytes = o.mem_limit;
   mo.verify_weights = o.verify_weights;
+  if (o.threads > 0) { /* the runtime clamps a count above the usable cores: say so */
+    ekv_thread_choice tc;
+    ekv_choose_threads(o.threads, &tc);
+    if (tc.clamped)
+      fprintf(stderr, "warning: --threads %d is more than the %d usable cores here (affinity, physical and big "
+              "cores, CPU quota): using %d; threads beyond the cores only wait for each other\n", o.threads, tc.cores,
+              tc.count);
+  }
   ekv_model *model = NULL;
   if (ekv_model_open(o.artifact, &mo, &model) != EKV_OK) {
     rc = fail("%s%s", ekv_model_last_error(model), "");
@@ -720,10 +762,25 @@ int main(int argc, char **argv) {
       st = run_document(&o, model, s, sampler, ids, n, &r);
     else if (st == EKV_OK)
       st = ekv_session_generate(s, ids, n, o.max_new, sampler, on_progress, on_token, &r, NULL, 0, &n_out);
-    if (!o.quiet && r.text_len > 0) fputc('\n', stdout);
+    if (r.text_len > 0) fputc('\n', stdout);
     const char *err = st == EKV_OK ? NULL : ekv_session_last_error(s);
+    if (st == EKV_OK && !o.quiet) { /* the run in one line, as `edgekv run` prints its table */
+      ekv_stats sum;
+      ekv_session_get_stats(s, &sum);
+      fprintf(stderr, "edgekv-run: load %.2f s; prefill %llu tokens, %.1f tok/s; decode %llu tokens, %.1f tok/s; "
+              "memory plan %.1f MiB (KV cache %.1f MiB), peak RSS %.1f MiB; threads %d\n", sum.load_seconds,
+              (unsigned long long)sum.prefill_tokens,
+              sum.prefill_seconds > 0 ? (double)sum.prefill_tokens / sum.prefill_seconds : 0.0,
+              (unsigned long long)sum.decode_tokens,
+              sum.decode_seconds > 0 ? (double)sum.decode_tokens / sum.decode_seconds : 0.0,
+              (double)info.plan_bytes / 1048576.0, (double)info.cache_bytes / 1048576.0,
+              (double)sum.peak_rss_bytes / 1048576.0, info.threads);
+    }
     if (o.report != NULL) write_report(&o, model, s, &r, n, st == EKV_OK ? "ok" : ekv_status_string(st), err);
-    if (st == EKV_ERR_CANCELLED) rc = 130;
+    if (st == EKV_ERR_CANCELLED) {
+      fprintf(stderr, "edgekv-run: %s\n", err);
+      rc = 130;
+    }
     else if (st != EKV_OK) rc = r.reported ? 2 : fail("%s%s", err, "");
     g_session = NULL;
   }

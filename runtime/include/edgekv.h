@@ -101,6 +101,10 @@ typedef struct ekv_utf8_stream {
   int n_pending;
 } ekv_utf8_stream;
 void ekv_utf8_stream_init(ekv_utf8_stream *s);
+/* The offset of the first byte of text that is not well-formed UTF-8 (strict, as Python's
+ * decoder: no overlongs, surrogates or code points above U+10FFFF; a sequence cut off at the end
+ * counts), or n when it all is. Input text is refused at that byte, as the Python CLI refuses it. */
+size_t ekv_utf8_check(const char *text, size_t n);
 /* Appends the complete text of (held bytes + in[0..n)) to out (capacity cap, at least 4*(n+4)
  * bytes); returns the bytes written. */
 size_t ekv_utf8_stream_push(ekv_utf8_stream *s, const char *in, size_t n, char *out, size_t cap);
@@ -117,10 +121,27 @@ typedef struct ekv_model_options {
   int threads;               /* worker threads for the kernels; 0 = every online core */
   uint64_t mem_limit_bytes;  /* 0 = none; refuse (EKV_ERR_NO_MEMORY) before allocating when the
                                 plan (weights + caches + arena) is above it */
-  int verify_weights;        /* 1: CRC-32 of the whole params file at open (reads every page) */
+  int verify_weights;        /* EKV_VERIFY_*; ekv_model_options_init sets EKV_VERIFY_DEFAULT */
 } ekv_model_options;
+/* Weight verification at open. DEFAULT: each weight's CRC-32 (the program records them) is checked,
+ * a corrupt one refused by its name, unless a stamp beside the artifact (.params.verified: the params
+ * file's size, inode, mtime and ctime and the program's CRC) says an earlier open checked this very
+ * file; a clean check writes the stamp (an unwritable directory only means checking every time).
+ * ALWAYS ignores the stamp; OFF trusts the file (`--no-verify`). */
+enum { EKV_VERIFY_OFF = 0, EKV_VERIFY_DEFAULT = 1, EKV_VERIFY_ALWAYS = 2 };
+enum { EKV_WEIGHTS_UNCHECKED = 0, EKV_WEIGHTS_CHECKED = 1, EKV_WEIGHTS_STAMPED = 2 };
 
 void ekv_model_options_init(ekv_model_options *opts);
+
+/* The thread count of a run (runtime/src/threads.c; edgekv/threads.py is the same rule): the usable
+ * cores (affinity, physical cores, big cores, a cgroup CPU quota); by default those minus the other
+ * runnable processes (at least 1); a request above the usable cores clamped to them (clamped = 1).
+ * ekv_model_open applies it to options.threads (0 = the default). */
+typedef struct ekv_thread_choice {
+  int count, requested, cores, busy, clamped;
+} ekv_thread_choice;
+void ekv_choose_threads(int requested, ekv_thread_choice *out);
+int ekv_usable_cores(void);
 /* The devices this build of the runtime runs artifacts on: "cpu" or "cpu,opencl". */
 const char *ekv_runtime_devices(void);
 /* Open an artifact directory: program.ekv (validated whole: every index, offset and size),
@@ -141,6 +162,9 @@ typedef struct ekv_model_info {
   uint64_t plan_bytes;      /* weights + caches + arena + inputs */
   int32_t n_kernels, n_calls_prefill, n_calls_decode;
   const char *device; /* "cpu", or "opencl: <platform> / <device>" */
+  int32_t weights_check;  /* EKV_WEIGHTS_*: how this open trusted the weights */
+  double verify_seconds;  /* the seconds the check took (0 when stamped or off) */
+  int32_t threads_cores, threads_busy; /* the thread choice: usable cores, other runnable processes seen */
 } ekv_model_info;
 /* Strings point into the model; valid until ekv_model_close. */
 void ekv_model_get_info(const ekv_model *model, ekv_model_info *info);
@@ -182,6 +206,9 @@ size_t ekv_session_position(const ekv_session *session);
 void ekv_session_allow_beyond_context(ekv_session *session, int allow);
 /* Ask a running prefill/generate to stop at the next block or token (any thread). */
 void ekv_session_cancel(ekv_session *session);
+/* (Safe from a signal handler. The work stops before the next kernel call: within one kernel's time.
+ * A prefill or decode stopped inside a block leaves that block half applied: reset the session,
+ * or load a snapshot, before using it again.) */
 
 /* Layer `layer`'s kept entries: the cache's fill count and per KV head its original positions
  * ([heads][fill], head-major, into out with room for cap). */

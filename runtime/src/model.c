@@ -9,6 +9,8 @@
 #include "alloc.h"
 #include "cpu_check.h"
 #include "model.h"
+#include "manifest_check.h"
+#include "weights_check.h"
 
 #define PROGRAM_FILE "program.ekv"
 #define MAX_PROGRAM_BYTES ((size_t)1 << 30)
@@ -21,6 +23,7 @@ double ekv_now(void) {
 
 void ekv_model_options_init(ekv_model_options *opts) {
   memset(opts, 0, sizeof *opts);
+  opts->verify_weights = EKV_VERIFY_DEFAULT;
 }
 
 const char *ekv_model_last_error(const ekv_model *model) {
@@ -47,9 +50,10 @@ static ekv_status check_file(ekv_model *m, const char *dir, const char *key, int
   EKV_TRY(ekv_map_file(&m->err, path, &map));
   int64_t want = ekv_program_int(&m->prog, bytes_key, -1);
   if ((int64_t)map.size != want) {
+    size_t have = map.size; /* before the unmap clears it */
     ekv_unmap_file(&map);
     return ekv_fail(&m->err, EKV_ERR_MISMATCH, "%s is %zu bytes but the program expects %lld: the file is truncated, "
-                    "or from another compile; recompile the artifact", path, map.size, (long long)want);
+                    "or from another compile; copy the artifact again, or recompile it", path, have, (long long)want);
   }
   if (verify_crc && ekv_crc32(0, map.data, map.size) != (uint32_t)ekv_program_int(&m->prog, crc_key, -1)) {
     ekv_unmap_file(&map);
@@ -149,9 +153,10 @@ static ekv_status load_library(ekv_model *m, const char *dir) {
   return EKV_OK;
 }
 
+/* The weights mapped read-only, their size and places checked, then their contents (weights_check.c). */
 static ekv_status map_weights(ekv_model *m, const char *dir, int verify) {
   char path[PATH_MAX];
-  EKV_TRY(check_file(m, dir, "params", verify, path, sizeof path, &m->params));
+  EKV_TRY(check_file(m, dir, "params", 0, path, sizeof path, &m->params));
   for (uint32_t i = 0; i < m->prog.n_buffers; i++) {
     const ekv_buffer_desc *b = &m->prog.buffers[i];
     if (b->kind != EKV_BUF_WEIGHT) continue;
@@ -160,7 +165,7 @@ static ekv_status map_weights(ekv_model *m, const char *dir, int verify) {
                       "bytes); recompile the artifact", b->name, (unsigned long long)b->nbytes,
                       (unsigned long long)b->a, path, m->params.size);
   }
-  return EKV_OK;
+  return ekv_weights_verify(m, dir, path, verify);
 }
 
 static ekv_status open_tokenizer(ekv_model *m, const char *dir) {
@@ -210,14 +215,18 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   if (m == NULL) return EKV_ERR_NO_MEMORY;
   ekv_status st = artifact_dir == NULL ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory given")
                                        : read_program(m, artifact_dir);
+  if (st == EKV_OK) st = ekv_manifest_check(&m->err, artifact_dir, &m->prog);
   if (st == EKV_OK) st = remember_dir(m, artifact_dir);
   if (st == EKV_OK) st = plan_memory(m, opts->mem_limit_bytes);
   if (st == EKV_OK) st = open_device(m, artifact_dir);
   if (st == EKV_OK) st = load_library(m, artifact_dir);
+  if (st == EKV_OK) { /* the weight check uses the pool */
+    ekv_choose_threads(opts->threads, &m->threads);
+    st = ekv_threadpool_new(&m->err, m->threads.count, &m->pool);
+  }
   if (st == EKV_OK) st = map_weights(m, artifact_dir, opts->verify_weights);
   if (st == EKV_OK) st = upload_constants(m);
   if (st == EKV_OK) st = open_tokenizer(m, artifact_dir);
-  if (st == EKV_OK) st = ekv_threadpool_new(&m->err, opts->threads, &m->pool);
   m->load_seconds = ekv_now() - t0;
   return st;
 }
@@ -266,4 +275,8 @@ void ekv_model_get_info(const ekv_model *m, ekv_model_info *info) {
   info->n_calls_prefill = m->f_prefill >= 0 ? (int32_t)p->functions[m->f_prefill].call_count : 0;
   info->n_calls_decode = m->f_decode >= 0 ? (int32_t)p->functions[m->f_decode].call_count : 0;
   info->device = m->device != NULL ? m->device->name : "none";
+  info->weights_check = m->weights_check;
+  info->verify_seconds = m->verify_seconds;
+  info->threads_cores = m->threads.cores;
+  info->threads_busy = m->threads.busy;
 }

@@ -30,6 +30,9 @@ struct ekv_model {
   uint32_t program_crc; /* CRC-32 of program.ekv: the artifact a snapshot was made with */
   char *dir;            /* the artifact directory, absolute: recorded in snapshots */
   double load_seconds;
+  ekv_thread_choice threads; /* how the pool's size was chosen (threads.c) */
+  double verify_seconds; /* checking the weights' checksums at open (0 when a stamp or --no-verify skipped it) */
+  int weights_check;     /* EKV_WEIGHTS_UNCHECKED, _CHECKED (this open) or _STAMPED (an earlier open's stamp) */
 };
 
 struct ekv_session {

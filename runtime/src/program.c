@@ -173,6 +173,7 @@ static ekv_status read_buffers(parser *p, ekv_program *prog) {
     b->bits = r[2];
     b->ndim = r[3];
     EKV_TRY(string_ref(p, r + 4, &b->name));
+    b->crc32 = ekv_le32(r + 12); /* 1.2: a weight's checksum (the setting weight_crc32s says it is set) */
     if (b->kind < EKV_BUF_INPUT || b->kind > EKV_BUF_VIEW) return bad(p, "a buffer has an unknown kind", i, b->kind);
     if (!dtype_ok(b->code, b->bits)) return bad(p, "a buffer has an unknown dtype", b->code, b->bits);
     if (b->ndim > EKV_MAX_DIMS) return bad(p, "a buffer has too many dimensions", i, b->ndim);

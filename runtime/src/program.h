@@ -29,6 +29,7 @@ typedef struct {
   int64_t shape[EKV_MAX_DIMS];
   uint64_t a, b;
   uint64_t nbytes;
+  uint32_t crc32; /* a WEIGHT's CRC-32 of its bytes (program 1.2, setting weight_crc32s = 1) */
 } ekv_buffer_desc;
 
 typedef struct {

@@ -213,6 +213,12 @@ ekv_status ekv_run_function(ekv_session *s, int function) {
     }
   ekv_set_current(m->pool, m->device);
   for (uint32_t c = 0; c < f->call_count; c++) {
+    if (atomic_load(&s->cancel)) { /* between kernels: a cancel (SIGINT) ends the work within one kernel */
+      ekv_set_current(NULL, NULL);
+      ekv_workspace_release();
+      return ekv_fail(&s->err, EKV_ERR_CANCELLED, "cancelled inside %s (kernel call %u of %u); reset the session "
+                      "before using it again", f->name, c, f->call_count);
+    }
     const ekv_call_desc *call = &p->calls[f->call_begin + c];
     TVMFFIAny ret;
     memset(&ret, 0, sizeof ret);

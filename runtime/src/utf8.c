@@ -63,6 +63,14 @@ ekv_utf8_unit ekv_utf8_next(const unsigned char *s, size_t n, uint32_t *cp, size
   return EKV_UTF8_CHAR;
 }
 
+size_t ekv_utf8_check(const char *text, size_t n) {
+  const unsigned char *s = (const unsigned char *)text;
+  size_t i = 0, len = 0;
+  uint32_t cp;
+  while (i < n && ekv_utf8_next(s + i, n - i, &cp, &len) == EKV_UTF8_CHAR) i += len;
+  return i;
+}
+
 void ekv_utf8_stream_init(ekv_utf8_stream *s) {
   if (s == NULL) return;
   memset(s->pending, 0, sizeof s->pending);

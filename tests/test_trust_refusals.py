@@ -1,0 +1,52 @@
+"""Refusals before the slow part, in the user's own words (issue 31, items 4 and 5): an empty or
+non-UTF-8 prompt is refused before any model loads; `eval --lengths 0` speaks of lengths, not
+budgets, and a refused eval leaves no output folder; a manifest's format_version of the wrong
+type is named as such; help and errors are not cut at 80 columns when piped. `edgekv --help`'s
+time is printed (a results line), not asserted."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from trust_common import edgekv
+
+
+@pytest.mark.parametrize("prompt_bytes, words", [(b" \n\t ", "the prompt is empty"),
+                                                 (b"caf\xe9", "is not UTF-8 text (byte 0xe9 at offset 3)")])
+def test_bad_prompt_is_refused_before_the_model_loads(tmp_path, prompt_bytes, words):
+    f = tmp_path / "p.txt"
+    f.write_bytes(prompt_bytes)
+    # a model name that would take seconds to load: the refusal must come first
+    res = edgekv("run", "smollm2-135m", "--prompt-file", f, timeout=120)
+    assert res.returncode == 2 and words in res.stderr, res.stderr
+    assert "loading" not in res.stderr
+
+
+def test_eval_lengths_zero_speaks_of_lengths_and_leaves_no_folder(tmp_path):
+    out = tmp_path / "eval-out"
+    res = edgekv("eval", "--lengths", "0", "-o", out, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "--lengths '0': give a positive token count" in res.stderr and "budget" not in res.stderr.lower()
+    assert not out.exists()
+
+
+def test_format_version_of_the_wrong_type_is_named(tmp_path):
+    from edgekv.artifact import ArtifactError, Manifest
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "edgekv-artifact", "format_version": "2"}))
+    with pytest.raises(ArtifactError, match=r"'format_version' is str \"2\", expected an integer"):
+        Manifest.read(tmp_path)
+
+
+def test_piped_help_keeps_option_names_whole():
+    t0 = time.perf_counter()
+    res = edgekv("--help", timeout=120)
+    print(f"\nedgekv --help: {time.perf_counter() - t0:.2f} s (shared machine)")
+    assert res.returncode == 0
+    res = edgekv("run", "--help", timeout=120)
+    assert res.returncode == 0
+    assert "--policy-arg" in res.stdout and "--no-verify" in res.stdout
+    assert "…" not in res.stdout  # nothing cut to fit 80 columns
