@@ -1,4 +1,4 @@
-"""Build llama.cpp's own `llama-bench` and `llama-cli`, once, into edgekv's cache: the peer for
+"""Build llama.cpp's own `llama-bench` and `llama-completion` (the one-shot CLI), once, into edgekv's cache: the peer for
 every "× llama.cpp" figure (tools/bench/bench_llama_cpp.py).
 
     python tools/bench/build_llama_cpp.py [--cache DIR] [--jobs N] [--force]
@@ -26,8 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built (pinned: figures name it)
-TARGETS = ("llama-bench", "llama-cli")
+from edgekv.bench.llama_cpp import LLAMA_CPP_PYTHON, TARGETS, build_dir as cache_dir
+
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
@@ -37,14 +37,6 @@ CMAKE_FLAGS = (
 
 class BuildError(RuntimeError):
     pass
-
-
-def cache_dir(cache: Path | None = None) -> Path:
-    """Where the build lives: ``<edgekv cache>/llama.cpp/<llama-cpp-python version>``."""
-    if cache is None:
-        from edgekv.models.sources import cache_root
-        cache = cache_root()
-    return Path(cache) / "llama.cpp" / LLAMA_CPP_PYTHON
 
 
 def built_binaries(cache: Path | None = None) -> dict[str, Path] | None:
