@@ -4,6 +4,7 @@ kernel call; the host runtime, the same kernels as edgekv-run).
 
     python -m tools.bench.profile_decode --artifact DIR [--depth 1024] [--tokens 16] [--threads 2] [--json FILE]
 
+With --clock cpu --threads 1 the figures are CPU time, which a busy machine disturbs least.
 Prints the kernels by share (grouped: quantised GEMV, tied LM head, attention, eviction,
 elementwise) and the token's total with and without the instrument."""
 
@@ -35,7 +36,7 @@ def kind_of(name: str) -> str:
     return "elementwise/norm/RoPE"
 
 
-def profile(artifact: Path, depth: int, tokens: int, threads: int) -> dict:
+def profile(artifact: Path, depth: int, tokens: int, threads: int, clock=time.perf_counter) -> dict:
     import tvm
 
     from edgekv.runtime import HostRuntime
@@ -50,9 +51,9 @@ def profile(artifact: Path, depth: int, tokens: int, threads: int) -> dict:
         tok = int(np.argmax(rt.decode(tok)))
     plain = []
     for _ in range(tokens):
-        t0 = time.perf_counter()
+        t0 = clock()
         tok = int(np.argmax(rt.decode(tok)))
-        plain.append(time.perf_counter() - t0)
+        plain.append(clock() - t0)
     per: dict[str, list[float]] = collections.defaultdict(list)
     calls: dict[str, int] = collections.defaultdict(int)
     totals = []
@@ -62,16 +63,16 @@ def profile(artifact: Path, depth: int, tokens: int, threads: int) -> dict:
 
         def instr(func, name, before, ret, *args):
             if before:
-                start[name] = time.perf_counter()
+                start[name] = clock()
             else:
-                agg[name] += time.perf_counter() - start.pop(name)
+                agg[name] += clock() - start.pop(name)
                 calls[name] += 1
             return 0
 
         rt.vm.set_instrument(instr)
-        t0 = time.perf_counter()
+        t0 = clock()
         tok = int(np.argmax(rt.decode(tok)))
-        totals.append(time.perf_counter() - t0)
+        totals.append(clock() - t0)
         rt.vm.set_instrument(None)
         for k, v in agg.items():
             per[k].append(v)
@@ -81,7 +82,7 @@ def profile(artifact: Path, depth: int, tokens: int, threads: int) -> dict:
     for k, v in med.items():
         kinds[kind_of(k)] += v
     return {
-        "artifact": str(artifact), "depth": depth, "tokens": tokens, "threads": threads,
+        "artifact": str(artifact), "clock": clock.__name__, "depth": depth, "tokens": tokens, "threads": threads,
         "token_seconds": statistics.median(plain), "token_seconds_instrumented": statistics.median(totals),
         "kernels_seconds": kernels, "vm_overhead_seconds": statistics.median(totals) - kernels,
         "by_kind": {k: {"seconds": v, "share": v / kernels} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
@@ -97,10 +98,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or the process's CPU time (with --threads 1: each kernel's own work, not the "
+                         "time other processes took the core on a shared machine)")
     args = ap.parse_args(argv)
     if not (args.artifact / "program.ekv").is_file():
         raise SystemExit(f"error: --artifact {args.artifact} holds no program.ekv (`edgekv compile ... -o DIR`)")
-    r = profile(args.artifact, args.depth, args.tokens, args.threads)
+    r = profile(args.artifact, args.depth, args.tokens, args.threads,
+                time.process_time if args.clock == "cpu" else time.perf_counter)
     print(f"decode token at depth {r['depth']}: {r['token_seconds'] * 1e3:.2f} ms ({1 / r['token_seconds']:.1f} tok/s); "
           f"instrumented {r['token_seconds_instrumented'] * 1e3:.2f} ms, kernels {r['kernels_seconds'] * 1e3:.2f} ms")
     for k, v in r["by_kind"].items():
