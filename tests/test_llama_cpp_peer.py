@@ -79,3 +79,29 @@ def test_real_llama_bench_on_smollm2():
 
     r = llama_cpp.llama_bench(resolve("smollm2-135m").path, min(2, os.cpu_count() or 1), prompt=64, binary=exe)
     assert r["tok_s"] > 0 and r["peak_rss"] > 50 << 20
+
+
+def test_bench_tables_from_runs():
+    """The summary and markdown of the bench tool from runs shaped as it records them."""
+    from tools.bench import bench_llama_cpp as b
+
+    def llama(pp, tg, rss):
+        runs = {f"{ph}_fa{fa}": {"tok_s": v * (1 + fa / 10), "peak_rss": rss, "flash_attn": bool(fa)}
+                for ph, v in (("pp", pp), ("tg", tg)) for fa in (0, 1)}
+        return {"prefill_tok_s": pp * 1.1, "decode_tok_s": tg * 1.1, "peak_rss": rss, "runs": runs}
+
+    raw = {"edgekv": {1024: [{"prefill_tok_s": 600.0, "decode_tok_s": 70.0, "peak_rss": 150 << 20, "plan_bytes": 120 << 20}]},
+           "llama.cpp": {1024: [llama(300.0, 80.0, 160 << 20)]}}
+    rows = b.summarize(raw, [1024])
+    assert rows[0]["ratio"]["decode_tok_s"] == pytest.approx(70.0 / 88.0)
+    assert rows[0]["llama.cpp"]["decode_tok_s_fa0"] == 80.0
+    result = {"meta": {"command": "x", "machine": {"cores": 2, "cpu": "cpu"}, "load_before": "1", "load_after": "1",
+                       "commit": "c"}, "llama_cpp_build": {"llama_cpp_python": "0.3.36", "version": "v\nb",
+                                                           "cmake_flags": ["-DGGML_NATIVE=ON"]},
+              "threads": 2, "gguf": "/m.gguf", "model": "smollm2-135m", "artifact_summary": "a", "decode_tokens": 32,
+              "rounds": 1, "rows": rows, "wall_seconds": 1.0,
+              "decode_profile": {"depth": 1024, "tokens": 4, "token_seconds": 0.02, "kernels_seconds": 0.03,
+                                 "by_kind": {"attention": {"seconds": 0.01, "share": 0.5}},
+                                 "kernels": [{"name": "decode_attention", "calls_per_token": 30, "seconds": 0.01}]}}
+    md = b.markdown(result)
+    assert "machine was shared" in md and "0.80×" in md and "decode_attention" in md

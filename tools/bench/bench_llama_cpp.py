@@ -130,6 +130,16 @@ def markdown(result: dict) -> str:
                  f"| {p['decode_tok_s_fa0']:.1f} / {p['decode_tok_s_fa1']:.1f} "
                  f"| {p['peak_rss_fa0'] / MIB:.0f} / {p['peak_rss_fa1'] / MIB:.0f} MiB "
                  f"| {r['edgekv']['plan_bytes'] / MIB:.0f} MiB |")
+    prof = result.get("decode_profile")
+    if prof:
+        L += ["", f"Where an edgekv decode token goes at depth {prof['depth']} (`python -m tools.bench.profile_decode "
+              f"--depth {prof['depth']} --threads 1 --clock cpu`: CPU time of each kernel call on one thread, median of "
+              f"{prof['tokens']} tokens; {prof['token_seconds'] * 1e3:.1f} ms per token uninstrumented, the kernels "
+              f"{prof['kernels_seconds'] * 1e3:.1f} ms instrumented, the VM's own calls included as elementwise):", "",
+              "| kernels | ms per token | share |", "|---|---:|---:|"]
+        L += [f"| {k} | {v['seconds'] * 1e3:.2f} | {v['share'] * 100:.1f} % |" for k, v in prof["by_kind"].items()]
+        L += ["", "| kernel | calls per token | ms per token |", "|---|---:|---:|"]
+        L += [f"| `{k['name']}` | {k['calls_per_token']} | {k['seconds'] * 1e3:.2f} |" for k in prof["kernels"][:10]]
     L += ["", f"Wall time of the run: {result['wall_seconds']:.0f} s. Every run (both systems, every round, each "
           "flash-attention setting) is in the JSON.", ""]
     return "\n".join(L)
@@ -167,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians over them)")
+    ap.add_argument("--profile-depth", type=int, default=1024,
+                    help="also profile one edgekv decode token after this many prompt tokens, per kernel, in CPU "
+                         "time on one thread (tools/bench/profile_decode.py); 0: skip")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/peer_llama_cpp",
                     help="path stem: writes <out>.json, <out>.md, <out>.png")
     args = ap.parse_args(argv)
@@ -219,6 +232,13 @@ def main(argv=None) -> int:
                     raw[name][n].append(r)
                     progress.advance(task)
     meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    decode_profile = None
+    if args.profile_depth > 0:  # in a child: one thread, CPU time (a shared machine disturbs it least)
+        with tempfile.TemporaryDirectory() as d:
+            subprocess.run([sys.executable, "-m", "tools.bench.profile_decode", "--artifact", str(args.artifact),
+                            "--depth", str(args.profile_depth), "--threads", "1", "--clock", "cpu",
+                            "--json", f"{d}/p.json"], check=True, cwd=ROOT, capture_output=True)
+            decode_profile = json.loads(Path(f"{d}/p.json").read_text())
     build_json = build_dir() / "build.json"
     result = {
         "meta": meta, "model": args.model, "gguf": str(src.path), "artifact": str(args.artifact),
@@ -227,7 +247,7 @@ def main(argv=None) -> int:
         "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds, "lengths": lengths,
         "llama_cpp_build": json.loads(build_json.read_text()) if build_json.exists() else {},
         "wall_seconds": time.perf_counter() - t0, "machine_shared": True,
-        "rows": summarize(raw, lengths), "runs": {k: {str(n): v for n, v in d.items()} for k, d in raw.items()},
+        "rows": summarize(raw, lengths), "decode_profile": decode_profile, "runs": {k: {str(n): v for n, v in d.items()} for k, d in raw.items()},
     }
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
