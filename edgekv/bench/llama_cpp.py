@@ -3,13 +3,13 @@
 on the same GGUF and thread count. Not the Python binding: one `eval` call per token from Python
 costs more than a 135M model's decode step, which made earlier "× llama.cpp" figures overstate.
 
-A run's peak RSS is the child's own (``os.wait4``'s ``ru_maxrss``), the way `/usr/bin/time -v`
-reports it."""
+A run's peak RSS is the child's own, from GNU time (`/usr/bin/time`'s max RSS)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -39,9 +39,16 @@ def find_binary(name: str = "llama-bench", cache: Path | None = None) -> Path:
 
 
 def run_measured(cmd: list[str], timeout: float | None = None) -> tuple[str, str, int]:
-    """(stdout, stderr, peak RSS bytes) of a child process; raises on a non-zero exit."""
+    """(stdout, stderr, peak RSS bytes) of a child process; raises on a non-zero exit.
+
+    The peak is GNU time's ``%M`` (``/usr/bin/time``, a small process that forks the command): the
+    ``wait4`` of a child forked straight from this Python process would count the parent's pages the
+    child held between fork and exec (a loaded tokenizer, torch), not the command's own."""
+    time_bin = shutil.which("time", path="/usr/bin:/bin") or ""
+    marker = "EDGEKV_PEAK_KIB"
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        wrapped = [time_bin, "-f", f"{marker} %M", *cmd] if time_bin else cmd
+        proc = subprocess.Popen(wrapped, stdout=out, stderr=err, text=True)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
@@ -51,9 +58,15 @@ def run_measured(cmd: list[str], timeout: float | None = None) -> tuple[str, str
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+    peak_kib = usage.ru_maxrss  # without GNU time: this process's child, an upper bound (see above)
+    if time_bin:
+        lines = [ln for ln in stderr.splitlines() if ln.startswith(marker)]
+        stderr = "\n".join(ln for ln in stderr.splitlines() if not ln.startswith(marker))
+        if lines:
+            peak_kib = int(lines[-1].split()[1])
     if proc.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {stderr.strip()[-600:]}")
-    return stdout, stderr, usage.ru_maxrss * 1024  # Linux: KiB
+    return stdout, stderr, peak_kib * 1024  # Linux: KiB
 
 
 def llama_bench(gguf: str | Path, threads: int, *, prompt: int = 0, generate: int = 0, depth: int = 0,
