@@ -135,7 +135,10 @@ def build(cache: Path | None = None, jobs: int | None = None, force: bool = Fals
         shutil.copy2(found, root / "bin" / t)
         bins[t] = root / "bin" / t
     version = subprocess.run([str(bins["llama-bench"]), "--version"], capture_output=True, text=True)
+    from edgekv.evaluation.report import provenance
+
     (root / "build.json").write_text(json.dumps({
+        "meta": provenance([sys.executable, *sys.argv]),
         "llama_cpp_python": LLAMA_CPP_PYTHON, "cmake_flags": list(CMAKE_FLAGS),
         "version": (version.stdout + version.stderr).strip(), "binaries": {t: str(p) for t, p in bins.items()},
     }, indent=1))

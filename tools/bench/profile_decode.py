@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not (args.artifact / "program.ekv").is_file():
         raise SystemExit(f"error: --artifact {args.artifact} holds no program.ekv (`edgekv compile ... -o DIR`)")
+    from edgekv.evaluation.report import provenance
+
+    meta = provenance([sys.executable, *sys.argv])
     r = profile(args.artifact, args.depth, args.tokens, args.threads,
                 time.process_time if args.clock == "cpu" else time.perf_counter)
     print(f"decode token at depth {r['depth']}: {r['token_seconds'] * 1e3:.2f} ms ({1 / r['token_seconds']:.1f} tok/s); "
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     for k in r["kernels"][:20]:
         print(f"    {k['name'][:60]:60s} {k['seconds'] * 1e3:7.3f} ms  x{k['calls_per_token']}")
     if args.json:
-        args.json.write_text(json.dumps(r, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, **r}, indent=1))
     return 0
 
 
