@@ -41,6 +41,13 @@ def installed(system: str) -> bool:
         from ..runtime import native
 
         return native.cli_path() is not None
+    if system == "llamacpp":  # llama.cpp's own llama-bench, built by tools/bench/build_llama_cpp.py
+        from .llama_cpp import find_binary
+
+        try:
+            return find_binary("llama-bench").is_file()
+        except RuntimeError:
+            return False
     return module is None or importlib.util.find_spec(module) is not None
 
 
@@ -84,7 +91,9 @@ def run_bench(cfg: BenchConfig, prompt_ids_for, console=None) -> dict:
     skipped = {}
     for system in cfg.systems:
         if not installed(system):
-            skipped[system] = (f"not installed ({NEEDS[system]}; the `bench` extra installs the peers, "
+            skipped[system] = ("not built (llama-bench: `python tools/bench/build_llama_cpp.py` builds it)"
+                               if system == "llamacpp" else
+                               f"not installed ({NEEDS[system]}; the `bench` extra installs the peers, "
                                "`pip install -e .` builds edgekv-run)")
             continue
         if system in ("edgekv-compiled", "edgekv-native") and not cfg.artifact:

@@ -13,7 +13,7 @@ import torch
 
 SYSTEMS: dict[str, Callable] = {}
 NEEDS = {  # the import each peer needs; missing → reported as "not installed"
-    "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama_cpp", "edgekv-compiled": "tvm",
+    "hf": "transformers", "kvpress": "kvpress", "llamacpp": "llama-bench", "edgekv-compiled": "tvm",
     "onnxruntime": "onnxruntime", "edgekv-native": "edgekv-run", "edgekv-native-fp32": "edgekv-run",
 }
 
@@ -172,26 +172,24 @@ def run_kvpress(ids, args):
 
 @system("llamacpp")
 def run_llamacpp(ids, args):
-    """llama.cpp on the same GGUF file (its own Q4_1 kernels, full cache)."""
-    from llama_cpp import Llama
-
+    """llama.cpp's own `llama-bench` on the same GGUF (its kernels, full F16 cache), as a child
+    process (``edgekv.bench.llama_cpp``; built once by tools/bench/build_llama_cpp.py): pp<L> for the
+    prefill, tg<decode_tokens> at depth L for the decode, each the better of flash attention off and
+    on (both recorded). llama-bench feeds its own random ids: its speed does not depend on them."""
     from ..models.sources import resolve
+    from .llama_cpp import llama_bench
 
     src = resolve(args["model"])
     if src.kind != "gguf":
         raise RuntimeError("llama.cpp needs a GGUF model")
-    llm = Llama(model_path=str(src.path), n_ctx=ids.numel() + args["decode_tokens"] + 8, n_threads=args["threads"],
-                n_threads_batch=args["threads"], n_batch=512, verbose=False)
-    tokens = ids.tolist()
-    llm.eval(tokens[: args["block"]])
-    llm.reset()
-    _, prefill = _timed(lambda: llm.eval(tokens))
-
-    def decode():
-        for _ in range(args["decode_tokens"]):
-            llm.eval([int(llm.sample(temp=0.0))])
-    _, dec = _timed(decode)
-    return {"prefill_seconds": prefill, "decode_seconds": dec}
+    n, t = int(ids.numel()), int(args["decode_tokens"])
+    runs = {f"{phase}_fa{int(fa)}": llama_bench(src.path, args["threads"], flash_attn=fa,
+                                                **({"prompt": n} if phase == "prefill" else {"generate": t, "depth": n}))
+            for phase in ("prefill", "decode") for fa in (False, True)}
+    pre = max((runs["prefill_fa0"], runs["prefill_fa1"]), key=lambda r: r["tok_s"])
+    dec = max((runs["decode_fa0"], runs["decode_fa1"]), key=lambda r: r["tok_s"])
+    return {"prefill_seconds": n / pre["tok_s"], "decode_seconds": t / dec["tok_s"] if t else 0.0,
+            "peak_rss": dec["peak_rss"], "llama_bench": runs}  # the tg run holds the context of n + t tokens
 
 
 @system("onnxruntime")

@@ -25,6 +25,7 @@ SECTIONS = [
     ("Accuracy on SmolLM2-135M", "accuracy.md"),
     ("Speed and memory, peers side by side", "bench/bench.md"),
     ("The native runtime against TVM's VM on the same artifact (a quiet run)", "bench_native/bench.md"),
+    ("Against llama.cpp's own llama-bench (same GGUF, same threads, one run)", "peer_llama_cpp.md"),
     ("4-bit weights: speed and memory against llama.cpp (one run)", "bench_q4/bench.md"),
     ("4-bit weights: the kernels against the memory bandwidth", "weight_kernels.md"),
     ("4-bit weights: fidelity against fp32 and llama.cpp", "weights_fidelity.md"),
