@@ -133,3 +133,30 @@ def test_decode_attention_spreads_over_work_groups():
     assert launch_shapes(dec) == [(9, 256)]
     old = build_block_attention_kernel_gpu(9, 3, 512, 1, 64, 0.125, key_parallel=False)
     assert launch_shapes(old) == [(3, 96)]
+
+
+SCORE_NAMES = ["k_cache", "v_cache", "pos_cache", "fill", "k_blk", "v_blk", "pos_blk", "n_valid", "score"]
+# (H, N, B, D, fill, n_valid, recent): decode over more candidates than a work-group's 256 (N + B not
+# a multiple of it), block steps, the recent window, D = 16
+SCORE_CASES = [(3, 512, 1, 64, 512, 1, 0), (3, 300, 8, 64, 300, 5, 0), (2, 40, 8, 16, 37, 8, 3),
+               (3, 512, 1, 64, 512, 1, 4), (1, 600, 128, 64, 600, 100, 0)]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=[f"H{c[0]}N{c[1]}B{c[2]}D{c[3]}f{c[4]}v{c[5]}r{c[6]}"
+                                                   for c in SCORE_CASES])
+@pytest.mark.parametrize("options", OPTIONS, ids=["opt", "noopt"])
+def test_split_keydiff_score_matches_the_cpu_kernel(case, options):
+    H, N, B, D, nf, nv, recent = case
+    st = _cache(H, N, B, D, nf, nv, 3)
+    st["score"] = np.full((H, N + B), 5.0, "float32")
+    want = run_cpu(build_keydiff_evict_kernel(H, N, B, D, "float32", recent=recent), st, SCORE_NAMES)["score"]
+    got = run_opencl(build_keydiff_evict_kernel_gpu(H, N, B, D, "float32", recent=recent), st, options)["score"]
+    n = nf + nv
+    np.testing.assert_allclose(got[:, :n], want[:, :n], rtol=1e-5, atol=1e-6)
+    assert np.all(got[:, n:] == -np.inf)
+
+
+def test_keydiff_score_spreads_over_work_groups():
+    """SmolLM2's decode step (H 3, N 512, B 1, d 64): 3 × 3 work-groups of 256 threads (3 × 128
+    threads before)."""
+    assert launch_shapes(build_keydiff_evict_kernel_gpu(3, 512, 1, 64)) == [(9, 256)]
