@@ -257,8 +257,13 @@ def _gpu_lanes(d: int) -> int:
 
 def build_block_attention_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
                                      head_dim: int, sm_scale: float, dtype: str = "float32",
-                                     rows_per_block: int = 4, extra_rows: int = 0):
-    """One thread block = ``RQ`` query rows that share a KV head (threadIdx.y) × ``TX`` lanes
+                                     rows_per_block: int = 4, extra_rows: int = 0, key_parallel: bool | None = None):
+    """GPU block attention. ``key_parallel`` (default: at decode, B = 1) builds the key-parallel
+    kernel (``_build_key_parallel_attention_gpu``: a work-group's threads split the keys, not the
+    rows, so decode's G·B = G rows per KV head no longer leave each of H work-groups streaming all
+    N keys serially); otherwise the row-tiled kernel below.
+
+    Row-tiled: one thread block = ``RQ`` query rows that share a KV head (threadIdx.y) × ``TX`` lanes
     (threadIdx.x). Keys are streamed in tiles of ``TK`` rows: the K and V tiles are loaded
     into shared memory once (coalesced) and reused by all RQ rows; each row keeps an online
     softmax (running max, sum, and its slice of the output in registers). Cache tiles run
@@ -273,6 +278,11 @@ def build_block_attention_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget
     W = int(extra_rows)
     BR = B - W  # real rows
     G = Hq // H
+    if key_parallel is None:
+        key_parallel = B == 1
+    if key_parallel and (KEY_PARALLEL_THREADS % D == 0 or D % KEY_PARALLEL_THREADS == 0):
+        return _build_key_parallel_attention_gpu(Hq, H, N, B, D, float(sm_scale), W,
+                                                 key_parallel_rows(Hq, H, B))
     ROWS = G * B  # query rows per KV head
     RQ = max(1, min(rows_per_block, ROWS))
     RT = (ROWS + RQ - 1) // RQ  # row tiles per KV head
@@ -373,3 +383,156 @@ def build_block_attention_kernel_gpu(num_q_heads: int, num_kv_heads: int, budget
                                         T.Or(i < nv, i >= BR), acc[u] / T.max(st[1], T.float32(1e-30)), T.float32(0))
 
     return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), block_attention_gpu, gpu=True)
+
+
+KEY_PARALLEL_THREADS = 256  # threads of a key-parallel work-group: one key each per chunk
+
+
+def key_parallel_rows(num_q_heads: int, num_kv_heads: int, block: int) -> int:
+    """Query rows per work-group of the key-parallel kernel: one at decode (B = 1: the G rows of a
+    KV head go to G work-groups, which read the head's keys from L2 side by side), up to 8 in a
+    block step (each key a thread loads then serves 8 rows)."""
+    rows = num_q_heads // num_kv_heads * block
+    return 1 if block == 1 else min(8, rows)
+
+
+def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, scale: float, W: int,
+                                      RW: int, NT: int = KEY_PARALLEL_THREADS):
+    """Flash-decoding inside one work-group: ``RW`` query rows of one KV head × ``NT`` threads.
+    The keys (cache rows [0, fill), then block rows) are visited in chunks of NT: thread t scores
+    key t of the chunk against the RW rows (its K row read once for all of them), the chunk's row
+    max and row sum are two-level reductions in shared memory (16 lanes × NT/16), and P·V runs
+    with thread (key slice ks, channel c) summing every KS-th key of the chunk into its RW
+    accumulators (V reads coalesced over c); the KS partial outputs are summed at the end. Every
+    thread keeps the same running max and sum per row, so the online-softmax rescale needs no
+    extra exchange. Barriers per chunk: 5, whatever the rows; work-groups: H · ⌈G·B / RW⌉."""
+    from tvm import tirx
+
+    G = Hq // H
+    ROWS = G * B
+    BR = B - W
+    RT = (ROWS + RW - 1) // RW
+    if NT % D and D % NT:
+        raise ValueError(f"key-parallel attention: head dim {D} and {NT} threads do not tile")
+    KS = max(1, NT // D)  # key slices of the P·V pass
+    CPT = max(1, D // NT)  # channels per thread (D > NT)
+    RL = 16  # lanes of the row reductions
+    PER = NT // RL  # keys per lane in a reduction
+    OUTS = (RW * D + NT - 1) // NT
+
+    def visible(j, i, nf, nv):
+        # key j of the candidate order (cache rows, then block rows) seen by block row i
+        return tirx.any(j < nf, block_key_visible(j - nf, i, nv, BR, W))
+
+    def key_row(k_cache, k_blk, kh, j, nf, c):
+        return T.if_then_else(j < nf, k_cache[kh, T.min(j, N - 1), c],
+                              k_blk[0, kh, T.min(T.max(j - nf, 0), B - 1), c])
+
+    @T.macro
+    def attention_kp(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out):
+        for bx in T.thread_binding(H * RT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("attn"):
+                    T.reads()
+                    T.writes()
+                    q_sh = T.sblock_alloc_buffer((RW, D), "float32", scope="shared")
+                    s_sh = T.sblock_alloc_buffer((RW, NT), "float32", scope="shared")
+                    mx_sh = T.sblock_alloc_buffer((RW, RL), "float32", scope="shared")
+                    sm_sh = T.sblock_alloc_buffer((RW, RL), "float32", scope="shared")
+                    o_sh = T.sblock_alloc_buffer((KS, RW, D), "float32", scope="shared")
+                    acc = T.sblock_alloc_buffer((RW, CPT), "float32", scope="local")
+                    dot = T.sblock_alloc_buffer((RW,), "float32", scope="local")
+                    m = T.sblock_alloc_buffer((RW,), "float32", scope="local")
+                    lsum = T.sblock_alloc_buffer((RW,), "float32", scope="local")
+                    alpha = T.sblock_alloc_buffer((RW,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    kh: T.let[T.int32] = bx // RT
+                    r0: T.let[T.int32] = (bx % RT) * RW  # first query row (within the KV head)
+                    nf: T.let[T.int32] = fill[0]
+                    nv: T.let[T.int32] = n_valid[0]
+                    nkeys: T.let[T.int32] = nf + T.if_then_else(W > 0, B, nv)
+                    ks: T.let[T.int32] = tx // D
+                    c0: T.let[T.int32] = tx % D
+                    for u in T.serial((RW * D + NT - 1) // NT):
+                        if u * NT + tx < RW * D:
+                            q_sh[(u * NT + tx) // D, (u * NT + tx) % D] = q[
+                                0, kh * G + T.min(r0 + (u * NT + tx) // D, ROWS - 1) // B,
+                                T.min(r0 + (u * NT + tx) // D, ROWS - 1) % B, (u * NT + tx) % D] * T.float32(scale)
+                    for r in T.unroll(RW):
+                        m[r] = T.float32(NEG_BIG)
+                        lsum[r] = T.float32(0)
+                        for u in T.unroll(CPT):
+                            acc[r, u] = T.float32(0)
+                    for it in T.serial((nkeys + NT - 1) // NT):
+                        # (the previous chunk's P·V has read s_sh; the first chunk waits for q_sh)
+                        T.tvm_storage_sync("shared")
+                        for r in T.unroll(RW):
+                            dot[r] = T.float32(0)
+                        for c in T.serial(D):
+                            red[0] = key_row(k_cache, k_blk, kh, it * NT + tx, nf, c)
+                            for r in T.unroll(RW):
+                                dot[r] = dot[r] + q_sh[r, c] * red[0]
+                        for r in T.unroll(RW):
+                            s_sh[r, tx] = T.if_then_else(
+                                T.And(it * NT + tx < nkeys,
+                                      visible(it * NT + tx, T.min(r0 + r, ROWS - 1) % B, nf, nv)),
+                                dot[r], T.float32(NEG_BIG))
+                        T.tvm_storage_sync("shared")
+                        # the chunk's row max: RL lanes per row, each over PER keys
+                        if tx < RW * RL:
+                            red[0] = T.float32(NEG_BIG)
+                            for k in T.serial(PER):
+                                red[0] = T.max(red[0], s_sh[tx // RL, k * RL + tx % RL])
+                            mx_sh[tx // RL, tx % RL] = red[0]
+                        T.tvm_storage_sync("shared")
+                        for r in T.unroll(RW):
+                            red[0] = m[r]
+                            for l in T.serial(RL):
+                                red[0] = T.max(red[0], mx_sh[r, l])
+                            alpha[r] = T.exp(m[r] - red[0])
+                            m[r] = red[0]
+                            s_sh[r, tx] = T.if_then_else(s_sh[r, tx] > T.float32(NEG_BIG),
+                                                         T.exp(s_sh[r, tx] - red[0]), T.float32(0))
+                        T.tvm_storage_sync("shared")
+                        if tx < RW * RL:
+                            red[0] = T.float32(0)
+                            for k in T.serial(PER):
+                                red[0] = red[0] + s_sh[tx // RL, k * RL + tx % RL]
+                            sm_sh[tx // RL, tx % RL] = red[0]
+                        # P·V over the chunk: thread (ks, c) takes keys ks, ks + KS, ...
+                        for r in T.unroll(RW):
+                            for u in T.unroll(CPT):
+                                acc[r, u] = acc[r, u] * alpha[r]
+                        for jj in T.serial(NT // KS):
+                            if it * NT + jj * KS + ks < nkeys:
+                                for u in T.unroll(CPT):
+                                    red[0] = T.if_then_else(
+                                        it * NT + jj * KS + ks < nf,
+                                        v_cache[kh, T.min(it * NT + jj * KS + ks, N - 1), u * NT + c0],
+                                        v_blk[0, kh, T.min(T.max(it * NT + jj * KS + ks - nf, 0), B - 1), u * NT + c0])
+                                    for r in T.unroll(RW):
+                                        acc[r, u] = acc[r, u] + s_sh[r, jj * KS + ks] * red[0]
+                        T.tvm_storage_sync("shared")
+                        for r in T.unroll(RW):
+                            red[0] = T.float32(0)
+                            for l in T.serial(RL):
+                                red[0] = red[0] + sm_sh[r, l]
+                            lsum[r] = lsum[r] * alpha[r] + red[0]
+                    # the KS partial outputs, summed per (row, channel)
+                    T.tvm_storage_sync("shared")
+                    for r in T.unroll(RW):
+                        for u in T.unroll(CPT):
+                            o_sh[ks, r, u * NT + c0] = acc[r, u]
+                    T.tvm_storage_sync("shared")
+                    for u in T.serial(OUTS):
+                        if u * NT + tx < RW * D:
+                            if r0 + (u * NT + tx) // D < ROWS:
+                                red[0] = T.float32(0)
+                                for s in T.serial(KS):
+                                    red[0] = red[0] + o_sh[s, (u * NT + tx) // D, (u * NT + tx) % D]
+                                out[0, kh * G + (r0 + (u * NT + tx) // D) // B, (r0 + (u * NT + tx) // D) % B,
+                                    (u * NT + tx) % D] = T.if_then_else(
+                                    T.Or((r0 + (u * NT + tx) // D) % B < nv, (r0 + (u * NT + tx) // D) % B >= BR),
+                                    red[0] / T.max(lsum[(u * NT + tx) // D], T.float32(1e-30)), T.float32(0))
+
+    return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), attention_kp, gpu=True)

@@ -115,12 +115,21 @@ def build_keydiff_evict_kernel(num_kv_heads: int, budget: int, block: int, head_
     return score_kernel(StepShapes(H, N, B, D), keydiff_score)
 
 
+KEYDIFF_GPU_THREADS = 256  # threads per work-group: one candidate each in a tile
+
+
 def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
                                    dtype: str = "float32", recent: int = 0, eps: float = 1e-6):
-    """One thread block per KV head, NT threads. Pass 1: per tile of NT candidates each thread
-    computes one row's norm (into shared memory), then thread (group, channel) pairs
-    accumulate the normalised keys column-wise (coalesced); the per-group partial anchors are
-    summed in shared memory and normalised. Pass 2: one thread per candidate, −k̂ · μ̂."""
+    """H × ⌈(N + B) / NT⌉ work-groups of NT threads: work-group (h, s) scores head h's candidates
+    [s·NT, (s + 1)·NT), so a decode step's N + B candidates are spread over several work-groups
+    per head (one per head before: 3 on SmolLM2, each walking every candidate twice).
+
+    The anchor (mean of the normalised keys) needs every candidate, so each work-group of a head
+    computes it itself, in the same order (identical anchors, no second launch and no exchange
+    between work-groups): per tile of NT candidates each thread computes one row's norm (kept in
+    a register when the tile is the work-group's own), then thread (group, channel) pairs sum
+    the normalised keys column-wise (coalesced); the group partials are summed in shared memory
+    and normalised. Then one thread per own candidate: −k̂ · μ̂ (the recent window +inf)."""
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..kernels.common import check_dtype
@@ -131,13 +140,16 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
     NB = N + B
     EPS = float(eps)
     W = int(recent)
-    NT = 128 if D <= 128 else D
+    NT = KEYDIFF_GPU_THREADS if D <= KEYDIFF_GPU_THREADS else D
     GR = max(1, NT // D)  # row groups in the column pass
-    TILES = (NB + NT - 1) // NT
+    SPL = (NB + NT - 1) // NT  # work-groups per head: one tile of candidates each
+
+    def cand(k_cache, k_blk, h, i, nf, c):
+        return T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf, 0), B - 1), c])
 
     @T.macro
     def keydiff_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
-        for h in T.thread_binding(H, thread="blockIdx.x"):
+        for bx in T.thread_binding(H * SPL, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("keydiff"):
                     T.reads()
@@ -145,35 +157,35 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                     inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
                     part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
                     anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-                    red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((3,), "float32", scope="local")  # sum, anchor part, own norm
+                    h: T.let[T.int32] = bx // SPL
+                    sp: T.let[T.int32] = bx % SPL
                     nf: T.let[T.int32] = fill[0]
                     nv: T.let[T.int32] = n_valid[0]
                     n: T.let[T.int32] = nf + nv
                     grp: T.let[T.int32] = tx // D
                     ch: T.let[T.int32] = tx % D
+                    i: T.let[T.int32] = sp * NT + tx  # this thread's candidate
                     if n > N:
                         red[1] = T.float32(0)  # this thread's partial anchor for channel ch
+                        red[2] = T.float32(1)
                         for it in T.serial((n + NT - 1) // NT):
                             # norm of candidate it*NT + tx
                             red[0] = T.float32(0)
                             if it * NT + tx < n:
                                 for c in T.serial(D):
-                                    red[0] = red[0] + T.if_then_else(
-                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
-                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
+                                    red[0] = red[0] + cand(k_cache, k_blk, h, it * NT + tx, nf, c) * cand(
+                                        k_cache, k_blk, h, it * NT + tx, nf, c)
                             inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                            if it == sp:
+                                red[2] = inv_sh[tx]
                             T.tvm_storage_sync("shared")
                             if grp < GR:
                                 for r in T.serial((NT + GR - 1) // GR):
                                     if r * GR + grp < NT:
                                         if it * NT + r * GR + grp < n:
-                                            red[1] = red[1] + T.if_then_else(
-                                                it * NT + r * GR + grp < nf,
-                                                k_cache[h, T.min(it * NT + r * GR + grp, N - 1), ch],
-                                                k_blk[0, h, T.min(T.max(it * NT + r * GR + grp - nf, 0), B - 1), ch]
-                                            ) / inv_sh[r * GR + grp]
+                                            red[1] = red[1] + cand(k_cache, k_blk, h, it * NT + r * GR + grp, nf,
+                                                                   ch) / inv_sh[r * GR + grp]
                             T.tvm_storage_sync("shared")
                         if grp < GR:
                             part_sh[grp, ch] = red[1]
@@ -192,32 +204,20 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                         if tx < D:
                             anchor_sh[tx] = anchor_sh[tx] / red[0]
                         T.tvm_storage_sync("shared")
-                        for it in T.serial(TILES):
-                            if it * NT + tx < n:
-                                red[0] = T.float32(0)
-                                for c in T.serial(D):
-                                    red[0] = red[0] + T.if_then_else(
-                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) * T.if_then_else(
-                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c])
-                                red[0] = T.max(T.sqrt(red[0]), T.float32(EPS))
-                                red[1] = T.float32(0)
-                                for c in T.serial(D):
-                                    red[1] = red[1] - (T.if_then_else(
-                                        it * NT + tx < nf, k_cache[h, T.min(it * NT + tx, N - 1), c],
-                                        k_blk[0, h, T.min(T.max(it * NT + tx - nf, 0), B - 1), c]) / red[0]) * anchor_sh[c]
-                                if W > 0:
-                                    if T.if_then_else(it * NT + tx < nf, pos_cache[h, T.min(it * NT + tx, N - 1)],
-                                                      pos_blk[T.min(T.max(it * NT + tx - nf, 0), B - 1)]) > pos_blk[
-                                                          T.max(nv - 1, 0)] - W:
-                                        red[1] = T.float32("inf")
-                                score[h, it * NT + tx] = red[1]
-                            elif it * NT + tx < NB:
-                                score[h, it * NT + tx] = T.float32("-inf")
+                        if i < n:
+                            red[1] = T.float32(0)
+                            for c in T.serial(D):
+                                red[1] = red[1] - (cand(k_cache, k_blk, h, i, nf, c) / red[2]) * anchor_sh[c]
+                            if W > 0:
+                                if T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)],
+                                                  pos_blk[T.min(T.max(i - nf, 0), B - 1)]) > pos_blk[
+                                                      T.max(nv - 1, 0)] - W:
+                                    red[1] = T.float32("inf")
+                            score[h, i] = red[1]
+                        elif i < NB:
+                            score[h, i] = T.float32("-inf")
 
     return score_kernel(StepShapes(H, N, B, D), keydiff_score_gpu, gpu=True)
-
 
 
 def keydiff_kernel_params(policy, budget: int) -> dict:
