@@ -1,4 +1,4 @@
-"""Byte sizes as people write them: "512MiB", "1.5GB" → bytes, and bytes → "1.5MiB".
+"""Byte sizes as people write them: "512MiB", "1.5GB" → bytes, and bytes → "1.5MiB"; counts rounded up to a multiple.
 
 Budgets (``budget.py``), memory plans (``memory.py``), ``--mem-limit`` and every report print
 and read sizes through these two functions; this module imports nothing of edgekv, so any of
@@ -36,3 +36,8 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:,.1f}{unit}"
         n /= 1024
     return f"{n}"
+
+
+def padded(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (weight rows and quant groups)."""
+    return -(-n // multiple) * multiple

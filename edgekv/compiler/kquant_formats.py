@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..units import padded
+
 QK_K = 256  # weights per K-quant super-block
 
 
@@ -159,7 +161,6 @@ def kblocks_from_ggml(raw: np.ndarray, fmt: KFormat, k: int) -> KBlocks:
 
 
 def kpanel_shapes(fmt: KFormat, k: int, n: int, nr: int) -> list[tuple[tuple[int, ...], str]]:
-    from .quant_formats import padded
 
     nj = padded(n, nr) // nr
     return [((nj, c, nr), dt) for c, dt in fmt.row_shapes(k)]
@@ -167,7 +168,6 @@ def kpanel_shapes(fmt: KFormat, k: int, n: int, nr: int) -> list[tuple[tuple[int
 
 def kpanel_arrays(b: KBlocks, nr: int) -> list[np.ndarray]:
     """The row arrays as column panels [N/NR, X, NR] (N padded with zero rows)."""
-    from .quant_formats import padded
 
     out = []
     for a in b.row_arrays():

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ..units import padded  # noqa: F401 - re-exported to the kernels
+
 GROUP = 32  # weights per block along K (GGML's QK4_1 = QK8_0 = 32)
 WEIGHT_CHOICES = ("q4", "q8", "fp32")
 
@@ -56,10 +58,6 @@ Q4_1 = WeightFormat("q4", "Q4_1", 4, True)
 Q8_0 = WeightFormat("q8", "Q8_0", 8, False)
 LINEAR_FORMAT = {"q4": Q4_1, "q8": Q8_0}
 EMBEDDING_FORMAT = Q8_0  # the embedding / tied LM head in both q4 and q8 (as SmolLM2's GGUF has it)
-
-
-def padded(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclass
