@@ -1,4 +1,4 @@
-"""Byte sizes as people write them: "512MiB", "1.5GB" → bytes, and bytes → "1.5MiB"; counts rounded up to a multiple.
+"""Byte sizes as people write them ("512MiB", "1.5GB" → bytes, bytes → "1.5MiB"), and counts rounded up.
 
 Budgets (``budget.py``), memory plans (``memory.py``), ``--mem-limit`` and every report print
 and read sizes through these two functions; this module imports nothing of edgekv, so any of
