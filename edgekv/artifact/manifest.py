@@ -262,7 +262,7 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
               keys=K.Device),
         Field(K.FILES, OBJECT, "the artifact's files with their sha256", keys=K.Files),
         Field(K.PROGRAM, OBJECT, "the flat program (program.ekv) the native runtime runs", keys=K.Program),
-        Field(K.NATIVE_TOKENIZER, STR, "the kind of tokenizer.ekt written (gpt2, qwen2 or unigram)"),
+        Field(K.NATIVE_TOKENIZER, STR, "the kind of tokenizer.ekt written (gpt2, qwen2 or unigram), or 'not written: ' and why"),
         Field(K.WORK, OBJECT, "FLOPs and bytes per entry-function call, counted from the graph (edgekv simulate)",
               keys=K.Work),
     ),

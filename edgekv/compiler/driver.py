@@ -161,7 +161,10 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     if out_dir is not None and tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         from .backend.artifact_writer import check_native_tokenizer
 
-        check_native_tokenizer(tokenizer)  # a tokenizer.ekt that cannot be written: refused before the export
+        try:  # said before the export, not after the build: the artifact will run without tokenizer.ekt
+            check_native_tokenizer(tokenizer)
+        except ValueError as exc:
+            say(f"warning: {exc}; the artifact runs in Python (edgekv run) and in edgekv-run with --prompt-ids")
     if imported is None and hasattr(model, "import_graph"):  # an ONNX file (onnx_model.OnnxModel)
         say("importing the ONNX graph")
         imported = model.import_graph(block)

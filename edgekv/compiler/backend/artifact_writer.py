@@ -154,8 +154,6 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
     from ...artifact.params_file import write_params
     from .program import write_program
 
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        check_native_tokenizer(tokenizer)  # before writing anything
     out = result.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # the directory is not an artifact until it is complete
@@ -181,12 +179,16 @@ def write_artifact(result: BuildResult, params: list[tuple[str, np.ndarray]], tg
                                                               sorted(tok_dir.iterdir()) if p.is_file()}}
         from .tokenizer_file import write_tokenizer_file
 
-        # the writer picks the tokenizer's kind (gpt2 / qwen2 / unigram) and refuses, naming what is
-        # missing, any other: an artifact never silently lacks the native tokenizer
-        info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
-        files[F.TOKENIZER_FILE] = {E.NAME: TOKENIZER_FILE, E.SHA256: sha256_file(out / TOKENIZER_FILE),
-                                   E.FORMAT_VERSION: info.get("format_version")}
-        result.manifest[K.NATIVE_TOKENIZER] = f"tokenizer.ekt: {info.get('kind', 'gpt2')}"
+        # the writer picks the tokenizer's kind (gpt2 / qwen2 / unigram); any other is named in the
+        # manifest (and was said as a warning before the export): edgekv-run then takes --prompt-ids
+        try:
+            info = write_tokenizer_file(tokenizer, out / TOKENIZER_FILE)
+        except ValueError as exc:
+            result.manifest[K.NATIVE_TOKENIZER] = f"not written: {exc}"
+        else:
+            files[F.TOKENIZER_FILE] = {E.NAME: TOKENIZER_FILE, E.SHA256: sha256_file(out / TOKENIZER_FILE),
+                                       E.FORMAT_VERSION: info.get("format_version")}
+            result.manifest[K.NATIVE_TOKENIZER] = f"tokenizer.ekt: {info.get('kind', 'gpt2')}"
     if result.final_module is not None:
         write_program(result, out, offsets, tgt)
         files[F.PROGRAM] = {E.NAME: PROGRAM_FILE, E.SHA256: sha256_file(out / PROGRAM_FILE)}

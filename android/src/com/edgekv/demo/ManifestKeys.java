@@ -66,7 +66,7 @@ public final class ManifestKeys {
     public static final String FILES = "files";
     /** the flat program (program.ekv) the native runtime runs */
     public static final String PROGRAM = "program";
-    /** why tokenizer.ekt was not written (the native runtime cannot run it) */
+    /** the kind of tokenizer.ekt written (gpt2, qwen2 or unigram), or 'not written: ' and why */
     public static final String NATIVE_TOKENIZER = "native_tokenizer";
     /** FLOPs and bytes per entry-function call, counted from the graph (edgekv simulate) */
     public static final String WORK = "work";
