@@ -226,6 +226,29 @@ def check_disk_for(dest: Path, need: int, what: str) -> None:
                          "free some space, or point EDGEKV_CACHE at a larger disk")
 
 
+@contextlib.contextmanager
+def _staged_dir(dest: Path):
+    """A fresh folder beside ``dest`` that replaces it only when the block completes: an
+    interrupted conversion never leaves a half-written copy under the cache's name."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.replace(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_conversion_meta(tmp: Path, path: Path, model_type: str) -> None:
+    """edgekv.json: which file the copy came from (and its sha256), so a changed source is converted again."""
+    meta = {"source": str(path), "source_sha256": source_sha256(path), "model_type": model_type,
+            "format": CONVERSION_FORMAT}
+    (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
+
+
 def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None, arch: str = "llama") -> None:
     """Dequantise a GGUF tensor by tensor (``gguf.quants``) into fp32 safetensors shards at ``dest``
     (written under a temporary name, renamed when complete), with a progress bar."""
@@ -257,9 +280,7 @@ def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None,
     total = sum(4 * int(np.prod(shapes[n])) for n in sources)
     check_disk_for(dest, total, f"the fp32 copy of {path.name}")
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    try:
+    with _staged_dir(dest) as tmp:
         console.print(f"edgekv: converting {path.name} once to an fp32 safetensors copy ({total / 2**30:.1f} GiB) in "
                       f"{dest.parent} (`edgekv cache --clear` deletes it)", highlight=False, soft_wrap=True)
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn(),
@@ -283,15 +304,7 @@ def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None,
                 del state
         hf_config.save_pretrained(str(tmp))
         _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path, reader)).save_pretrained(str(tmp))
-        meta = {"source": str(path), "source_sha256": source_sha256(path), "model_type": hf_config.model_type,
-                "format": CONVERSION_FORMAT}
-        (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.replace(dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _write_conversion_meta(tmp, path, hf_config.model_type)
 
 
 def convert_gguf(path: Path, dest: Path, console: Console) -> None:
@@ -305,11 +318,9 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
     arch = _gguf_arch(reader)
     if arch in STREAMED_ARCHS:
         return convert_gguf_streamed(path, dest, console, reader, arch)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-    try:
-        with _status(console, f"converting {path.name} once to a cached safetensors copy in {dest.parent} (~30 s; "
-                              "`edgekv cache --clear` deletes it)…"):
+    with _staged_dir(dest) as tmp:
+        with _status(console, f"converting {path.name} once to a cached safetensors copy in {dest.parent} "
+                              "(through transformers, no progress to show; `edgekv cache --clear` deletes it)…"):
             with contextlib.redirect_stderr(io.StringIO()):
                 model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
                 converted_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -325,15 +336,7 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
                 _sentencepiece_bpe_tokenizer(path, tok_meta).save_pretrained(str(tmp))
             else:
                 _fixed_tokenizer(converted_tok, tok_meta).save_pretrained(str(tmp))
-            meta = {"source": str(path), "source_sha256": source_sha256(path), "model_type": model_type,
-                    "format": CONVERSION_FORMAT}
-            (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.replace(dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            _write_conversion_meta(tmp, path, model_type)
 
 
 def source_sha256(path: Path) -> str:
