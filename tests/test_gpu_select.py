@@ -41,8 +41,11 @@ def _device():
 DEVICE = _device()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs an OpenCL device (apt-get install pocl-opencl-icd)")
 
-# (H, N, B, D, S): N + B = 43, 32 (a power of two), 70, 21; one head, three; state or none
-SHAPES = [(2, 37, 6, 8, 0), (3, 24, 8, 4, 1), (1, 61, 9, 16, 0), (3, 16, 5, 8, 2)]
+# (H, N, B, D, S): N + B = 43, 32 (a power of two), 70, 21; one head, three; state or none.
+# B = 1 (decode) takes the one-pass minimum select instead of the radix select: N + 1 = 38, 32,
+# 301 (more candidates than the work-group's 256 threads) and 9 heads (two rounds of 8 heads)
+SHAPES = [(2, 37, 6, 8, 0), (3, 24, 8, 4, 1), (1, 61, 9, 16, 0), (3, 16, 5, 8, 2),
+          (3, 37, 1, 8, 0), (1, 31, 1, 4, 1), (2, 300, 1, 4, 0), (9, 12, 1, 64, 2)]
 OPTIONS = ["", "-cl-opt-disable"]
 @functools.lru_cache(maxsize=None)
 def _context():

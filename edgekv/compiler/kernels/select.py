@@ -202,6 +202,7 @@ def build_select_compact_kernel(num_kv_heads: int, budget: int, block: int, head
 
 GPU_SELECT_THREADS = 256  # one work-group; 16 slices of 16 threads (the two-level reductions below)
 _RADIX_PASSES = 8  # 4-bit digits of the 32-bit key
+MIN_SELECT_HEADS = 8  # heads per round of the decode min select: 8 × 272 uint64 = 17 KiB shared
 
 
 def order_key(x):
@@ -339,6 +340,66 @@ def work_group_select_macro(NB: int, NT: int = GPU_SELECT_THREADS):
     return find_cut
 
 
+def work_group_min_select_macro(H: int, NB: int, NT: int = GPU_SELECT_THREADS):
+    """``find_cuts(score, n, tx, red, mine, thr, cut)``, the decode (block of 1) replacement of
+    ``work_group_select_macro``, run by all ``NT`` threads of a work-group in uniform control flow:
+    with n ≤ N + 1 candidates and N kept, exactly one candidate of each head is evicted — its
+    smallest order key, among equal keys the highest index (ties keep the lower index, the
+    ``topk_keep`` rule; −0.0 and +0.0 share a key, NaN has the largest). So ``thr[h]`` = that key
+    and ``cut[h]`` = that index give the same kept(i) rule as the radix select (key > thr, or
+    key == thr and i < cut), for every head in one pass instead of ~30 barriers per head.
+
+    A (key, index) pair is one uint64, ``key << 32 | ~index``: its minimum is the smallest key and,
+    among equal keys, the highest index. Each thread takes the minimum over its strided candidates
+    of every head, then two levels through shared memory (16 threads per slice, then the slices),
+    ``G`` heads at a time (all of them for G ≥ H). Scratch: ``red`` [G · (NT + NT / 16)] uint64
+    shared, ``mine`` [G] uint64 local; ``thr`` [H] uint32 and ``cut`` [H] int32 local (every thread
+    gets every head's)."""
+    if NT % 16 or NT // 16 > 16:
+        raise ValueError(f"work-group min select: {NT} threads is not 16 × (1..16)")
+    NSL = NT // 16
+    G = min(H, MIN_SELECT_HEADS)
+    C = (NB + NT - 1) // NT
+    NONE = tirx.max_value("uint64")
+
+    @T.macro
+    def find_cuts(score, n, tx, red, mine, thr, cut):
+        for g in T.serial((H + G - 1) // G):
+            for hl in T.serial(G):
+                mine[hl] = NONE
+                if g * G + hl < H:
+                    for j in T.serial(C):
+                        if j * NT + tx < n:
+                            mine[hl] = T.min(mine[hl], T.bitwise_or(
+                                T.shift_left(T.Cast("uint64", order_key(
+                                    score[T.min(g * G + hl, H - 1), T.min(j * NT + tx, NB - 1)])), T.uint64(32)),
+                                T.Cast("uint64", T.bitwise_not(T.Cast("uint32", j * NT + tx)))))
+                red[hl * NT + tx] = mine[hl]
+            T.tvm_storage_sync("shared")
+            # thread (head hl, slice s): the minimum over the slice's 16 threads
+            if tx < G * NSL:
+                mine[0] = NONE
+                for k in T.serial(16):
+                    mine[0] = T.min(mine[0], red[(tx // NSL) * NT + (tx % NSL) * 16 + k])
+            # (TVM's barrier planner cannot tell the slice minima's slots from the threads' slots)
+            T.tvm_storage_sync("shared")
+            if tx < G * NSL:
+                red[G * NT + tx] = mine[0]
+            T.tvm_storage_sync("shared")
+            # every thread: every head's minimum over the slices
+            for hl in T.serial(G):
+                if g * G + hl < H:
+                    mine[hl] = NONE
+                    for s in T.serial(NSL):
+                        mine[hl] = T.min(mine[hl], red[G * NT + hl * NSL + s])
+                    thr[T.min(g * G + hl, H - 1)] = T.Cast("uint32", T.shift_right(mine[hl], T.uint64(32)))
+                    cut[T.min(g * G + hl, H - 1)] = T.Cast("int32", T.bitwise_not(T.Cast("uint32", T.bitwise_and(
+                        mine[hl], tirx.const(0xFFFFFFFF, "uint64")))))
+            T.tvm_storage_sync("shared")  # red is rewritten by the next group of heads
+
+    return find_cuts
+
+
 def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, head_dim: int,
                                     dtype: str = "float32", with_score: bool = True, num_state: int = 0):
     """GPU top-N select + in-place compaction, the signature of ``kernels/select.py`` (score or
@@ -373,6 +434,8 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
     STAGE = max(17 * NT + 16, 2 * H * CH * D)
     NCH = (NB + CH - 1) // CH
     find_cut = work_group_select_macro(NB, NT)
+    find_cuts = work_group_min_select_macro(H, NB, NT)  # decode (B == 1): n ≤ N + 1, one eviction a head
+    RED = min(H, MIN_SELECT_HEADS) * (NT + NT // 16) if B == 1 else 1
 
     def kept(score, h, i, thr, cut):
         key = order_key(score[h, T.min(i, NB - 1)])
@@ -400,34 +463,41 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
 
     @T.macro
     def evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, tx, nf, nv,
-              part, cnt, slc, res, dig, st, pre, dst, p_sh, ccount, thr, cut, base, first, row, start):
+              part, cnt, slc, res, dig, st, pre, dst, p_sh, ccount, thr, cut, base, first, row, start, red, mine):
         n = nf + nv
-        for h in T.serial(H):
-            find_cut(score, h, n, N, tx, part, cnt, slc, res, dig, st, pre)
-            thr[h] = res[0]
-            cut[h] = T.Cast("int32", res[1])
-            T.tvm_storage_sync("shared")
-            # the first evicted candidate: the first tie cut, or an earlier key below the threshold
-            row[0] = cut[h]
-            for j in T.serial((NB + NT - 1) // NT):
-                if j * NT + tx < n:
-                    if order_key(score[h, T.min(j * NT + tx, NB - 1)]) < thr[h]:
-                        row[0] = T.min(row[0], j * NT + tx)
-            cnt[tx] = row[0]
-            T.tvm_storage_sync("shared")
-            if tx < NT // 16:  # the minimum in two levels: 16 slices of 16 threads
-                for k in T.serial(16):
-                    row[0] = T.min(row[0], cnt[tx * 16 + k])
-            T.tvm_storage_sync("shared")
-            if tx < NT // 16:
+        if B == 1:
+            # decode: one eviction per head, and it is the cut itself (the first evicted row)
+            find_cuts(score, n, tx, red, mine, thr, cut)
+            for h in T.serial(H):
+                first[h] = cut[h] // CH
+                base[h] = first[h] * CH
+        else:
+            for h in T.serial(H):
+                find_cut(score, h, n, N, tx, part, cnt, slc, res, dig, st, pre)
+                thr[h] = res[0]
+                cut[h] = T.Cast("int32", res[1])
+                T.tvm_storage_sync("shared")
+                # the first evicted candidate: the first tie cut, or an earlier key below the threshold
+                row[0] = cut[h]
+                for j in T.serial((NB + NT - 1) // NT):
+                    if j * NT + tx < n:
+                        if order_key(score[h, T.min(j * NT + tx, NB - 1)]) < thr[h]:
+                            row[0] = T.min(row[0], j * NT + tx)
                 cnt[tx] = row[0]
-            T.tvm_storage_sync("shared")
-            row[0] = cnt[0]
-            for t in T.serial(NT // 16):
-                row[0] = T.min(row[0], cnt[t])
-            first[h] = row[0] // CH  # the first chunk that moves: every row before it stays
-            base[h] = first[h] * CH  # kept rows before the chunk being compacted
-            T.tvm_storage_sync("shared")
+                T.tvm_storage_sync("shared")
+                if tx < NT // 16:  # the minimum in two levels: 16 slices of 16 threads
+                    for k in T.serial(16):
+                        row[0] = T.min(row[0], cnt[tx * 16 + k])
+                T.tvm_storage_sync("shared")
+                if tx < NT // 16:
+                    cnt[tx] = row[0]
+                T.tvm_storage_sync("shared")
+                row[0] = cnt[0]
+                for t in T.serial(NT // 16):
+                    row[0] = T.min(row[0], cnt[t])
+                first[h] = row[0] // CH  # the first chunk that moves: every row before it stays
+                base[h] = first[h] * CH  # kept rows before the chunk being compacted
+                T.tvm_storage_sync("shared")
         if S > 0:  # the unmoved kept rows' state (moved rows get theirs with the compaction)
             for u in T.serial((S * H * N + NT - 1) // NT):
                 if u * NT + tx < S * H * N:
@@ -525,12 +595,14 @@ def build_select_compact_kernel_gpu(num_kv_heads: int, budget: int, block: int, 
                         dig = T.sblock_alloc_buffer((16,), "int32", scope="local")
                         st = T.sblock_alloc_buffer((4,), "int32", scope="local")
                         pre = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                        red = T.sblock_alloc_buffer((RED,), "uint64", scope="shared")
+                        mine = T.sblock_alloc_buffer((min(H, MIN_SELECT_HEADS),), "uint64", scope="local")
                         if nf + nv <= N:
                             append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, tx, nf, nv)
                         else:
                             evict(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, score, state, cand_state, tx,
                                   nf, nv, part, cnt, slc, res, dig, st, pre, dst, p_sh, ccount, thr, cut, base,
-                                  first, row, start)
+                                  first, row, start, red, mine)
                     else:
                         append(k_cache, v_cache, pos_cache, k_blk, v_blk, pos_blk, state, cand_state, tx, nf, nv)
                     # every thread has read fill (nf) before it changes: the one work-group's barrier
