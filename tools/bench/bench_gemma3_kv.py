@@ -68,6 +68,9 @@ def main() -> None:
     if args.case:
         print("EKV-RESULT " + json.dumps(child(args)))
         return
+    from edgekv.evaluation.report import provenance
+
+    prov = provenance([sys.executable, *sys.argv])  # captured before the run
     rows = []
     for case in ("kinds", "uniform"):
         cmd = [sys.executable, __file__, "--child", case, *sys.argv[1:]]
@@ -81,6 +84,7 @@ def main() -> None:
               "model": args.model, "policy": args.policy, "budget": args.budget, "block": args.block,
               "tokens": args.tokens, "layer_kinds": kinds_of_layers, "sliding_window": window,
               "full_cache_kv_bytes": full, "rows": rows, "machine": platform.platform(),
+              "provenance": prov,
               "note": "shared machine (other jobs ran beside it): RSS and seconds are indicative; KV bytes are exact"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

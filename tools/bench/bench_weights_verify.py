@@ -154,9 +154,12 @@ def main(argv=None) -> int:
     from edgekv.runtime import native
     from edgekv.threads import choose_threads
 
+    from edgekv.evaluation.report import provenance
+
+    prov = provenance([sys.executable, *sys.argv])  # captured before the run
     threads = args.threads or choose_threads(None).count
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
-              "threads": threads, "repeats": args.repeats, "artifacts": {},
+              "threads": threads, "repeats": args.repeats, "artifacts": {}, "provenance": prov,
               "command_args": f"--artifact {args.artifact} --repeats {args.repeats} --big-gib {args.big_gib}"}
     with tempfile.TemporaryDirectory(prefix="edgekv-verify-", dir=os.environ.get("EDGEKV_BENCH_TMP")) as tmp:
         art = prepare(args.artifact, Path(tmp) / "smollm2")

@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout to measure in the same run (e.g. /work/main)")
     ap.add_argument("-o", "--out", default="docs/results/compile_memory")
     args = ap.parse_args()
+    from edgekv.evaluation.report import provenance
+
+    prov = provenance([sys.executable, *sys.argv])  # captured before the run
     here = str(Path(__file__).resolve().parents[2])
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
@@ -91,7 +94,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, shared with other jobs",
               "what": "q4 KeyDiff N=8192 B=128 host compile of a random model at Qwen2.5-1.5B geometry, L layers",
-              "rows": rows}
+              "rows": rows, "provenance": prov}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=2))
     lines = ["# Compile memory on parts (issue 30)", "", f"`{' '.join(sys.argv)}` — {result['machine']}.", "",
