@@ -80,3 +80,14 @@ def rebuild_function(mod: tvm.IRModule, name: str, params: list,
     funcs = {gv: f for gv, f in out.functions.items() if gv.name_hint != name}
     funcs[old_gv] = out[new_gv]
     return tvm.IRModule(funcs, attrs=out.attrs)
+
+
+def rewrite_named_functions(mod: tvm.IRModule, functions: list[str], rewrite) -> tvm.IRModule:
+    """``rewrite(mod, name)`` for each of ``functions`` the module has, then what the rewrites left
+    unused removed from every Relax function (the fusion passes' shared ``transform_module``)."""
+    names = [gv.name_hint for gv in mod.get_global_vars()]
+    for name in functions:
+        if name in names:
+            mod = rewrite(mod, name)
+    entries = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
+    return relax.transform.DeadCodeElimination(entries)(mod)

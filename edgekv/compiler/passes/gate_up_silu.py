@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 
 from ..kernels.quant_dense import _dequantized
-from ..relax_util import SKIP, rebuild_function
+from ..relax_util import SKIP, rebuild_function, rewrite_named_functions
 from .attention_sites import _arg_vars, op_name, shape_of
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -65,12 +65,7 @@ class FuseGateUpSiLU:
         self.fused = 0
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        names = [gv.name_hint for gv in mod.get_global_vars()]
-        for name in self.functions:
-            if name in names:
-                mod = self._rewrite(mod, name)
-        entries = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
-        return relax.transform.DeadCodeElimination(entries)(mod)
+        return rewrite_named_functions(mod, self.functions, self._rewrite)
 
     def _rewrite(self, mod, name):
         from ..quant_formats import Q4_1, Q8_0

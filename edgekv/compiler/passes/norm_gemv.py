@@ -19,7 +19,7 @@ from tvm import relax
 
 from ..kernels.norm_gemv import build_norm_gate_up_silu_gpu, build_norm_qkv_rope_gpu
 from ..quant_formats import Q4_1, Q8_0
-from ..relax_util import SKIP, rebuild_function
+from ..relax_util import SKIP, rebuild_function, rewrite_named_functions
 from .attention_sites import _arg_vars, op_name, shape_of
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -150,12 +150,7 @@ class FuseNormIntoGEMV:
         self.fused = {"norm_qkv_rope": 0, "norm_gate_up_silu": 0}
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        names = [gv.name_hint for gv in mod.get_global_vars()]
-        for name in self.functions:
-            if name in names:
-                mod = self._rewrite(mod, name)
-        entries = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
-        return relax.transform.DeadCodeElimination(entries)(mod)
+        return rewrite_named_functions(mod, self.functions, self._rewrite)
 
     def _qkv(self, g: _Graph, y, val):
         """The plan of the q/k/v rewrite at GEMV ``y``, else None."""
