@@ -105,7 +105,9 @@ public final class DocumentStore {
             at = nl < 0 ? text.length() : nl + 1;
         }
         boolean more = at < text.length() || head.size() < size;
-        return String.format(Locale.US, "%s (%d bytes)%s%n%s", size >= 1024 ? Artifact.mib(size) : size + " B", size,
+        String shownSize = size >= 1 << 20 ? Artifact.mib(size)
+                : size >= 1024 ? String.format(Locale.US, "%.1f KiB", size / 1024.0) : size + " B";
+        return String.format(Locale.US, "%s (%d bytes)%s%n%s", shownSize, size,
                 more ? ", first lines:" : ":", b.toString() + (more ? "…" : ""));
     }
 
