@@ -46,7 +46,10 @@ final class Models {
 
     /** The model's manifest directory (for the memory check before loading). */
     static File source(Context c, String name) {
-        return new File(pushedRoot(c), ScriptRequest.name("model", name, "a model's name"));
+        if (name.equals(".") || name.equals("..") || name.indexOf('/') >= 0 || name.indexOf('\0') >= 0) {
+            throw new IllegalArgumentException("\"" + name + "\" is not a model's name");
+        }
+        return new File(pushedRoot(c), name);
     }
 
     /** A directory the runtime may open (code in internal storage only). Worker thread. */

@@ -45,9 +45,9 @@ public final class WorkService extends Service {
         nm.notify(NOTIFICATION, notification(c, jobTitle, text, done, max));
     }
 
-    /** The job ended. UI thread. */
+    /** The job ended. UI thread. (Another job may have started since: then the service stays.) */
     static void end() {
-        if (running != null) {
+        if (running != null && !AppState.get().busy()) {
             running.stopForeground(true);
             running.stopSelf();
             running = null;
