@@ -268,3 +268,36 @@ def test_sources_size_views_in_dp():
             if m:
                 args = [a.strip() for a in m.group(1).split(",")]
                 assert all(a == "0" or "dp(" in a for a in args), f"{path.name}:{n}: raw pixels: {line.strip()}"
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_ui_state_and_bench_on_smollm2(host_bridge, tmp_path):
+    """The real model: SmolLM2-135M (KeyDiff, N = 512, B = 128, host CPU) through AppState as the
+    screen asks it (the same ids as the Engine alone and after a benchmark), and the benchmark
+    screen's pp512/tg128 measurement with peak RSS next to the plan."""
+    import os
+    import warnings
+
+    pytest.importorskip("tvm")
+    from edgekv.compiler import compile_model
+    from edgekv.corpus import natural_text
+    from edgekv.models import load_model
+    from edgekv.policies import make_policy
+
+    art = tmp_path / "smol"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_model(load_model("smollm2-135m"), make_policy("keydiff", {}), 512, 128, "host", art)
+    (tmp_path / "doc.txt").write_text(natural_text()[:6000], encoding="utf-8")
+    classes = _compile_ui_check(tmp_path)
+    env = {**os.environ, "LD_PRELOAD": str(host_bridge["lib"] / "libedgekv_runtime.so")}
+    got = _ui_check(classes, tmp_path / "work", art, tmp_path / "doc.txt", "What is the text about?", "512", "128",
+                    "2", env=env, library_path=host_bridge["lib"])
+    m = got["model"]
+    assert m["state_ids"] == m["alone_ids"] == m["again_ids"] and len(m["state_ids"]) >= 1
+    pp, tg = m["bench"]
+    assert (pp["test"], tg["test"]) == ("pp512", "tg128")
+    assert pp["mean_tok_s"] > 0 and tg["mean_tok_s"] > 0
+    assert 0 < pp["peak_rss_bytes"] and pp["plan_bytes"] == m["plan_bytes"] > 0
+    assert m["closed_for_memory"]

@@ -25,7 +25,7 @@ import java.util.concurrent.TimeUnit;
  * The app's UI-side logic that needs no framework, on a desktop JVM (tests/test_android_ui.py runs
  * it and checks what it prints):
  *
- *   java UiCheck WORK_DIR [ARTIFACT DOCUMENT QUESTION]
+ *   java UiCheck WORK_DIR [ARTIFACT DOCUMENT QUESTION [PP TG REPS]]
  *
  * Prints one JSON object: the scripted entry point's name checks (refusals of "..", absolute
  * paths, separators), the document store (preview, the 8 MiB and UTF-8 refusals, nothing left
@@ -90,8 +90,10 @@ public final class UiCheck {
             }
         });
         out.put("recreation", recreation(state));
+        int[] bench = args.length > 6 ? new int[]{Integer.parseInt(args[4]), Integer.parseInt(args[5]),
+                Integer.parseInt(args[6])} : new int[]{12, 6, 2};
         if (args.length > 1) out.put("model", model(state, new File(args[1]), read(new File(args[2])), args[3],
-                new File(work, "snapshots")));
+                new File(work, "snapshots"), bench));
         out.put("host_events", HOST_EVENTS);
         UI.shutdown();
         System.out.println(Json.write(out));
@@ -247,7 +249,8 @@ public final class UiCheck {
 
     /** The real engine through AppState: a question, decode progress, the benchmark, onTrimMemory. */
     static Map<String, Object> model(final AppState state, final File artifact, final String document,
-                                     final String question, final File snapshots) throws Exception {
+                                     final String question, final File snapshots, final int[] bench)
+            throws Exception {
         final Map<String, Object> m = new LinkedHashMap<String, Object>();
         EdgeKv.loadLibraries();
         Engine alone = new Engine();
@@ -258,7 +261,7 @@ public final class UiCheck {
         Screen screen = new Screen("S");
         state.attach(screen);
         final List<String> decodeProgress = new ArrayList<String>();
-        state.start("Opening", new AppState.Job() {
+        run(state, "Opening", new AppState.Job() {
             @Override
             public void run(AppState s) throws Exception {
                 s.engine.open(artifact, 1, 0, snapshots);
@@ -266,7 +269,7 @@ public final class UiCheck {
             }
         });
         waitIdle(state);
-        state.start("Answering", new AppState.Job() {
+        run(state, "Answering", new AppState.Job() {
             @Override
             public void run(AppState s) throws Exception {
                 s.clearAnswer();
@@ -301,11 +304,11 @@ public final class UiCheck {
         m.put("decode_progress", decodeProgress);
         m.put("memory_text", state.memoryText());
         m.put("plan_bytes", state.planBytes());
-        state.start("Benchmark", new AppState.Job() {
+        run(state, "Benchmark", new AppState.Job() {
             @Override
             public void run(AppState s) throws Exception {
                 List<Object> rows = new ArrayList<Object>();
-                for (Bench.Result r : Bench.run(s.engine, 12, 6, 2, new Bench.Listener() {
+                for (Bench.Result r : Bench.run(s.engine, bench[0], bench[1], bench[2], new Bench.Listener() {
                     @Override
                     public void onStep(String test, long done, long total, int rep) {
                     }
@@ -333,7 +336,7 @@ public final class UiCheck {
         waitIdle(state);
         m.put("bench_message", state.message());
         /* after the benchmark the same question still answers the same (its saved cache or a new read) */
-        state.start("Again", new AppState.Job() {
+        run(state, "Again", new AppState.Job() {
             @Override
             public void run(AppState s) throws Exception {
                 m.put("again_ids", s.engine.ask(document, question, 8, 0f, quiet()).ids);
@@ -372,8 +375,14 @@ public final class UiCheck {
 
     static void waitIdle(AppState state) throws InterruptedException {
         Thread.sleep(20);
-        for (int i = 0; i < 3000 && state.busy(); i++) Thread.sleep(10);
+        while (state.busy()) Thread.sleep(10); /* the test's own timeout bounds it */
         settle();
+    }
+
+    /** Starts a job that must start (nothing else runs). */
+    static void run(AppState state, String title, AppState.Job job) throws InterruptedException {
+        if (!state.start(title, job)) throw new IllegalStateException(title + " did not start: " + state.jobTitle() + " runs");
+        waitIdle(state);
     }
 
     /** Lets the fake UI thread run what was posted. */
