@@ -138,7 +138,7 @@ def _phone_artifact(model_dir: Path, target: str, tmp: Path) -> Path:
 def _run_on_phone(name: str, result: str, timeout: float = 600) -> dict:
     adb("shell", "rm", "-f", f"{FILES}/results/{result}")
     adb("logcat", "-c", check=False)
-    cmd = ["am", "start", "-S", "-W", "-n", f"{PACKAGE}/.MainActivity", "--es", "artifact", name,
+    cmd = ["am", "start", "-S", "-W", "-n", f"{PACKAGE}/.ScriptActivity", "--es", "artifact", name,
            "--es", "document_file", "doc.txt", "--esa", "questions", ",".join(QUESTIONS),
            "--ei", "max_new_tokens", str(NEW_TOKENS), "--es", "result", result]
     adb("shell", " ".join(shlex.quote(c) for c in cmd))
@@ -180,3 +180,24 @@ def test_app_answers_like_edgekv_run(installed, model_dir, tmp_path, target):
         assert a["prefill_tok_s"] > 0 and a["decode_tok_s"] > 0
         assert a["stats"]["peak_rss_bytes"] > 0
         assert a["prompt_tokens"] == len(DOCUMENT.encode("utf-8")) + a["question_tokens"]
+
+
+def test_scripted_entry_refuses_paths(installed):
+    """ScriptActivity takes names, not paths: `..` in the artifact and an absolute document path
+    are refused before anything runs, and the reason is written to the result file; another app
+    (no DUMP permission) cannot start it at all (checked on the host from the manifest:
+    tests/test_android_ui.py)."""
+    for extras, word in [(["--es", "artifact", "../staged/x"], ".."),
+                         (["--es", "artifact", "x", "--es", "document_file", "/sdcard/doc.txt"], "absolute path")]:
+        adb("shell", "rm", "-f", f"{FILES}/results/refused.json")
+        cmd = ["am", "start", "-S", "-W", "-n", f"{PACKAGE}/.ScriptActivity", *extras, "--es", "result", "refused.json"]
+        adb("shell", " ".join(shlex.quote(c) for c in cmd))
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            r = adb("shell", "cat", f"{FILES}/results/refused.json", check=False)
+            if r.returncode == 0 and r.stdout.strip().startswith("{"):
+                break
+            time.sleep(1)
+        got = json.loads(r.stdout)
+        assert "refused" in got["error"] and word in got["error"], got
+        assert "answers" not in got

@@ -243,7 +243,7 @@ def check(stubs: Path, api_root: Path) -> list[str]:
                     continue
                 actx = dict(ctx, api_package=c["package"])
                 for d in re.finditer(rf"def {pyname}\((.*?)\) -> (.*?): \.\.\.", c["body"]):
-                    args = [a for a in d.group(1).split(", ") if a not in ("self", "/", "*")]
+                    args = [a for a in d.group(1).split(", ") if a and a not in ("self", "/", "*")]  # "" : a static method without parameters
                     types = [a.split(": ", 1)[1] if ": " in a else "" for a in args]
                     candidates.append(f"{anc}: ({', '.join(types)}) -> {d.group(2)}")
                     if len(types) == len(params) and all(_param_ok(j, p, actx) for j, p in zip(params, types)) \

@@ -10,6 +10,10 @@ public class Activity extends ContextWrapper {
     public Activity() { super(null); throw new RuntimeException("Stub!"); }
     protected void onCreate(Bundle savedInstanceState) { throw new RuntimeException("Stub!"); }
     protected void onDestroy() { throw new RuntimeException("Stub!"); }
+    protected void onStart() { throw new RuntimeException("Stub!"); }
+    protected void onStop() { throw new RuntimeException("Stub!"); }
+    protected void onSaveInstanceState(Bundle outState) { throw new RuntimeException("Stub!"); }
+    public void finish() { throw new RuntimeException("Stub!"); }
     protected void onNewIntent(Intent intent) { throw new RuntimeException("Stub!"); }
     protected void onActivityResult(int requestCode, int resultCode, Intent data) { throw new RuntimeException("Stub!"); }
     public Intent getIntent() { throw new RuntimeException("Stub!"); }

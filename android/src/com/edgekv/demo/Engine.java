@@ -29,6 +29,35 @@ public final class Engine {
         void onText(String text);
     }
 
+    /** A Listener that also hears each generated token: decode progress (tokens so far, the most asked for). */
+    public interface DecodeListener extends Listener {
+        void onDecoded(int tokens, int maxNewTokens);
+    }
+
+    /** How the next token is chosen: temperature 0 is greedy (argmax); top-p in (0, 1]; the seed fixes the RNG. */
+    public static final class Sampling {
+        public final float temperature, topP;
+        public final long seed;
+
+        public Sampling(float temperature, float topP, long seed) {
+            this.temperature = temperature;
+            this.topP = topP;
+            this.seed = seed;
+        }
+
+        public static final Sampling GREEDY = new Sampling(0f, 1f, 0);
+
+        public boolean greedy() {
+            return temperature <= 0f;
+        }
+
+        /** "greedy (temperature 0)" or "temperature 0.7 · top-p 0.9 · seed 42" */
+        public String describe() {
+            return greedy() ? "greedy (temperature 0)"
+                    : String.format(java.util.Locale.US, "temperature %.2f · top-p %.2f · seed %d", temperature, topP, seed);
+        }
+    }
+
     /** One answer and what its run measured. */
     public static final class Answer {
         public String question = "", text = "";
@@ -136,6 +165,23 @@ public final class Engine {
         return EdgeKv.encode(model, text, chat, part);
     }
 
+    /* for Bench: the open handles, and whether Cancel was asked since the last clearCancel() */
+    long modelHandle() {
+        return model;
+    }
+
+    long sessionHandle() {
+        return session;
+    }
+
+    void clearCancel() {
+        cancelled = false;
+    }
+
+    boolean cancelRequested() {
+        return cancelled;
+    }
+
     public Stats stats() {
         Stats s = new Stats();
         if (session != 0) EdgeKv.stats(session, s);
@@ -149,6 +195,12 @@ public final class Engine {
      */
     public Answer ask(String document, String question, int maxNewTokens, float temperature, final Listener listener)
             throws EdgeKvException {
+        return ask(document, question, maxNewTokens, new Sampling(temperature, 1.0f, 0), listener);
+    }
+
+    /** As above, with the sampling settings (a DecodeListener also hears each token's count). */
+    public Answer ask(String document, String question, final int maxNewTokens, Sampling sampling, final Listener listener)
+            throws EdgeKvException {
         if (model == 0) throw new EdgeKvException(EdgeKvException.INVALID_ARG, "open an artifact first");
         cancelled = false;
         final long t0 = System.nanoTime();
@@ -158,10 +210,14 @@ public final class Engine {
         final long block = Math.max(1, info.block);
         final StringBuilder text = new StringBuilder();
         final double[] firstToken = {0};
+        final int[] decoded = {0};
+        final DecodeListener decodes = listener instanceof DecodeListener ? (DecodeListener) listener : null;
         EdgeKv.Tokens tokens = new EdgeKv.Tokens() {
             @Override
             public boolean onToken(int id, String piece) {
                 if (firstToken[0] == 0) firstToken[0] = (System.nanoTime() - t0) / 1e9;
+                decoded[0]++;
+                if (decodes != null) decodes.onDecoded(decoded[0], maxNewTokens);
                 if (piece.length() > 0) {
                     text.append(piece);
                     listener.onText(piece);
@@ -220,8 +276,8 @@ public final class Engine {
         }
         a.questionTokens = prompt.length;
         listener.onPhase(a.fromSnapshot ? "answering from the saved document cache" : "answering");
-        a.ids = EdgeKv.generate(session, prompt, maxNewTokens, temperature, 1.0f, 0, progress("question", block, listener),
-                tokens);
+        a.ids = EdgeKv.generate(session, prompt, maxNewTokens, sampling.temperature, sampling.topP, sampling.seed,
+                progress("question", block, listener), tokens);
         a.text = text.toString();
         a.firstTokenSeconds = firstToken[0];
         a.totalSeconds = (System.nanoTime() - t0) / 1e9;
