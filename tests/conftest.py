@@ -100,6 +100,32 @@ def _one_export_per_tiny_model():
     _EXPORTS.clear()
 
 
+@pytest.fixture(scope="session")
+def shared_artifact(tmp_path_factory):
+    """``get(model, policy, budget, block, target, **options)`` → the artifact directory of that
+    compile, built once per session for equal inputs (the model compared by content), so that test
+    files checking different things of one build share it. Read it (load it, run it), never change
+    it: copy it first (``shutil.copytree``) to break it."""
+    import json
+
+    built: dict = {}
+
+    def get(model, policy, budget: int, block: int, target, **options):
+        from edgekv.compiler import compile_model
+
+        model_key = _content_key(model, block, 0)
+        assert model_key is not None, "shared_artifact is for the tiny models"
+        key = (model_key, policy.name, json.dumps(policy.params(), sort_keys=True, default=str), budget, block,
+               json.dumps(target, sort_keys=True), json.dumps(options, sort_keys=True))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"shared-{policy.name}") / "art"
+            compile_model(model, policy, budget, block, target, out, **options)
+            built[key] = out
+        return built[key]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -56,22 +56,14 @@ def need_opencl():
 
 
 @pytest.fixture(scope="module")
-def pairs(model, tmp_path_factory):
-    """policy → (CPU artifact, OpenCL artifact) of the tiny model, each built once per module."""
-    from edgekv.compiler import compile_model
-
-    built: dict = {}
+def pairs(model, shared_artifact):
+    """policy → (CPU artifact, OpenCL artifact) of the tiny model, each built once per session
+    (KeyDiff's are also tests/test_opencl_source.py's and tests/test_opencl_teardown.py's)."""
 
     def get(name):
-        if name not in built:
-            args, budget = SETUP.get(name, ({}, N))
-            root = tmp_path_factory.mktemp(f"opencl-{name}")
-            cpu, ocl = root / "cpu", root / "opencl"
-            compile_model(model, make_policy(name, args), budget, B,
-                          target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=cpu)
-            compile_model(model, make_policy(name, args), budget, B, target="opencl-host", out_dir=ocl)
-            built[name] = (cpu, ocl)
-        return built[name]
+        args, budget = SETUP.get(name, ({}, N))
+        cpu = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
+        return tuple(shared_artifact(model, make_policy(name, args), budget, B, target) for target in (cpu, "opencl-host"))
 
     return get
 
