@@ -112,9 +112,13 @@ def shared_artifact(tmp_path_factory):
 
     def get(model, policy, budget: int, block: int, target, **options):
         from edgekv.compiler import compile_model
+        from edgekv.compiler.backend.target import CompileTarget
+        from edgekv.compiler.driver import resolve_weights
 
         model_key = _content_key(model, block, 0)
         assert model_key is not None, "shared_artifact is for the tiny models"
+        # the weight format as the compile would choose it: weights=None and its default are one build
+        options["weights"] = resolve_weights(model, options.get("weights"), CompileTarget.resolve(target).weight_layout)
         key = (model_key, policy.name, json.dumps(policy.params(), sort_keys=True, default=str), budget, block,
                json.dumps(target, sort_keys=True), json.dumps(options, sort_keys=True))
         if key not in built:
