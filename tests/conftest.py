@@ -77,14 +77,16 @@ def _one_export_per_tiny_model():
         return
     try:
         from edgekv.compiler import pipeline
+        from edgekv.compiler.frontend import export
     except ImportError:  # no TVM: nothing compiles
         yield
         return
-    fresh_import = pipeline.import_model
+    fresh_import, export_forward = pipeline.import_model, export.export_plain_forward
 
     def import_once(model, block, extra_rows=0):
         key = _content_key(model, block, extra_rows)
-        if key is None:
+        # a test that replaced the export (to see whether a compile exports) sees every export
+        if key is None or export.export_plain_forward is not export_forward:
             return fresh_import(model, block, extra_rows)
         hit = _EXPORTS.get(key)
         # the arrays are views of the first model's tensors: reused only while they still hold
