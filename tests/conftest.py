@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny random models (fast) and the real SmolLM2 (loaded once per session)."""
+"""Shared fixtures: tiny random models (fast) and the real SmolLM2 (loaded once per session), and
+one torch export of each tiny model per session (``_one_export_per_tiny_model``)."""
 
 from __future__ import annotations
+
+import hashlib
+import os
 
 import pytest
 import torch
@@ -27,6 +31,105 @@ def smol():
 @pytest.fixture(scope="session")
 def smol_hf(smol):
     return smol.to_hf()
+
+
+# A tiny model's torch export + Relax import (compile step 0, ``frontend/export.import_model``) is
+# about 40% of its compile and depends only on the model's contents and the step size; the suite
+# compiles the same few tiny models (seed 0 / 1, two layers, B = 8) hundreds of times across
+# files. So compile_model's own import is looked up by content here: the first compile of a model
+# exports it, later compiles of an equal model (any object: a module's fixture, a CLI load of the
+# same HF folder) take that export as if passed ``imported=``, which the compiler supports for
+# exactly this (several policies from one export; tests/test_compiler_e2e.py checks it). Direct
+# calls of ``edgekv.compiler.import_model`` in tests are not touched. Models above TINY_EXPORT_MAX
+# weights (SmolLM2, Qwen: slow tests) always export afresh. EDGEKV_TEST_FRESH_EXPORTS=1 turns it off.
+TINY_EXPORT_MAX = 4_000_000  # weights (elements)
+_EXPORTS: dict = {}
+
+
+def _content_key(model, block: int, extra_rows: int) -> str | None:
+    weights = getattr(model, "weights", None)
+    if not isinstance(weights, dict) or sum(int(t.numel()) for t in weights.values()) > TINY_EXPORT_MAX:
+        return None
+    digest = hashlib.sha256(repr((type(model).__name__, model.config, block, extra_rows,
+                                  float(getattr(model, "attention_scaling", 1.0)))).encode())
+    for name in sorted(weights):
+        t = weights[name].detach()
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.contiguous().numpy().tobytes())
+    inv_freq = getattr(model, "inv_freq", None)
+    if inv_freq is not None:
+        digest.update(inv_freq.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _params_digest(params) -> str:
+    digest = hashlib.sha256()
+    for name, array in params:
+        digest.update(name.encode())
+        digest.update(array.tobytes() if array is not None else b"-")
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_export_per_tiny_model():
+    if os.environ.get("EDGEKV_TEST_FRESH_EXPORTS") == "1":
+        yield
+        return
+    try:
+        from edgekv.compiler import pipeline
+        from edgekv.compiler.frontend import export
+    except ImportError:  # no TVM: nothing compiles
+        yield
+        return
+    fresh_import, export_forward = pipeline.import_model, export.export_plain_forward
+
+    def import_once(model, block, extra_rows=0):
+        key = _content_key(model, block, extra_rows)
+        # a test that replaced the export (to see whether a compile exports) sees every export
+        if key is None or export.export_plain_forward is not export_forward:
+            return fresh_import(model, block, extra_rows)
+        hit = _EXPORTS.get(key)
+        # the arrays are views of the first model's tensors: reused only while they still hold
+        # the contents they were exported with (a test that edits a model in place exports anew)
+        if hit is None or _params_digest(hit[0][1]) != hit[1]:
+            imported = fresh_import(model, block, extra_rows)
+            hit = _EXPORTS[key] = (imported, _params_digest(imported[1]))
+        return hit[0]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "import_model", import_once)
+        yield
+    _EXPORTS.clear()
+
+
+@pytest.fixture(scope="session")
+def shared_artifact(tmp_path_factory):
+    """``get(model, policy, budget, block, target, **options)`` → the artifact directory of that
+    compile, built once per session for equal inputs (the model compared by content), so that test
+    files checking different things of one build share it. Read it (load it, run it), never change
+    it: copy it first (``shutil.copytree``) to break it."""
+    import json
+
+    built: dict = {}
+
+    def get(model, policy, budget: int, block: int, target, **options):
+        from edgekv.compiler import compile_model
+        from edgekv.compiler.backend.target import CompileTarget
+        from edgekv.compiler.driver import resolve_weights
+
+        model_key = _content_key(model, block, 0)
+        assert model_key is not None, "shared_artifact is for the tiny models"
+        # the weight format as the compile would choose it: weights=None and its default are one build
+        options["weights"] = resolve_weights(model, options.get("weights"), CompileTarget.resolve(target).weight_layout)
+        key = (model_key, policy.name, json.dumps(policy.params(), sort_keys=True, default=str), budget, block,
+               json.dumps(target, sort_keys=True), json.dumps(options, sort_keys=True))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"shared-{policy.name}") / "art"
+            compile_model(model, policy, budget, block, target, out, **options)
+            built[key] = out
+        return built[key]
+
+    return get
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,15 @@ runner = CliRunner()
 DOC = "The cat sat on the mat. The dog lay by the door. " * 12
 QUESTIONS = ["Where is the cat?", "Who lay by the door?", "What sat on the mat?"]
 SETTINGS = ["--budget", "32", "--block", "8"]
+# the artifacts here are compiled for this CPU at LLVM opt-level 0 (what is checked is the document
+# path, not the machine code; half the compile time of the host profile's opt-level 3)
+HOST_FAST = {"name": "host-test", "target": {"kind": "llvm", "opt-level": 0, "num-cores": 2}}
+
+
+def fast_target(root) -> list[str]:
+    path = root / "host-test.json"
+    path.write_text(json.dumps(HOST_FAST))
+    return ["--target", str(path)]
 
 
 def cli(*args):
@@ -104,7 +113,7 @@ tvm = pytest.importorskip("tvm")
 @pytest.fixture(scope="module")
 def artifact(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("doc-art") / "art"
-    code, text = cli("compile", tiny_dir, *SETTINGS, "-o", out)
+    code, text = cli("compile", tiny_dir, *SETTINGS, *fast_target(out.parent), "-o", out)
     assert code == 0, text
     return out
 
@@ -159,7 +168,8 @@ def test_compiled_snapshot_needs_its_artifact(artifact, doc_file, tiny_dir, tmp_
 @pytest.fixture(scope="module")
 def question_artifact(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("question-art") / "art"
-    code, text = cli("compile", tiny_dir, *SETTINGS, "--policy", "snapkv", "--policy-arg", "window=4",
+    code, text = cli("compile", tiny_dir, *SETTINGS, *fast_target(out.parent), "--policy", "snapkv",
+                     "--policy-arg", "window=4",
                      "--question-rows", 32, "-o", out)
     assert code == 0, text
     assert "question rows" in text

@@ -210,7 +210,9 @@ def _without_timings(data: dict) -> dict:
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("where", ["local", "ray"])
+# the local worker pool runs by default; the Ray pool (a local Ray instance: ~50 s on 2 cores) is this
+# same test under `-m slow`
+@pytest.mark.parametrize("where", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_workers_and_ray_give_the_results_of_one_process(sweep, tmp_path, where):
     """The same small grid over two local worker processes, or two Ray actors on a local Ray
     instance, gives the in-process JSON (one thread each, as the in-process sweep), in the same

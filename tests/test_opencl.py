@@ -26,8 +26,14 @@ from edgekv.runtime import native  # noqa: E402
 B, N = 8, 24
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(1, 250, 70)]
 SETUP = {"full": ({}, 128), "lagkv": ({"sinks": 2, "lag": 4}, N), "dapq": ({"window": 4}, N)}
-# the default suite checks one policy of each kind of compiled kernel; `-m slow` checks every one
-FAST = ("keydiff", "snapkv", "h2o", "d2o", "dapq")
+# the default suite runs one policy of each kind of compiled eviction on the device: a score from
+# the keys alone (keydiff), a stateful score from the block's attention (h2o, whose attention-score
+# kernels SnapKV, SnapKV++ and TOVA share) and a policy with its own kernels and per-prompt
+# function (d2o); `-m slow` runs this same test for every other policy (snapkv, dapq's pseudo rows,
+# ...). By default SnapKV's and DapQ's OpenCL builds are still checked in
+# tests/test_compiler_targets.py (test_query_policies_on_gpu, test_dapq_on_device_targets), and
+# DapQ's pseudo-row attention runs on PoCL against its CPU twin in tests/test_gpu_parallel_kernels.py.
+FAST = ("keydiff", "h2o", "d2o")
 
 
 def opencl_skip_reason() -> str | None:
@@ -50,22 +56,14 @@ def need_opencl():
 
 
 @pytest.fixture(scope="module")
-def pairs(model, tmp_path_factory):
-    """policy → (CPU artifact, OpenCL artifact) of the tiny model, each built once per module."""
-    from edgekv.compiler import compile_model
-
-    built: dict = {}
+def pairs(model, shared_artifact):
+    """policy → (CPU artifact, OpenCL artifact) of the tiny model, each built once per session
+    (KeyDiff's are also tests/test_opencl_source.py's and tests/test_opencl_teardown.py's)."""
 
     def get(name):
-        if name not in built:
-            args, budget = SETUP.get(name, ({}, N))
-            root = tmp_path_factory.mktemp(f"opencl-{name}")
-            cpu, ocl = root / "cpu", root / "opencl"
-            compile_model(model, make_policy(name, args), budget, B,
-                          target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=cpu)
-            compile_model(model, make_policy(name, args), budget, B, target="opencl-host", out_dir=ocl)
-            built[name] = (cpu, ocl)
-        return built[name]
+        args, budget = SETUP.get(name, ({}, N))
+        cpu = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
+        return tuple(shared_artifact(model, make_policy(name, args), budget, B, target) for target in (cpu, "opencl-host"))
 
     return get
 

@@ -32,21 +32,15 @@ CL_STD = "-cl-std=CL1.2"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """(target, weights) → the artifact directory, each compiled once per module."""
-    from edgekv.compiler import compile_model
-
+def built(shared_artifact):
+    """(target, weights) → the artifact directory, each compiled once per session (the fp32
+    opencl-host one is also tests/test_opencl.py's KeyDiff artifact)."""
     model = tiny_random_model(seed=1, layers=2)
-    out: dict = {}
 
     def get(target, weights):
-        if (target, weights) not in out:
-            art = tmp_path_factory.mktemp(f"src-{target}-{weights}") / "art"
-            with warnings.catch_warnings():  # the phone form: "finish with the NDK" (not needed here)
-                warnings.simplefilter("ignore")
-                compile_model(model, make_policy("keydiff"), 24, 8, target=target, out_dir=art, weights=weights)
-            out[(target, weights)] = art
-        return out[(target, weights)]
+        with warnings.catch_warnings():  # the phone form: "finish with the NDK" (not needed here)
+            warnings.simplefilter("ignore")
+            return shared_artifact(model, make_policy("keydiff"), 24, 8, target, weights=weights)
 
     return get
 
@@ -130,13 +124,10 @@ def test_gpu_program_arena_regions_meet_every_devices_sub_buffer_alignment(built
     assert int(prog.settings["arena_bytes"]) % DEVICE_ARENA_ALIGN == 0
 
 
-def test_cpu_program_keeps_its_64_byte_arena(built, tmp_path):
+def test_cpu_program_keeps_its_64_byte_arena(built, shared_artifact):
     """The CPU's arena is not padded for devices: only GPU programs carry ``arena_align``."""
-    from edgekv.compiler import compile_model
-
-    art = tmp_path / "cpu"
-    compile_model(tiny_random_model(seed=1, layers=2), make_policy("keydiff"), 24, 8,
-                  target={"kind": "llvm", "opt-level": 0, "num-cores": 2}, out_dir=art)
+    art = shared_artifact(tiny_random_model(seed=1, layers=2), make_policy("keydiff"), 24, 8,
+                          {"kind": "llvm", "opt-level": 0, "num-cores": 2})
     prog = pf.read(art / PROGRAM_FILE)
     assert "arena_align" not in prog.settings
     assert any(b.a % DEVICE_ARENA_ALIGN for b in prog.buffers if b.kind == pf.ARENA)

@@ -74,13 +74,9 @@ def asan_build(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    from edgekv.compiler import compile_model
-
-    out = tmp_path_factory.mktemp("teardown-art") / "art"
-    compile_model(tiny_random_model(seed=1, layers=2), make_policy("keydiff"), 24, 8, target="opencl-host",
-                  out_dir=out)
-    return out
+def artifact(shared_artifact):
+    # the same build as tests/test_opencl.py's KeyDiff artifact: compiled once per session
+    return shared_artifact(tiny_random_model(seed=1, layers=2), make_policy("keydiff"), 24, 8, "opencl-host")
 
 
 def check_release_order(stderr: str) -> dict[str, int]:

@@ -108,14 +108,29 @@ def tied():
     return tiny_random_model(seed=2, tie_embeddings=True, intermediate=96)
 
 
+# The tied model's q4 KeyDiff build (N = 24, B = 8) for this CPU and for OpenCL, each compiled once
+# for the module: several tests read the same build (its runtime, plan, files).
+@pytest.fixture(scope="module")
+def tied_q4(tied, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied-q4") / "cpu"
+    return compile_model(tied, make_policy("keydiff"), 24, 8, TARGET, out_dir=out, weights="q4")
+
+
+@pytest.fixture(scope="module")
+def tied_q4_opencl(tied, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied-q4") / "ocl"
+    return compile_model(tied, make_policy("keydiff"), 24, 8, "opencl-host", out, weights="q4")
+
+
 @pytest.mark.parametrize("tie,weights", [(True, "q4"), (False, "q8"), pytest.param(True, "q8", marks=pytest.mark.slow),
                                          pytest.param(False, "q4", marks=pytest.mark.slow)],
                          ids=["tied-head-q4", "own-head-q8", "tied-head-q8", "own-head-q4"])
-def test_quantised_artifact_equals_fp32_of_dequantised_model(weights, tie, tied):
+def test_quantised_artifact_equals_fp32_of_dequantised_model(weights, tie, tied, request):
     model = tied if tie else tiny_random_model(seed=2, intermediate=96)
     pol = make_policy("keydiff")
     ids = np.random.default_rng(4).integers(0, 256, 70)
-    q = compile_model(model, pol, 24, 8, TARGET, weights=weights)
+    q = (request.getfixturevalue("tied_q4") if (tie, weights) == (True, "q4")
+         else compile_model(model, pol, 24, 8, TARGET, weights=weights))
     f = compile_model(dequantized(model, weights), pol, 24, 8, TARGET, weights="fp32")
     rq, rf = (HostRuntime.from_executable(r.executable, r.manifest, r.params) for r in (q, f))
     a, b = rq.prefill(ids), rf.prefill(ids)
@@ -142,10 +157,9 @@ def test_default_weights_and_bad_choices(tied):
         compile_model(tied, pol, 24, 8, "hexagon", weights="q4")
 
 
-def test_mem_limit_counts_quantised_weights(tied):
+def test_mem_limit_counts_quantised_weights(tied, tied_q4):
     pol = make_policy("keydiff")
-    q = compile_model(tied, pol, 24, 8, TARGET, weights="q4")
-    total = q.manifest["memory_plan"]["total_bytes"]
+    total = tied_q4.manifest["memory_plan"]["total_bytes"]
     compile_model(tied, pol, 24, 8, TARGET, weights="q4", mem_limit=total)  # exactly the plan: accepted
     with pytest.raises(CompileError, match="above the limit"):
         compile_model(tied, pol, 24, 8, TARGET, weights="q4", mem_limit=total - 1)
@@ -190,14 +204,14 @@ def test_smollm2_gguf_blocks_are_taken_exactly(smol):
     assert src.get(names[1], qf.Q8_0, smol.weights[names[1]].shape) is None  # not in that format: quantised
 
 
-def test_simulate_estimates_read_the_stored_weight_bytes(tied):
+def test_simulate_estimates_read_the_stored_weight_bytes(tied, tied_q4):
     """`edgekv simulate ARTIFACT` estimates decode from the bytes a step reads: a q4 artifact's
     weights are its plan's (4-bit) bytes, not 4 bytes per parameter."""
     from edgekv.artifact import Manifest
     from edgekv.simulate.work import work_from_manifest
 
     pol = make_policy("keydiff")
-    q4, fp32 = (compile_model(tied, pol, 24, 8, TARGET, weights=w).manifest for w in ("q4", "fp32"))
+    q4, fp32 = tied_q4.manifest, compile_model(tied, pol, 24, 8, TARGET, weights="fp32").manifest
     dq, df = (work_from_manifest(Manifest.from_json(m), tied.config).decode(24, True) for m in (q4, fp32))
     saved = fp32["memory_plan"]["weights_bytes"] - q4["memory_plan"]["weights_bytes"]
     assert dq.flops == df.flops
@@ -230,12 +244,13 @@ def test_smollm2_q4_artifact_answers_like_fp32(smol, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_gpu_q4_build_is_scheduled_on_device(tied):
+def test_gpu_q4_build_is_scheduled_on_device(tied, tied_q4_opencl):
     """GPU builds keep the blocks row by row (float32 scales) and dlight schedules the dequantising
     matmuls and the lookup: every kernel is bound to GPU threads (CheckAllOnDevice), for each GPU
     code generator."""
     for target in ("opencl-host", "cuda", "metal"):
-        res = compile_model(tied, make_policy("keydiff"), 24, 8, target, weights="q4")
+        res = (tied_q4_opencl if target == "opencl-host"
+               else compile_model(tied, make_policy("keydiff"), 24, 8, target, weights="q4"))
         w = res.manifest["weights"]
         assert w["layout"] == "rows" and w["scale_dtype"] == "float32" and w["tensors"]["Q4_1"] >= 14, target
         names = [n for n, _ in res.params]
@@ -245,13 +260,10 @@ def test_gpu_q4_build_is_scheduled_on_device(tied):
 @pytest.mark.skipif(not native.available() or native.opencl_unavailable_reason() is not None,
                     reason="needs the native runtime with OpenCL and a platform: apt-get install pocl-opencl-icd "
                            "ocl-icd-opencl-dev opencl-c-headers, then pip install -e .")
-def test_opencl_q4_artifact_agrees_with_cpu_q4(tied, tmp_path):
+def test_opencl_q4_artifact_agrees_with_cpu_q4(tied, tied_q4, tied_q4_opencl):
     """The q4 artifact for OpenCL (PoCL here) against the q4 CPU artifact: the same quantised
     weights, so the same kept positions and logits up to summation order."""
-    pol = make_policy("keydiff")
-    cpu, gpu = tmp_path / "cpu", tmp_path / "ocl"
-    compile_model(tied, pol, 24, 8, TARGET, out_dir=cpu, weights="q4")
-    compile_model(tied, pol, 24, 8, "opencl-host", gpu, weights="q4")
+    cpu, gpu = tied_q4.out_dir, tied_q4_opencl.out_dir
     ids = np.random.default_rng(6).integers(0, 256, 61).tolist()
     a, b = native.NativeRuntime(cpu), native.NativeRuntime(gpu)
     la, lb = a.prefill(ids), b.prefill(ids)
