@@ -102,29 +102,27 @@ def test_document_needles_are_where_the_builder_says(tiny_chat, task):
 
 def test_method_parsing():
     assert qs.parse_method("dapq:q") == qs.Method("dapq", True, None)
-    assert qs.parse_method("keydiff:reconstruct") == qs.Method("keydiff", False, "reconstruct")
+    m = qs.parse_method("compress:reconstruct")
+    assert m.compress == "reconstruct" and not m.question_known and m.label == "compress:reconstruct"
     assert qs.parse_method("snapkv++:q").label == "snapkv++:q"
     assert [m.label for m in qs.parse_methods(qs.DEFAULT_METHODS)][0] == "full"
     with pytest.raises(InputError, match="does not read the question"):
         qs.parse_method("keydiff:q")
-    with pytest.raises(InputError, match="drop ':q'"):
+    with pytest.raises(InputError, match="POLICY:q"):
         qs.parse_method("dapq:q:reconstruct")
+    with pytest.raises(InputError, match="compress:MODE"):
+        qs.parse_method("compress:")
     with pytest.raises(Exception, match="unknown policy"):
         qs.parse_method("nope")
 
 
-def test_compression_mode_missing_from_the_session_is_reported():
-    class Without:
-        def prefill(self, prompt_ids, progress=None, question=None):
-            pass
-
-    class With:
-        def prefill(self, prompt_ids, progress=None, question=None, compress=None):
-            pass
-
-    assert "reconstruct" in qs.compress_unavailable(Without(), "reconstruct")
-    assert qs.compress_unavailable(With(), "reconstruct") is None
-    assert qs.compress_unavailable(Without(), None) is None
+def test_compression_mode_missing_from_the_tree_is_reported(monkeypatch):
+    monkeypatch.setattr(qs, "compression_modes", lambda: {})
+    assert "not in this tree" in qs.compress_unavailable("reconstruct")
+    monkeypatch.setattr(qs, "compression_modes", lambda: {"reconstruct": "reconstruct"})
+    assert qs.compress_unavailable("reconstruct") is None
+    assert "not in this tree" in qs.compress_unavailable("zip")
+    assert qs.compress_unavailable(None) is None
 
 
 def _one_go(model, doc, q, policy, budget, block, tokens):
@@ -166,9 +164,9 @@ def test_question_aware_ceiling_reads_once_per_question_and_turns_once(tiny_chat
 
 def test_unavailable_compression_gives_rows_that_say_so(tiny_chat, monkeypatch):
     doc = qs.build_document(tiny_chat.tokenizer, "passkey", 600, 0)
-    monkeypatch.setattr(qs, "compress_unavailable", lambda session, mode: f"{mode} missing" if mode else None)
-    rows = qs.ask_document(tiny_chat, doc, qs.parse_method("keydiff:reconstruct"), 128, 32)
-    assert rows and all(r["unavailable"] == "reconstruct missing" for r in rows)
+    monkeypatch.setattr(qs, "compression_modes", lambda: {})
+    rows = qs.ask_document(tiny_chat, doc, qs.parse_method("compress:zip"), 128, 32)
+    assert rows and all("compress='zip' is not in this tree" in r["unavailable"] for r in rows)
 
 
 def test_scoring_numbers_words_and_other_needles(tiny_chat):
@@ -196,13 +194,13 @@ def test_results_tool_summary_counts_and_bounds():
     rows = [row(d, "full", True, budget=None, q=q) for d in ("multikey-L7168-i0", "multikey-L7168-i1") for q in ("Q1", "Q2")]
     rows += [row("multikey-L7168-i0", "keydiff", True), row("multikey-L7168-i0", "keydiff", False, q="Q2"),
              row("multikey-L7168-i1", "keydiff", False), row("multikey-L7168-i1", "keydiff", False, q="Q2")]
-    rows += [dict(row("multikey-L7168-i0", "dapq:reconstruct", False), unavailable="not here")]
+    rows += [dict(row("multikey-L7168-i0", "compress:reconstruct", False), unavailable="not here")]
     data = tool.summarize(rows)
     cell = next(c for c in data["cells"] if c["method"] == "keydiff")
     assert (cell["correct"], cell["questions"], cell["documents"], cell["full_cache_correct"]) == (1, 4, 2, 4)
     lo, hi = cell["interval95"]
     assert 0 < lo < 0.25 < hi < 1 and cell["of_full_cache"] == 0.25
-    assert next(c for c in data["cells"] if c["method"] == "dapq:reconstruct")["unavailable"] == "not here"
+    assert next(c for c in data["cells"] if c["method"] == "compress:reconstruct")["unavailable"] == "not here"
     md = tool.markdown({"provenance": {"command": "x", "commit": "0" * 40, "started": "now"}, "runs": [], **data},
                        "question_sweep", "")
     assert "1/4 = 25%" in md and "unavailable" in md

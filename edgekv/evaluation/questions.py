@@ -9,7 +9,7 @@ question are encoded as the two chat parts the runtimes use (``edgekv.models.cha
 part is what ``--save-cache`` saves, a question part is what ``edgekv ask`` appends; the answer's
 start ("The door code is") ends the question part so the value comes first.
 
-A **method** is (policy, question_known, compress), written ``POLICY[:q][:COMPRESS]``:
+A **method** is (policy, question_known, compress), written ``POLICY``, ``POLICY:q`` or ``compress:MODE``:
 
 * ``keydiff``, ``lagkv``, ``dapq``: read the document once without any question, save the cache
   (``Session.save_cache``), map it back before every question (``Session.load_cache``) — the
@@ -18,10 +18,11 @@ A **method** is (policy, question_known, compress), written ``POLICY[:q][:COMPRE
 * ``snapkv:q``, ``snapkv++:q``, ``dapq:q``: the question-aware ceiling. Each question's cache is
   built knowing it (``prefill(document, question=...)``), so the document is read once per question
   and nothing is reused — that is what the ceiling costs;
-* ``POLICY:reconstruct`` (or any ``:COMPRESS``): the document is read once with the session's
-  query-agnostic compression mode (``prefill(..., compress="reconstruct")``, issue 34's
-  ``--compress reconstruct``), then asked like the others. A session whose ``prefill`` has no
-  ``compress`` argument reports the method unavailable (every row says so) instead of failing.
+* ``compress:reconstruct`` (any ``compress:MODE``): the document is read once with a query-agnostic
+  compression mode (issue 34's ``--compress reconstruct``: the mode's own policy,
+  ``edgekv.policies.COMPRESS_MODES`` / ``compress_policy``, as ``run --save-cache --compress``
+  reads), then asked like the others. A tree without the mode reports the method unavailable
+  (every row says so) instead of failing.
 
 Two ways of asking (``ask``): ``snapshot`` (each question from the saved cache, nothing of one
 answer in the next) and ``turns`` (SCBench's shared-context multi-turn: the questions follow one
@@ -65,7 +66,7 @@ FACT_VALUES = {
     "guest's name": ("Beatrice", "Ignatius", "Rosalind", "Thaddeus", "Winifred", "Cornelius", "Philippa"),
     "secret fruit": ("papaya", "apricot", "quince", "mango", "lychee", "tangerine", "gooseberry", "plum"),
 }
-DEFAULT_METHODS = "full,keydiff,lagkv,dapq,dapq:reconstruct,snapkv:q,snapkv++:q,dapq:q"
+DEFAULT_METHODS = "full,keydiff,lagkv,dapq,compress:reconstruct,snapkv:q,snapkv++:q,dapq:q"
 
 
 # ---- documents ---------------------------------------------------------------------------------
@@ -195,7 +196,8 @@ def build_document(tokenizer, task: str, length: int, index: int, *, haystack: s
 @dataclass(frozen=True)
 class Method:
     """How a document's cache is made: a policy, whether the question is known when it is read, and a
-    query-agnostic compression mode (None: the policy alone)."""
+    query-agnostic compression mode (``compress``: None for the policy alone; a mode reads with its own
+    policy, ``edgekv.policies.compress_policy``, as ``run --save-cache --compress MODE`` does)."""
 
     policy: str
     question_known: bool = False
@@ -203,46 +205,61 @@ class Method:
 
     @property
     def label(self) -> str:
-        return self.policy + (":q" if self.question_known else "") + (f":{self.compress}" if self.compress else "")
+        if self.compress:
+            return f"compress:{self.compress}"
+        return self.policy + (":q" if self.question_known else "")
 
     @property
     def reuses_one_cache(self) -> bool:
         return not self.question_known
 
 
+def compression_modes() -> dict[str, str]:
+    """The tree's compression modes ({mode: the policy that reads with it}); empty before issue 34's
+    ``--compress`` lands."""
+    try:
+        from ..policies import COMPRESS_MODES
+    except ImportError:
+        return {}
+    return dict(COMPRESS_MODES)
+
+
 def parse_method(text: str) -> Method:
-    """``POLICY[:q][:COMPRESS]`` (``dapq:q``, ``keydiff:reconstruct``); the policy must exist."""
+    """``POLICY`` (read without the question), ``POLICY:q`` (knowing it) or ``compress:MODE`` (read with
+    a compression mode, e.g. ``compress:reconstruct``); a policy must exist, a mode need not (a tree
+    without it reports the method unavailable when it runs)."""
     from ..policies import make_policy
 
-    policy, *flags = [t.strip() for t in text.strip().split(":")]
-    question = "q" in flags
-    rest = [f for f in flags if f != "q"]
-    if len(rest) > 1 or not policy:
-        raise InputError(f"method {text!r}: write POLICY, POLICY:q (the question known) or POLICY:COMPRESS "
-                         "(e.g. dapq:reconstruct)")
-    make_policy(policy)
-    m = Method(policy, question, rest[0] if rest else None)
-    if m.question_known and not getattr(make_policy(policy), "uses_question", False):
-        raise InputError(f"method {text!r}: {policy} does not read the question; drop ':q'")
-    if m.question_known and m.compress:
-        raise InputError(f"method {text!r}: a compression mode makes a cache for any question; drop ':q'")
+    parts = [t.strip() for t in text.strip().split(":")]
+    if parts[0] == "compress":
+        if len(parts) != 2 or not parts[1]:
+            raise InputError(f"method {text!r}: write compress:MODE, e.g. compress:reconstruct")
+        return Method(compression_modes().get(parts[1], parts[1]), False, parts[1])
+    if not parts[0] or len(parts) > 2 or (len(parts) == 2 and parts[1] != "q"):
+        raise InputError(f"method {text!r}: write POLICY, POLICY:q (the question known) or compress:MODE "
+                         "(e.g. compress:reconstruct)")
+    policy = make_policy(parts[0])
+    m = Method(parts[0], len(parts) == 2)
+    if m.question_known and not getattr(policy, "uses_question", False):
+        raise InputError(f"method {text!r}: {parts[0]} does not read the question; drop ':q'")
     return m
 
 
 def parse_methods(text: str) -> list[Method]:
     items = [t for t in text.split(",") if t.strip()]
     if not items:
-        raise InputError("--methods is empty; give e.g. full,keydiff,dapq,dapq:q")
+        raise InputError("--methods is empty; give e.g. full,keydiff,dapq,dapq:q,compress:reconstruct")
     return list(dict.fromkeys(parse_method(t) for t in items))
 
 
-def compress_unavailable(session, compress: str | None) -> str | None:
-    """Why this session cannot read a document with ``compress`` (None: it can, or no mode asked)."""
+def compress_unavailable(compress: str | None) -> str | None:
+    """Why a document cannot be read with ``compress`` in this tree (None: it can, or no mode asked)."""
     if compress is None:
         return None
-    if "compress" not in inspect.signature(session.prefill).parameters:
-        return (f"compress={compress!r} is not in this tree: {type(session).__name__}.prefill has no 'compress' "
-                "argument (issue 34's --compress mode)")
+    modes = compression_modes()
+    if compress not in modes:
+        return (f"compress={compress!r} is not in this tree (edgekv.policies.COMPRESS_MODES: "
+                f"{', '.join(modes) or 'none'}; issue 34's --compress)")
     return None
 
 
@@ -285,22 +302,23 @@ def ask_document(model, doc: Document, method: Method, budget: int, block: int, 
     longest = max(len(q.ids) for q in doc.questions)
     if method.policy == "full":  # room for the document, every turn and answer: nothing is evicted
         budget = doc.tokens + sum(len(q.ids) + len(doc.between_turns) + max_new_tokens + 1 for q in doc.questions)
-    engine = BlockEngine(model, make_policy(method.policy), budget, block,
-                         question_rows=longest if method.question_known else 0)
     base = {"document": doc.id, "task": doc.task, "length_target": doc.length_target, "document_tokens": doc.tokens,
             "method": method.label, "policy": method.policy, "question_known": method.question_known,
             "compress": method.compress, "budget": None if method.policy == "full" else budget, "block": block,
             "ask": ask, "haystack": doc.haystack}
-    why = compress_unavailable(engine, method.compress)
+    why = compress_unavailable(method.compress)
     if why is not None:
         return [dict(base, question=q.text, needle=q.needle, answer=q.answer, unavailable=why) for q in doc.questions]
+    # a compression mode reads with its own policy, as `run --save-cache --compress MODE` does
+    engine = BlockEngine(model, make_policy(method.policy), budget, block,
+                         question_rows=longest if method.question_known else 0)
     greedy = lambda logits: int(torch.argmax(logits))  # noqa: E731
     rows: list[dict] = []
     reads = 0
 
     def read(question_ids=None) -> tuple[float, list]:
         nonlocal reads
-        kwargs = {"compress": method.compress} if method.compress else {}
+        kwargs = {}
         if question_ids is not None:
             kwargs["question"] = torch.tensor(question_ids)
         t0 = time.perf_counter()

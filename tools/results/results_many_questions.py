@@ -14,8 +14,8 @@ ceiling (the document read again knowing each question) and the full cache.
 
 Methods (``--methods``, ``edgekv.evaluation.questions.parse_method``): ``POLICY`` reads without the
 question and reuses one cache; ``POLICY:q`` reads knowing each question (the ceiling, one read per
-question); ``POLICY:COMPRESS`` reads with a compression mode (``dapq:reconstruct``: issue 34's
-``--compress reconstruct``; a tree without it reports the method unavailable). Every row is appended
+question); ``compress:MODE`` reads with a compression mode (``compress:reconstruct``: issue 34's
+``--compress reconstruct``, its own policy; a tree without it reports the method unavailable). Every row is appended
 to OUT/rows.jsonl as it finishes, so an interrupted grid continues where it stopped (same command).
 Writes docs/results/NAME.{json,md,png} (default question_sweep) and the rows to docs/results/NAME/rows.jsonl.
 A cell's interval is Wilson's 95 % score interval for k correct of n questions.
@@ -179,7 +179,7 @@ def markdown(data: dict, name: str, notes: str) -> str:
     for c in data["cells"]:
         if c["method"] not in order:
             order.append(c["method"])
-    order = ["full"] + sorted(order[1:], key=lambda m: (":q" in m, ":" in m and ":q" not in m, m))
+    order = ["full"] + sorted(order[1:], key=lambda m: (":q" in m, m.startswith("compress:"), m))
     for hay, task, length, ask in groups:
         budgets = sorted({c["budget"] for c in data["cells"] if (c["haystack"], c["task"], c["length"], c["ask"])
                           == (hay, task, length, ask) and c["budget"] is not None})
