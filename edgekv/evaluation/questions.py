@@ -288,9 +288,10 @@ def retention(session, needle: Needle) -> float | None:
 
 def ask_document(model, doc: Document, method: Method, budget: int, block: int, *, ask: str = "snapshot",
                  max_new_tokens: int = 10, progress: Callable[[int], None] | None = None,
-                 workdir: str | None = None) -> list[dict]:
+                 workdir: str | None = None, policy_args: dict[str, str] | None = None) -> list[dict]:
     """Every question of ``doc`` answered with ``method`` at budget N and block B on the eager engine
-    (a Session): one row per question."""
+    (a Session): one row per question. ``policy_args``: the policy's ``--policy-arg`` values (a variant
+    label such as ``dapq#k15`` carries its own)."""
     from ..engine import BlockEngine
     from ..policies import make_policy
     from ..session import decode_tokens
@@ -310,7 +311,9 @@ def ask_document(model, doc: Document, method: Method, budget: int, block: int, 
     if why is not None:
         return [dict(base, question=q.text, needle=q.needle, answer=q.answer, unavailable=why) for q in doc.questions]
     # a compression mode reads with its own policy, as `run --save-cache --compress MODE` does
-    engine = BlockEngine(model, make_policy(method.policy), budget, block,
+    policy = make_policy(method.policy, policy_args or {})
+    base["policy_params"] = policy.params()
+    engine = BlockEngine(model, policy, budget, block,
                          question_rows=longest if method.question_known else 0)
     greedy = lambda logits: int(torch.argmax(logits))  # noqa: E731
     rows: list[dict] = []

@@ -57,7 +57,12 @@ def run_grid(args, rows_path: Path) -> None:
     from edgekv.evaluation.questions import ask_document, build_document, parse_methods
     from edgekv.models import load_model
 
+    from edgekv.policies import make_policy, policy_arguments
+
     methods = parse_methods(args.methods)  # bad names fail before the model loads
+    policy_args = policy_arguments(args.policy_arg, list(dict.fromkeys(m.policy for m in methods)))
+    for m in methods:
+        make_policy(m.policy, policy_args.get(m.policy, {}))  # bad arguments too
     lengths, budgets = parse_lengths(args.lengths, "--lengths"), parse_lengths(args.budgets, "--budgets")
     tasks = [t for t in args.tasks.split(",") if t]
     asks = [a for a in args.ask.split(",") if a]
@@ -100,8 +105,8 @@ def run_grid(args, rows_path: Path) -> None:
                 advanced[0] += n
                 progress.advance(bar, n)
 
-            rows = ask_document(model, doc, m, budget or 0, args.block, ask=ask,
-                                max_new_tokens=args.max_new_tokens, progress=step)
+            rows = ask_document(model, doc, m, budget or 0, args.block, ask=ask, max_new_tokens=args.max_new_tokens,
+                                progress=step, policy_args=policy_args.get(m.policy, {}))
             progress.advance(bar, tokens - advanced[0])  # an unavailable method reads nothing
             with rows_path.open("a") as f:
                 for r in rows:
@@ -249,6 +254,8 @@ def main() -> None:
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--ask", default="snapshot", help="snapshot (each question from the saved cache), turns (one "
                                                     "conversation, SCBench's multi-turn), or both")
+    ap.add_argument("--policy-arg", action="append", help="POLICY:key=value (a variant: dapq#k15:kernel=15 with "
+                                                          "the method dapq#k15:q), as every edgekv command takes it")
     ap.add_argument("--keys", type=int, default=4, help="needles in a multikey / multifact document")
     ap.add_argument("--haystack", default="varied")
     ap.add_argument("--block", type=int, default=128)
@@ -278,6 +285,12 @@ def main() -> None:
             "runs": json.loads(runs_path.read_text()) if runs_path.is_file() else [], **summarize(rows)}
     notes = args.notes.read_text() if args.notes else ""
     text = markdown(data, args.name, notes)
+    repeat = ROOT / "docs/results" / f"{args.name}_repeat.md"
+    if repeat.is_file():  # the earlier sweep on the classic filler, kept as a labelled variant
+        text += ("\n---\n\nThe earlier sweep, on the **repeated filler** (a labelled variant now; its numbers are not "
+                 "comparable with the tables above), as `tools/results/results_question_sweep.py` writes it to "
+                 f"[{repeat.name}]({repeat.name}):\n\n" + repeat.read_text().replace("## ", "### ", 1)
+                 .replace("](question_sweep_repeat.png)", f"]({args.name}_repeat.png)"))
     raw.with_suffix(".json").write_text(json.dumps(data, indent=1))
     raw.with_suffix(".md").write_text(text)
     plot(data, raw.with_suffix(".png"))
