@@ -71,13 +71,14 @@ def run_grid(args, rows_path: Path) -> None:
     done = {row_key(r) for r in load_rows(rows_path)}
     docs = [build_document(model.tokenizer, task, length, i, haystack=args.haystack, keys=args.keys)
             for length in lengths for i in range(args.documents) for task in tasks]
-    # one saved cache per document first (every such method on a document before the next document), the
-    # question-aware ceiling (a read per question) after: an interrupted grid has whole cells of the former
+    # cheap runs first: one read per document (a saved cache, or a ceiling on one-question documents), every
+    # such method on a document before the next document; the ceiling on many-question documents (a read per
+    # question) after. An interrupted grid has the same documents in every cheap cell.
     plan = []
-    for known in (False, True):
+    for expensive in (False, True):
         for doc in docs:
             for ask in asks:
-                for m in [m for m in methods if m.question_known == known]:
+                for m in [m for m in methods if (m.question_known and len(doc.questions) > 1) == expensive]:
                     for budget in ([None] if m.policy == "full" else budgets):
                         if (doc.id, m.label, budget, ask, args.block) not in done:
                             reads = len(doc.questions) if (m.question_known and ask == "snapshot") else 1
