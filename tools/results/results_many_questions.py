@@ -54,14 +54,15 @@ def run_grid(args, rows_path: Path) -> None:
                                TimeRemainingColumn)
 
     from edgekv.evaluation.command import parse_lengths
-    from edgekv.evaluation.questions import ask_document, build_document, parse_methods
+    from edgekv.evaluation.questions import ask_document, build_document, compress_unavailable, parse_methods
     from edgekv.models import load_model
 
     from edgekv.policies import make_policy, policy_arguments
 
     methods = parse_methods(args.methods)  # bad names fail before the model loads
-    policy_args = policy_arguments(args.policy_arg, list(dict.fromkeys(m.policy for m in methods)))
-    for m in methods:
+    runnable = [m for m in methods if compress_unavailable(m.compress) is None]  # the others report it
+    policy_args = policy_arguments(args.policy_arg, list(dict.fromkeys(m.policy for m in runnable)))
+    for m in runnable:
         make_policy(m.policy, policy_args.get(m.policy, {}))  # bad arguments too
     lengths, budgets = parse_lengths(args.lengths, "--lengths"), parse_lengths(args.budgets, "--budgets")
     tasks = [t for t in args.tasks.split(",") if t]
