@@ -86,7 +86,8 @@ def one_thread():
 def sweep(smol, one_thread, tmp_path_factory):
     """One tiny sweep through the whole command path: passkey (needle early in a 1K prompt) and
     fidelity, policies full + streaming at N = 128, block-wise and one block."""
-    spec = EvalSpec(tasks=["passkey", "fidelity"], policies=["full", "streaming"], budgets=[128],
+    # the classic haystack: this checks the harness, and its full cache is known to find this needle
+    spec = EvalSpec(tasks=["passkey", "fidelity"], policies=["full", "streaming"], budgets=[128], haystack="repeat",
                     blocks=[128, ONE_BLOCK], lengths=[1024], depths=[0.1], seeds=[0], max_new_tokens=8,
                     fidelity_lengths=[512], fidelity_window=128, greedy_tokens=6)
     out = tmp_path_factory.mktemp("eval")
@@ -120,7 +121,7 @@ def test_starved_streaming_loses_an_early_needle(sweep):
 @pytest.mark.realmodel
 def test_full_passkey_answers_equal_hf_generate(sweep, smol, smol_hf, one_thread):
     data, _ = sweep
-    prompt = build_passkey(smol.tokenizer, 1024, 0.1, 0)
+    prompt = build_passkey(smol.tokenizer, 1024, 0.1, 0, haystack="repeat")
     ref = data["references"][prompt.id]
     n = len(ref["output_ids"])
     with torch.no_grad():
@@ -150,17 +151,22 @@ def test_json_report_has_every_field(sweep):
 @pytest.mark.realmodel
 def test_prompt_builders(smol):
     tok = smol.tokenizer
-    p = build_passkey(tok, 2048, 0.5, 3)
+    p = build_passkey(tok, 2048, 0.5, 3, haystack="repeat")  # the classic layout, a labelled variant
     assert abs(p.tokens - 2048) < 64 and p.answer in tok.decode(p.ids)
     assert tok.decode(p.ids[p.needle_positions[0]:p.needle_positions[0] + 8]).startswith("IMPORTANT")
     assert 0.4 < p.needle_positions[0] / p.tokens < 0.6
-    mk = build_passkey(tok, 2048, 0.1, 0, keys=4)
+    varied = build_passkey(tok, 2048, 0.5, 3)  # the default: varied prose, a seed-chosen needle phrasing
+    assert varied.haystack == "varied" and abs(varied.tokens - 2048) < 64
+    assert 0.4 < varied.needle_positions[0] / varied.tokens < 0.6
+    assert varied.answer in tok.decode(varied.ids[varied.needle_positions[0]:varied.needle_positions[0] + 40])
+    mk = build_passkey(tok, 2048, 0.1, 0, keys=4, haystack="repeat")
     assert len(mk.needle_positions) == 4 and mk.task == "multikey"
     text = tok.decode(mk.ids)
     # the asked needle is the pass key, the others are distractors of other kinds with other values
     assert text.count("The pass key is") == 2 and f"The pass key is {mk.answer}." in text
     assert len(set(mk.distractors) | {mk.answer}) == 4 and all(d in text for d in mk.distractors)
-    assert build_passkey(tok, 2048, 0.5, 3).ids.tolist() == p.ids.tolist()  # deterministic
+    assert build_passkey(tok, 2048, 0.5, 3, haystack="repeat").ids.tolist() == p.ids.tolist()  # deterministic
+    assert build_passkey(tok, 2048, 0.5, 3).ids.tolist() == varied.ids.tolist()
     f = build_fidelity(tok, 1024, 0, 256)
     assert f.tokens == 1024 and f.eval_start == 768
 

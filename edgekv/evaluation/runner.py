@@ -42,7 +42,7 @@ class EvalSpec:
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     keys: int = 2  # needles in the multi-key variant (pass key + distractors)
-    haystack: str = "repeat"
+    haystack: str = "varied"  # tasks.HAYSTACKS; "repeat": the classic filler (a labelled variant)
     max_new_tokens: int = 10
     fidelity_lengths: list[int] = field(default_factory=lambda: [2048])
     fidelity_window: int = 512

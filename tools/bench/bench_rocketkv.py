@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         row["speedup"] = row["rocketkv"]["decode_tok_s"] / row["snapkv++"]["decode_tok_s"]
         row["bytes_ratio"] = row["rocketkv"]["attention_bytes_per_step"] / row["snapkv++"]["attention_bytes_per_step"]
         decode_rows.append(row)
-    prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.passkey_lengths.split(",")
+    prompts = [build_passkey(tok, int(L), float(d), int(s), haystack="repeat") for L in args.passkey_lengths.split(",")
                for d in args.depths.split(",") for s in args.seeds.split(",")]
     passkey = answer_passkeys(runtimes, prompts, tok, progress=lambda p: track(p, description="passkey prompts"))
     data = {**meta(model, [sys.executable, *sys.argv]), **origin, "budget": args.budget, "block": args.block,

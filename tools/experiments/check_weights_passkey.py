@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     runtimes = {k: native.NativeRuntime(p) for k, p in arts.items()}
     tok = runtimes["q4"].tokenizer
     eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
-    prompts = [build_passkey(tok, int(L), float(d), int(s)) for L in args.lengths.split(",")
+    prompts = [build_passkey(tok, int(L), float(d), int(s), haystack="repeat") for L in args.lengths.split(",")
                for d in args.depths.split(",") for s in args.seeds.split(",")]
     rows = []
     for p in track(prompts, description="passkey prompts"):

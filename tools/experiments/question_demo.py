@@ -38,7 +38,7 @@ QUESTION = "What is the pass key? Answer with the number only."
 
 def documents(tokenizer, length: int, depth: float, seed: int) -> tuple[str, str]:
     """(document, answer) of ``edgekv eval``'s passkey prompt: the user turn before its question."""
-    p = build_passkey(tokenizer, length, depth, seed)
+    p = build_passkey(tokenizer, length, depth, seed, haystack="repeat")  # its recorded results
     text = tokenizer.decode(p.ids.tolist())
     return text[text.index(INTRO): text.index(QUESTION_SEPARATOR + EVAL_QUESTION)], p.answer
 

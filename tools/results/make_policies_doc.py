@@ -32,7 +32,7 @@ state), DapQ's pseudo rows become the question. KeyDiff, LagKV, streaming, D2O a
 read the question and run unchanged, so one reading serves every question; a query-aware policy
 reads the document once per question. Compiled: `edgekv compile --question-rows N` (questions of
 up to N tokens; SnapKV, SnapKV++, TOVA, H2O, DapQ, CPU targets; docs/COMPILER.md; the Android app
-uses them too). The effect on long passkeys: [results](results/question_sweep.md) (N = 512,
+uses them too). The effect on long passkeys on the repeated filler: [results](results/question_sweep_repeat.md) (N = 512,
 4K-token prompts: SnapKV++ 2 of 10 without the question, 10 of 10 with it, as the full cache, and
 so do SnapKV and DapQ; at 2K every query-aware policy answers 10 of 10 with it; at 7K tokens
 SnapKV, SnapKV++ and DapQ answer 10 of 10 with it at N = 1K). At 7K with N = 512 the
@@ -82,6 +82,10 @@ def main() -> None:
         section = ROOT / "docs" / "policies" / f"{name.replace('+', '_p').replace('_p_p', '_pp')}.md"
         if section.is_file():
             parts.append(section.read_text().strip() + "\n")
+    # how the policies are evaluated and what that showed of their limits (not a policy)
+    evaluation = ROOT / "docs" / "policies" / "evaluation.md"
+    if evaluation.is_file():
+        parts.append(evaluation.read_text().strip() + "\n")
     (ROOT / "docs" / "policies.md").write_text("\n".join(parts))
     print("wrote docs/policies.md")
 

@@ -8,6 +8,7 @@ from `edgekv eval` runs (one without the question, one with it, per length), int
     edgekv eval ... --policies snapkv++,snapkv,tova --question ... --out build/eval/sweep16/4k_q
     (the same for 7k and 2k; dapq in runs of its own; 2k with --haystack text)
     python tools/results/results_question_sweep.py --collect build/eval/sweep16   # copies results.json here, then tables
+    (those runs predate the varied haystack: rerun them with --haystack repeat to reproduce these rows)
 
     # another grid, e.g. pooling kernels and recent windows at 7K, N = 512 (policy variants name#tag):
     edgekv eval --policies "dapq#k15,dapq#k31" --policy-arg dapq#k15:kernel=15 --policy-arg dapq#k31:kernel=31 \
@@ -18,7 +19,9 @@ from `edgekv eval` runs (one without the question, one with it, per length), int
 Query-agnostic policies (KeyDiff, LagKV) do not read the question (`uses_question` False: the
 engine runs them unchanged), so their rows from the run without it stand for both modes and
 are marked so. A cell's interval is Wilson's score interval for k correct of n prompts.
-Writes docs/results/NAME.{json,md,png} (default question_sweep); raw runs in docs/results/NAME/.
+Writes docs/results/NAME.{json,md,png} (default question_sweep_repeat: these runs were made on the classic
+repeated filler, now a labelled variant; docs/results/question_sweep.md is issue 34's grid on the varied
+haystack, tools/results/results_many_questions.py, which quotes this one); raw runs in docs/results/NAME/.
 """
 
 from __future__ import annotations
@@ -196,9 +199,10 @@ def plot(data: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--collect", type=Path, help="copy each RUN/results.json under this folder into the raw folder")
-    ap.add_argument("--name", default="question_sweep",
+    ap.add_argument("--name", default="question_sweep_repeat",
                     help="docs/results/NAME.{json,md,png}, raw runs in docs/results/NAME/ (another grid: another name)")
-    ap.add_argument("--title", default="Passkey with and without `--question`")
+    ap.add_argument("--title", default="Labelled variant, the repeated filler (`--haystack repeat`): passkey with and "
+                                       "without `--question`")
     args = ap.parse_args()
     raw = ROOT / "docs/results" / args.name
     if args.collect:
