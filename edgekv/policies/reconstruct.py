@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -130,6 +130,9 @@ class ReconstructPolicy(Policy):
                "repeats the block (query-agnostic; about 2x the prefill)")
     observes_every_step = True
     entry_state = (STATE,)
+    # what a compiled artifact's extra rows hold (its manifest's pseudo_rows.positions): each block's
+    # reconstruction rows, after the block
+    positions: ClassVar[str] = "reconstruct"
     # the first tokens, always kept (KVzip's n_sink)
     sinks: int = 4
     # tokens of the previous block quoted in the "starting with" prompt (KVzip's prev_postfix_size)
@@ -174,6 +177,12 @@ class ReconstructPolicy(Policy):
         self._prompt = prompt
         self._prompt_set = True
 
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The repeat prompt from the model's tokenizer (``repeat_prompt``), unless it was set
+        (``set_repeat_prompt``): the engine's ``prepare`` and the compiler call it."""
+        if not self._prompt_set:
+            self.set_repeat_prompt(repeat_prompt(tokenizer, self.chat))
+
     @property
     def repeat(self) -> RepeatPrompt:
         return self._prompt
@@ -182,8 +191,7 @@ class ReconstructPolicy(Policy):
         """A new document: rows on every block when it runs past N (``model`` is the engine)."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         self._engine = weakref.ref(model) if model is not None else None
-        if not self._prompt_set:
-            self.set_repeat_prompt(repeat_prompt(getattr(getattr(model, "model", None), "tokenizer", None), self.chat))
+        self.use_tokenizer(getattr(getattr(model, "model", None), "tokenizer", None))
         budget = int(getattr(model, "budget", 0) or 0)
         self._document = ids if ids.numel() > budget else None
 
