@@ -103,3 +103,33 @@ def test_document_within_the_budget_carries_no_rows(model, artifact):
     got, want = rt.prefill(QUESTION), eng.prefill(torch.as_tensor(QUESTION)).numpy()
     assert _rel(got, want) < 1e-3
     same_sets(rt, eng, "a short document, then the question")
+
+
+@pytest.mark.skipif(not __import__("edgekv.runtime.native", fromlist=["available"]).available(),
+                    reason="the native runtime is not built: `pip install -e .` builds runtime/ (cmake, a C compiler)")
+def test_native_runtime_fills_the_same_rows(artifact, tmp_path):
+    """The C runtime builds each block's rows from program.ekv's settings (runtime/src/reconstruct.c):
+    the same kept sets and logits as TVM's VM block by block, then a question, and from a saved cache
+    through `edgekv-run --save-cache` / `--load-cache`."""
+    from edgekv.runtime import native
+
+    nat, host = native.NativeRuntime(artifact), HostRuntime(artifact)
+    host.prepare(DOC)
+    kept_host = []
+    for s in range(0, DOC.size, B):
+        host.step_block(DOC[s:s + B])
+        kept_host.append([host.kept_positions(layer) for layer in range(2)])
+    kept_nat = []
+    nat.prefill(DOC, on_block=lambda rt: kept_nat.append([rt.kept_positions(layer) for layer in range(2)]))
+    assert len(kept_nat) == len(kept_host)
+    for a, b in zip(kept_host, kept_nat):
+        for layer in range(2):
+            np.testing.assert_array_equal(a[layer], b[layer])
+    got, want = nat.prefill(QUESTION), host.prefill(QUESTION)
+    assert _rel(got, want) < 1e-5
+    nat.reset()
+    nat.prefill(DOC)
+    nat.save_cache(tmp_path / "nat.ekv")
+    again = native.NativeRuntime(artifact)
+    again.load_cache(tmp_path / "nat.ekv")
+    assert _rel(again.prefill(QUESTION), want) < 1e-5
