@@ -192,3 +192,17 @@ def test_repeat_prompt_prompt_rows_are_checked():
         assert "prompt_rows=" in str(exc)
     else:
         raise AssertionError("refused")
+
+
+def test_run_settings_take_the_mode():
+    from edgekv import job
+
+    plan = job.plan_run(job.RunSettings(model=None, text="some document", save_cache=None, compress="reconstruct",
+                                        questions=["what?"]))
+    assert plan.settings.policy == "reconstruct"
+    try:
+        job.plan_run(job.RunSettings(model=None, text="x", policy="lagkv", compress="reconstruct"))
+    except PolicyError as exc:
+        assert "drop --policy lagkv" in str(exc)
+    else:
+        raise AssertionError("refused")
