@@ -212,7 +212,7 @@ def test_reconstruct_document_under_asan(asan_run, tmp_path):
     repeat-prompt settings, here the toy tokenizer's chat form): a document longer than N read, a
     question answered, the cache saved and answered from again; clean under the sanitizers and equal to
     the release build."""
-    art = _toy_artifact(tmp_path / "art", policy="reconstruct")
+    art = _toy_artifact(tmp_path / "art", policy="reconstruct", args={"prompt_rows": 48})  # the toy BPE: 45 rows
     snap, report = tmp_path / "doc.ekv", tmp_path / "r.json"
     ask = ["--prompt", PROMPT * 3, "--chat", "--question", "What sat?", "--max-new-tokens", 6]
     res = run(asan_run, art, *ask, "--save-cache", snap, "--report", report, "--quiet", timeout=300)
