@@ -74,7 +74,7 @@ def run_child(length: int, budget: int, block: int, compress: str | None) -> dic
 def cost(args) -> None:
     from edgekv.evaluation.report import provenance
 
-    rows = []
+    rows, meta = [], provenance(sys.argv)
     for text in args.lengths.split(","):
         length = parse_len(text)
         plain = run_child(length, args.budget, args.block, None)
@@ -85,7 +85,11 @@ def cost(args) -> None:
         print(f"{text}: plain {plain['seconds']:.1f} s, reconstruct {recon['seconds']:.1f} s "
               f"({row['time_ratio']:.2f}x); peak RSS {plain['peak_rss'] / 2**20:.0f} / {recon['peak_rss'] / 2**20:.0f} MiB",
               flush=True)
-    data = {"meta": provenance(sys.argv), "budget": args.budget, "block": args.block, "note": SHARED, "rows": rows}
+        write_cost(args, rows, meta)  # after every length: a long sweep keeps what it measured
+
+
+def write_cost(args, rows: list, meta: dict) -> None:
+    data = {"meta": meta, "budget": args.budget, "block": args.block, "note": SHARED, "rows": rows}
     (OUT / "compress_reconstruct.json").write_text(json.dumps(data, indent=1) + "\n")
     md = ["# `--compress reconstruct`: cost against plain prefill", "",
           f"SmolLM2-135M, eager engine, N = {args.budget}, B = {args.block}; KeyDiff (plain) against reconstruct, "
