@@ -286,6 +286,7 @@ class RunSettings:
     runtime: str = "auto"
     output: Path | None = None  # the report's file
     verify: str = "default"  # an artifact's weights: checked at open ("off": --no-verify)
+    compress: str | None = None  # --compress: a document compression mode, which reads with its own policy
 
     @property
     def document(self) -> bool:
@@ -374,6 +375,10 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
 
     console = console or RunConsole()
     s = dataclasses.replace(settings, questions=list(settings.questions))
+    if s.compress is not None:  # the mode's own policy (another --policy refused); policies.compress_policy
+        from .policies import compress_policy
+
+        s.policy, s.compress = compress_policy(s.policy, s.compress), None
     saved = _settings_from_snapshot(s) if s.load_cache is not None else None
     s.chat = bool(s.chat)
     asked = bool(s.questions) and s.load_cache is None  # a document read now, knowing its questions

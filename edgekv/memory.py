@@ -143,12 +143,14 @@ def cache_capacity(budget: int, block: int, extra_rows: int = 0, max_tokens: int
 
 
 def plan_memory(cfg: ModelConfig, weight_bytes: int, capacity: int, block: int, state_buffers: int = 0,
-                kv_dtype: str = DEFAULT_KV_DTYPE, max_tokens: int | None = None) -> MemoryPlan:
+                kv_dtype: str = DEFAULT_KV_DTYPE, max_tokens: int | None = None, extra_rows: int = 0) -> MemoryPlan:
+    """``extra_rows``: rows a step carries after its block (pseudo, question or reconstruction rows),
+    which its activations hold too."""
     ring = ring_capacity(cfg.sliding_window, block, max_tokens) if cfg.local_layers else 0
     return MemoryPlan(
         weights=weight_bytes,
         kv_cache=kv_cache_bytes(cfg, capacity, state_buffers, kv_dtype=kv_dtype, block=block, max_tokens=max_tokens),
-        activations=block_activation_bytes(cfg, block, max(capacity, ring), kv_dtype=kv_dtype),
+        activations=block_activation_bytes(cfg, block + int(extra_rows), max(capacity, ring), kv_dtype=kv_dtype),
     )
 
 

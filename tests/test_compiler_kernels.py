@@ -133,8 +133,8 @@ def test_policy_files_hold_their_kernels_and_import_no_tvm(monkeypatch):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import)\s+\S*compiler", text, re.M), path
         assert len(text.splitlines()) <= 500, path
-    assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "rocketkv", "snapkv",
-                                       "snapkv++", "streaming", "tova"]
+    assert compiled_policy_names() == ["d2o", "dapq", "full", "h2o", "keydiff", "lagkv", "reconstruct", "rocketkv",
+                                       "snapkv", "snapkv++", "streaming", "tova"]
     assert sorted(REGISTRY) == compiled_policy_names() == sorted(KERNELS)
     for name in compiled_policy_names():  # each face's builders sit in its policy's compiler file
         face = KERNELS[name]

@@ -205,3 +205,26 @@ def test_question_rows_under_asan(asan_run, tmp_path):
             [a["generated_ids"] for a in data["answers"]]
     res = run(asan_run, art, "--prompt", PROMPT, "--chat", "--question", "why " * 40, "--max-new-tokens", 2, "--quiet")
     assert res.returncode != 0 and "--question-rows" in res.stderr, res.stderr
+
+
+def test_reconstruct_document_under_asan(asan_run, tmp_path):
+    """`--compress reconstruct` (runtime/src/reconstruct.c fills each block's rows from the program's
+    repeat-prompt settings, here the toy tokenizer's chat form): a document longer than N read, a
+    question answered, the cache saved and answered from again; clean under the sanitizers and equal to
+    the release build."""
+    art = _toy_artifact(tmp_path / "art", policy="reconstruct", args={"prompt_rows": 48})  # the toy BPE: 45 rows
+    snap, report = tmp_path / "doc.ekv", tmp_path / "r.json"
+    ask = ["--prompt", PROMPT * 3, "--chat", "--question", "What sat?", "--max-new-tokens", 6]
+    res = run(asan_run, art, *ask, "--save-cache", snap, "--report", report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    first = json.loads(report.read_text())["answers"][0]["generated_ids"]
+    res = run(asan_run, art, "--load-cache", snap, "--question", "What sat?", "--max-new-tokens", 6, "--report",
+              report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first
+    if native.cli_path() is not None:
+        plain = tmp_path / "plain.json"
+        ref = subprocess.run([str(native.cli_path()), str(art), *map(str, ask), "--report", str(plain), "--quiet"],
+                             capture_output=True, text=True)
+        assert ref.returncode == 0, ref.stderr
+        assert json.loads(plain.read_text())["answers"][0]["generated_ids"] == first

@@ -35,6 +35,8 @@ def compile_cmd(
     question_rows: Annotated[int, typer.Option(help="room for a document's question of up to this many tokens to score "
                                                     "every block (`edgekv run ARTIFACT --question`; query-aware "
                                                     "policies snapkv, snapkv++, tova, h2o, dapq; CPU targets; 0: none)")] = 0,
+    compress: Annotated[Optional[str], typer.Option(help="document compression compiled in: reconstruct (KVzip's "
+                                                         "reconstruction score, block-wise; replaces --policy) or none")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -47,6 +49,10 @@ def compile_cmd(
         kv_dtype = parse_kv_dtype(kv_dtype)
         check_output_dir(output)
         check_block(block)
+        if compress not in (None, "none"):  # the mode's policy reads the document (a chosen other one is refused)
+            from ..policies import compress_policy
+
+            policy = compress_policy(None if policy == DEFAULT_POLICY else policy, compress)
         pol = make_policy(policy, parse_policy_args(policy_arg, policy))
         limit = parse_mem_limit(mem_limit)
         say(f"loading {model or 'smollm2-135m'}")

@@ -81,6 +81,7 @@ def run_cmd(
     block: Annotated[Optional[int], typer.Option(help=HELP["block"])] = None,
     policy: Annotated[Optional[str], typer.Option(help=HELP["policy"])] = None,
     policy_arg: Annotated[Optional[list[str]], typer.Option(help=HELP["policy_arg"])] = None,
+    compress: Annotated[Optional[str], typer.Option(help=COMPRESS_HELP)] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     temperature: Temperature = 0.0,
     top_p: TopP = 1.0,
@@ -100,8 +101,8 @@ def run_cmd(
     state (--save-cache keeps that state in a file; --load-cache or `edgekv ask` start from one)."""
     try:
         run_command(model, prompt=prompt, prompt_file=prompt_file, chat=chat, questions=question or [],
-                    save_cache=save_cache, load_cache=load_cache, budget=budget, block=block, policy=policy,
-                    policy_arg=policy_arg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    save_cache=save_cache, load_cache=load_cache, budget=budget, block=block,
+                    policy=compressed(policy, compress), policy_arg=policy_arg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, output=output, mem_limit=mem_limit, allow_beyond_context=allow_beyond_context,
                     threads=threads, runtime=runtime, kv_dtype=kv_dtype, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
@@ -132,6 +133,18 @@ def ask_cmd(
                     runtime=runtime, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
+
+
+COMPRESS_HELP = ("how the document is compressed as it is read: reconstruct (KVzip's reconstruction score, "
+                 "block-wise: query-agnostic, for a cache saved once and asked anything; about 2x the prefill "
+                 "time) or none (the --policy alone)")
+
+
+def compressed(policy: Optional[str], compress: Optional[str]) -> Optional[str]:
+    """--compress MODE: the policy that reads the document (``policies.compress_policy``)."""
+    from ..policies import compress_policy
+
+    return compress_policy(policy, compress)
 
 
 def check_document_options(prompt, prompt_file, questions, save_cache, load_cache) -> None:

@@ -149,6 +149,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         raise CompileError("budget and block must be positive token counts")
     policy.check_budget(budget, block)
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
+    if hasattr(policy, "use_tokenizer"):  # reconstruct: its rows' words, from the model's tokenizer
+        policy.use_tokenizer(getattr(model, "tokenizer", None))
     check_exportable(model.config)  # a family the compiled forward cannot map yet (Gemma 3's local layers)
     check_question_rows(policy, int(question_rows))
     tgt = CompileTarget.resolve(target)

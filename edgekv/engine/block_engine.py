@@ -366,6 +366,8 @@ class BlockEngine:
             return None
         if not self.global_layers:
             return None
+        if getattr(self.policy, "rows_every_block", False):  # reconstruct: each block scores its own entries
+            return extra
         if max(self.caches[i].length for i in self.global_layers) + b <= min(self.layer_budgets[i]
                                                                            for i in self.global_layers):
             return None

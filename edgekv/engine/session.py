@@ -9,6 +9,7 @@ from ..budget import parse_budget
 from ..memory import MemoryPlan, cache_capacity, check_plan, plan_memory
 from ..models.loaded import LoadedModel
 from ..policies import make_policy
+from ..policies.base import PolicyError
 from ..session import SessionStats
 from .block_engine import BlockEngine
 
@@ -76,20 +77,29 @@ class EagerSession:
 
 def open_eager_session(model: LoadedModel, policy_name: str, policy_args: dict, budget: str, block: int,
                        max_tokens: int | None, mem_limit: int | None, question_rows: int = 0,
-                       kv_dtype: str = "fp32") -> EagerSession:
+                       kv_dtype: str = "fp32", compress: str | None = None) -> EagerSession:
     """The engine of a run, its memory plan checked against ``mem_limit`` and the machine before the
     caches are allocated. ``max_tokens`` (prompt + output) bounds the caches; None gives them their
     full N + B, as a saved document cache needs for any later question. ``question_rows``: room for
     a question scoring the blocks (a query-aware policy's). ``kv_dtype``: the caches' K/V format
-    (``--kv-dtype``); a byte budget and the plan count it."""
+    (``--kv-dtype``); a byte budget and the plan count it. ``compress``: a document compression mode
+    (``--compress reconstruct``), which reads with its own policy instead of ``policy_name``; the plan
+    counts the extra rows its steps carry."""
+    from ..policies import COMPRESS_MODES
+
     n_budget = parse_budget(budget, model.config, block, kv_dtype=kv_dtype)
+    if compress not in (None, "none"):
+        if compress not in COMPRESS_MODES:
+            raise PolicyError(f"compress={compress!r} is not a compression mode; known: {', '.join(COMPRESS_MODES)}")
+        policy_name, policy_args = COMPRESS_MODES[compress], (policy_args if policy_name == COMPRESS_MODES[compress]
+                                                              else {})
     policy = make_policy(policy_name, policy_args)
     policy.check_budget(n_budget, block)
     question_rows = question_rows if policy.uses_question else 0
-    capacity = cache_capacity(n_budget, block, max(int(getattr(policy, "max_extra_tokens", 0)), question_rows),
-                              max_tokens)
+    extra_rows = max(int(getattr(policy, "max_extra_tokens", 0)), question_rows)
+    capacity = cache_capacity(n_budget, block, extra_rows, max_tokens)
     plan = plan_memory(model.config, model.weight_bytes, capacity, block, len(policy.entry_state), kv_dtype=kv_dtype,
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens, extra_rows=extra_rows)
     check_plan(plan, mem_limit=mem_limit, resident=model.weight_bytes,
                hint="lower --budget or --block, or shorten the prompt"
                + ("" if kv_dtype == "int8" else ", or store the cache in int8 (--kv-dtype int8)"))

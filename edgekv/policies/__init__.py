@@ -12,6 +12,7 @@ from .full import FullPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .lagkv import LagKVPolicy
+from .reconstruct import ReconstructPolicy
 from .rocketkv import RocketKVPolicy
 from .snapkv import SnapKVPolicy
 from .snapkv_pp import SnapKVPlusPlusPolicy
@@ -30,10 +31,31 @@ REGISTRY: dict[str, type[Policy]] = {
     "h2o": H2OPolicy,
     "dapq": DapQPolicy,
     "d2o": D2OPolicy,
+    "reconstruct": ReconstructPolicy,
 }
 
 
 DEFAULT_POLICY = "keydiff"
+
+# `--compress MODE`: how a document is compressed as it is read, by the policy that does it
+# (``reconstruct.py``: KVzip's reconstruction score, block-wise)
+COMPRESS_MODES = {"reconstruct": "reconstruct"}
+
+
+def compress_policy(policy: str | None, compress: str | None) -> str | None:
+    """The policy a run reads its document with, given ``--policy`` and ``--compress``: the mode's
+    own policy (a different --policy is refused: the mode decides what the cache keeps), else
+    ``policy`` unchanged. ``compress`` None or "none": no mode."""
+    if compress is None or compress == "none":
+        return policy
+    if compress not in COMPRESS_MODES:
+        raise PolicyError(f"--compress {compress!r} is not a compression mode; known: "
+                          f"{', '.join(['none', *COMPRESS_MODES])}")
+    mode = COMPRESS_MODES[compress]
+    if policy is not None and base_policy(policy) != mode:
+        raise PolicyError(f"--compress {compress} scores the document itself and replaces the eviction policy: "
+                          f"drop --policy {policy} (or run --policy {policy} without --compress)")
+    return mode
 
 
 def policy_names() -> list[str]:

@@ -61,6 +61,11 @@ def _rss() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# the manifest's pseudo_rows.positions of a `--compress reconstruct` artifact: the extra rows are each
+# block's reconstruction rows (``_reconstruction_rows``)
+RECONSTRUCT = "reconstruct"
+
+
 class HostRuntime:
     weights_check = None  # the WeightsCheck of an artifact opened from a directory
     def __init__(self, artifact: str | Path, *, check_hashes: bool = True, expected_weight_hash: str | None = None,
@@ -331,6 +336,22 @@ class HostRuntime:
             at = self.position + self.block
         return ids, np.arange(at, at + w, dtype=np.int64)
 
+    # ---- reconstruction rows (`--compress reconstruct`) -----------------------------------
+    def _reconstruction_rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, positions) of the reconstruction rows of the block of n tokens at ``start`` of a
+        document longer than N read from position 0: the repeat prompt (``first`` before block 0,
+        else ``later`` and the previous block's last ``tail`` tokens), ``suffix``, the block, at the
+        positions after the block (the manifest's ``policy.kernel_params``); none (all padding) on a
+        continuation or a document within N."""
+        doc = self._prompt
+        if doc is None or self._prompt_end != doc.size or doc.size <= self.budget:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        kp = self.manifest.raw[Keys.POLICY][Keys.Policy.KERNEL_PARAMS]
+        tail = int(kp["tail"])
+        head = list(kp["first"]) if start == 0 else list(kp["later"]) + doc[max(0, start - tail):start].tolist()
+        ids = np.asarray(head + list(kp["suffix"]) + doc[start:start + n].tolist(), dtype=np.int64)
+        return ids, np.arange(start + n, start + n + ids.size, dtype=np.int64)
+
     # ---- running ------------------------------------------------------------------------
     def step_block(self, token_ids, start: int | None = None) -> np.ndarray:
         """One compiled prefill call on ≤ B tokens at positions start…; returns last-token logits."""
@@ -360,6 +381,9 @@ class HostRuntime:
         if self._question is not None:
             q_ids, q_pos = self._question
             tok[B:B + q_ids.size], pos[B:B + q_ids.size] = q_ids, q_pos
+        elif self._pseudo_spec.get(Keys.PseudoRows.POSITIONS) == RECONSTRUCT:
+            r_ids, r_pos = self._reconstruction_rows(start, n)
+            tok[B:B + r_ids.size], pos[B:B + r_ids.size] = r_ids, r_pos
         elif self.pseudo_window:
             self.position = start  # the pseudo positions may follow the block (positions=block)
             tok[B:B + self.pseudo_window], pos[B:B + self.pseudo_window] = self._pseudo_rows(n)

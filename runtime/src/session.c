@@ -4,6 +4,7 @@
 
 #include "alloc.h"
 #include "model.h"
+#include "reconstruct.h"
 
 const char *ekv_session_last_error(const ekv_session *s) {
   return s == NULL ? "out of memory (no session handle)" : s->err.msg;
@@ -273,6 +274,7 @@ typedef struct {
   size_t prompt_len;
   size_t end; /* the position after the prompt's last token (a continuation starts past 0) */
   int32_t rows, w, prefix, block_positions; /* extra rows; of those, DapQ's pseudo window */
+  int reconstruct; /* the extra rows are `--compress reconstruct`'s (reconstruct.c) */
 } pseudo_rows;
 
 static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *ids, size_t n, size_t start,
@@ -297,6 +299,16 @@ static ekv_status fill_step_inputs(ekv_session *s, int function, const int32_t *
       tokens[B + r] = s->question[r];
       positions[B + r] = (int64_t)(pr->end + r);
     }
+    return EKV_OK;
+  }
+  if (pr->reconstruct) {
+    /* a document longer than N read from position 0: each block's reconstruction rows; otherwise
+     * (a continuation, a short document) every extra row stays padding */
+    if (pr->end != pr->prompt_len || pr->prompt_len <= (size_t)p->budget) return EKV_OK;
+    size_t at = (size_t)(ids - pr->prompt);
+    if (ekv_reconstruct_rows(p, pr->prompt, at, n, tokens + B, positions + B, (size_t)pr->rows) < 0)
+      return ekv_fail(&s->err, EKV_ERR_FORMAT, "the program's reconstruction rows do not fit its %d extra rows; "
+                      "recompile the artifact", pr->rows);
     return EKV_OK;
   }
   if (pr->w == 0) return EKV_OK;
@@ -375,7 +387,8 @@ ekv_status ekv_session_prefill(ekv_session *s, const int32_t *ids, size_t n, ekv
   pseudo_rows pr = {ids, n, s->position + n, p->pseudo_rows,
                     (int32_t)ekv_program_int(p, "pseudo_window", p->pseudo_rows),
                     (int32_t)ekv_program_int(p, "pseudo_prefix", 0),
-                    strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0};
+                    strcmp(ekv_program_str(p, "pseudo_positions"), "block") == 0,
+                    strcmp(ekv_program_str(p, "pseudo_positions"), "reconstruct") == 0};
   double t0 = ekv_now();
   size_t B = (size_t)p->block;
   if (m->f_prepare >= 0 && s->position == 0 && (int64_t)n > ekv_program_int(p, "prepare_min_prompt", 0)) {

@@ -345,6 +345,14 @@ def program_settings(m: Manifest, tgt: dict, policy: Any) -> dict[str, Any]:
         settings["pseudo_window"] = m.pseudo_window
         settings["pseudo_prefix"] = int(getattr(policy, "prefix", 0))
         settings["pseudo_positions"] = str(getattr(policy, "positions", "final"))
+    if settings.get("pseudo_positions") == "reconstruct":
+        # `--compress reconstruct`: each block's rows are the repeat prompt (first before block 0,
+        # later + the previous block's last `tail` tokens after), the suffix, then the block, at the
+        # positions after the block (runtime/src/reconstruct.c); ids as comma-separated decimals
+        kp = m.raw[Keys.POLICY][Keys.Policy.KERNEL_PARAMS]
+        for part in ("first", "later", "suffix"):
+            settings[f"reconstruct_{part}"] = ",".join(str(int(i)) for i in kp[part])
+        settings["reconstruct_tail"] = int(kp["tail"])
     return settings
 
 

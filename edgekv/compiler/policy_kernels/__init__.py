@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...policies import REGISTRY as POLICIES
-from . import d2o, dapq, full, h2o, keydiff, lagkv, rocketkv, snapkv, snapkv_pp, streaming, tova
+from . import d2o, dapq, full, h2o, keydiff, lagkv, reconstruct, rocketkv, snapkv, snapkv_pp, streaming, tova
 from .face import KERNEL_INPUTS, PolicyKernels, UnsupportedPolicyError
 
 KERNELS: dict[str, PolicyKernels] = {
@@ -36,6 +36,7 @@ KERNELS: dict[str, PolicyKernels] = {
     "h2o": h2o.KERNELS,
     "dapq": dapq.KERNELS,
     "d2o": d2o.KERNELS,
+    "reconstruct": reconstruct.KERNELS,
 }
 
 __all__ = ["KERNELS", "KERNEL_INPUTS", "KernelSpec", "PolicyKernels", "UnsupportedPolicyError", "build_observe",
