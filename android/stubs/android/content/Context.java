@@ -9,4 +9,5 @@ public abstract class Context {
     public abstract File getNoBackupFilesDir();
     public abstract File getCacheDir();
     public abstract ContentResolver getContentResolver();
+    public abstract android.content.pm.ApplicationInfo getApplicationInfo();
 }

@@ -9,4 +9,5 @@ public class ContextWrapper extends Context {
     public File getNoBackupFilesDir() { throw new RuntimeException("Stub!"); }
     public File getCacheDir() { throw new RuntimeException("Stub!"); }
     public ContentResolver getContentResolver() { throw new RuntimeException("Stub!"); }
+    public android.content.pm.ApplicationInfo getApplicationInfo() { throw new RuntimeException("Stub!"); }
 }
