@@ -5,7 +5,7 @@ Why: the dexer here is dx 1.11 (the only one reachable: Debian has no dx/d8), wh
 files up to version 51 (Java 7). javac 20 and later cannot write version 51 (`--release 7` is
 gone), while `--release 8` works from JDK 9 to 25. A Java 8 class file differs from a Java 7 one
 only by what Java 8 added: lambdas and method references (invokedynamic and its constants),
-default and static interface methods, and type annotations. So each class is checked for those
+default and static interface methods, and metadata attributes that dx skips. So each class is checked for those
 (refused, naming the class) and then its version is set to 51. Sources stay at the Java 7 subset;
 a lambda in the app fails the build here with the reason.
 
@@ -25,8 +25,10 @@ FIXED = {3: 4, 4: 4, 5: 8, 6: 8, 7: 2, 8: 2, 9: 4, 10: 4, 11: 4, 12: 4}
 JAVA8_TAGS = {15: "a method handle (lambda or method reference)", 16: "a method type (lambda)",
               17: "a dynamic constant", 18: "invokedynamic (a lambda or method reference)",
               19: "a module", 20: "a package"}
-JAVA8_ATTRIBUTES = {"RuntimeVisibleTypeAnnotations", "RuntimeInvisibleTypeAnnotations", "MethodParameters",
-                    "BootstrapMethods"}
+# Attributes that only Java 8 code needs. Not MethodParameters (parameter names, which javac 21 and
+# later write for inner classes' constructors) nor type annotations: metadata that dx skips, as the
+# JVM spec lets a reader skip any attribute it does not know.
+JAVA8_ATTRIBUTES = {"BootstrapMethods"}
 ACC_INTERFACE, ACC_ABSTRACT = 0x0200, 0x0400
 
 

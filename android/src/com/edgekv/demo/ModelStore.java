@@ -52,6 +52,8 @@ public final class ModelStore {
 
     /** An import stopped by its CancelFlag (nothing is left behind). */
     public static final class CancelledException extends IOException {
+        private static final long serialVersionUID = 1L;
+
         public CancelledException() {
             super("import cancelled: nothing was kept");
         }
