@@ -218,6 +218,16 @@ DOCUMENTED_CONSTANTS = {
     "android.view.ViewGroup.LayoutParams.WRAP_CONTENT": "-2",
     "android.widget.LinearLayout.HORIZONTAL": "0",
     "android.widget.LinearLayout.VERTICAL": "1",
+    # the lifecycle's classes (issue 33's state holder, service, notification, theme, clipboard)
+    "android.app.NotificationManager.IMPORTANCE_LOW": "2",
+    "android.app.PendingIntent.FLAG_IMMUTABLE": "67108864",        # 0x04000000
+    "android.app.PendingIntent.FLAG_UPDATE_CURRENT": "134217728",  # 0x08000000
+    "android.app.Service.START_NOT_STICKY": "2",
+    "android.content.Context.NOTIFICATION_SERVICE": '"notification"',
+    "android.content.Context.CLIPBOARD_SERVICE": '"clipboard"',
+    "android.content.pm.ApplicationInfo.FLAG_DEBUGGABLE": "2",     # 1 << 1
+    "android.content.res.Configuration.UI_MODE_NIGHT_MASK": "48",  # 0x30
+    "android.content.res.Configuration.UI_MODE_NIGHT_YES": "32",   # 0x20
 }
 # Set by the framework when the class loads (system properties, the running process): never constants.
 RUNTIME_FIELDS = {"android.os.Build.VERSION.SDK_INT", "android.os.Build.VERSION.RELEASE",

@@ -1,6 +1,7 @@
 package com.edgekv.demo;
 
 import android.content.Context;
+import android.content.Intent;
 import android.net.Uri;
 
 import java.io.BufferedInputStream;
@@ -20,6 +21,14 @@ public final class ModelImport {
     public static final String BUNDLED_LIBRARY = "libedgekv_model.so";
 
     private ModelImport() {
+    }
+
+    /** The system file picker for a package: startActivityForResult(pickIntent(), ...), then importFrom(its getData()). */
+    public static Intent pickIntent() {
+        Intent pick = new Intent(Intent.ACTION_OPEN_DOCUMENT);
+        pick.addCategory(Intent.CATEGORY_OPENABLE);
+        pick.setType("*/*"); /* .ekvpkg has no MIME type of its own; the importer checks the magic */
+        return pick;
     }
 
     /** The app's model store: getNoBackupFilesDir()/models, with the APK's model library if it carries one. */
