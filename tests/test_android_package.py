@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 import zipfile
@@ -41,7 +40,7 @@ from edgekv.artifact import package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_android_app import (  # noqa: E402  (shared build and helpers, not tests)
-    DOCUMENT, NEW_TOKENS, QUESTIONS, WHY, _byte_level_tokenizer, build_apk, bionic_list, dynamic, run)
+    DOCUMENT, NEW_TOKENS, QUESTIONS, _byte_level_tokenizer, bionic_list, build_apk, dynamic, run)
 
 REPO = Path(__file__).resolve().parents[1]
 ANDROID = REPO / "android"
@@ -83,7 +82,8 @@ def test_pack_round_trip(tmp_path):
     assert [p.name for p in parts] == ["manifest.json", "program.ekv", "params.safetensors", "tokenizer.ekt",
                                        "model.so"]
     assert all(p.sha256 == sha(art / p.name) and p.size == (art / p.name).stat().st_size for p in parts)
-    assert all(p.offset % package.ALIGN == 0 for p in parts) and seen[-1][0] == seen[-1][1] == sum(p.size for p in parts)
+    assert all(p.offset % package.ALIGN == 0 for p in parts)
+    assert seen[-1][0] == seen[-1][1] == sum(p.size for p in parts)
     assert package.check(pkg) == parts == package.read_header(pkg)
     out = package.unpack(pkg, tmp_path / "out")
     assert sorted(f.name for f in out.iterdir()) == sorted(p.name for p in parts)
@@ -372,7 +372,8 @@ def test_retarget_refuses_java_8_features(tmp_path):
         pytest.skip("javac missing: apt-get install -y default-jdk-headless")
     (tmp_path / "L.java").write_text("public class L { static Runnable r = () -> {}; }\n")
     (tmp_path / "I.java").write_text("public interface I { default int f() { return 1; } }\n")
-    (tmp_path / "P.java").write_text("public class P { int f() { return new Object() { int g() { return 2; } }.g(); } }\n")
+    anonymous = "public class P { int f() { return new Object() { int g() { return 2; } }.g(); } }"
+    (tmp_path / "P.java").write_text(anonymous)
     out = tmp_path / "c"
     assert run(["javac", "--release", "8", "-d", out, tmp_path / "L.java", tmp_path / "I.java",
                 tmp_path / "P.java"]).returncode == 0
@@ -419,7 +420,8 @@ def apk_under_qemu(apk, tmp_path_factory) -> dict:
                  f"-Wl,-soname,{lib}", "-o", shim / lib, src, *links])
         assert r.returncode == 0, r.stderr
     harness = d / "jni_harness"
-    r = run([gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-I/usr/include/android/nativehelper", "-o", harness,
+    r = run([gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-I/usr/include/android/nativehelper", "-o",
+             harness,
              ANDROID / "test" / "jni_harness.c", "-ldl"])
     assert r.returncode == 0, r.stderr
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
@@ -506,7 +508,8 @@ def test_apk_libraries_answer_under_qemu_as_edgekv_run(apk_under_qemu, tiny_pair
     answers = run_harness(apk_under_qemu, imported, doc, tmp_path, QUESTIONS[:2])
     assert "open_error" not in answers, utf16(answers["open_error"][1])
     assert utf16(answers["devices"]).startswith("cpu")
-    assert utf16(answers["info"]["targetProfile"]) == "android-cpu" and utf16(answers["info"]["targetArch"]) == "aarch64"
+    assert utf16(answers["info"]["targetProfile"]) == "android-cpu"
+    assert utf16(answers["info"]["targetArch"]) == "aarch64"
     want = host_answers(tiny_pair["host"], doc, tmp_path, QUESTIONS[:2])
     assert [a["generated_ids"] for a in answers["answers"]] == [w["generated_ids"] for w in want]
     assert [len(a["generated_ids"]) for a in answers["answers"]] == [NEW_TOKENS, NEW_TOKENS]
