@@ -9,6 +9,8 @@
  *
  * HARNESS_CHAT=1 in the environment: the document and questions in the model's chat form, as
  * edgekv-run --chat and the app's chat mode (tests/test_android_package.py, the README demo).
+ * HARNESS_THREADS=N: the kernels' threads (default 2; 1 under an emulator on a busy machine, where
+ * a thread waiting at a barrier costs as much as one working).
  *
  * Prints one JSON object. The JNIEnv implements only the functions the bridge calls (the others
  * are NULL: calling one crashes, which the test would see). Objects are tagged structs; strings
@@ -321,7 +323,8 @@ int main(int argc, char **argv) {
   utf16_json(&out_obj, devices->chars, devices->n);
   OUT(", ");
 
-  jlong model = ((open_fn)fn("modelOpen"))(env, cls, (jstring)jstr(argv[3]), 2, 0);
+  int threads = getenv("HARNESS_THREADS") != NULL ? atoi(getenv("HARNESS_THREADS")) : 2;
+  jlong model = ((open_fn)fn("modelOpen"))(env, cls, (jstring)jstr(argv[3]), threads > 0 ? threads : 2, 0);
   if (took_exception("open_error")) {
     OUT("\"end\": 1}");
     printf("%s\n", out_obj.log);
