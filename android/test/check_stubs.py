@@ -11,6 +11,16 @@ parameter types and a matching return type (constructors on the class itself; co
 fields). The .pyi files name Java's int and long return types both ``int`` and give no API levels:
 what exists at API 36 may be newer than the app's minSdk.
 
+Constants: ``javac`` copies the value of a ``static final`` primitive or String field with a
+constant initialiser into the app (the dex then holds ``const``, not a read of the field). That
+is right only where the real field is a compile-time constant with that value: ``Build.VERSION.SDK_INT
+= 0`` in a stub made every phone report API 0. The .pyi files do not say which fields are
+constants, so every stub constant that javac would inline must be listed in DOCUMENTED_CONSTANTS
+below with the value the API reference gives ("Constant Value"), and a field the framework sets
+at run time (RUNTIME_FIELDS) must never be one: declare it as a blank final (assigned in a static
+block), so that the app reads the real field. android.R's ids are checked against framework-res.apk
+instead (tests/test_android_app.py).
+
     python android/test/check_stubs.py PATH_TO_android-stubs      # prints problems; exit 1 if any
 """
 
@@ -195,9 +205,88 @@ def _enclosing(source: str, pos: int) -> str | None:
     return ".".join(n for n, _ in stack) or None
 
 
+# "Constant Value" in the Android API reference, for each stub constant that javac inlines.
+DOCUMENTED_CONSTANTS = {
+    "android.app.Activity.RESULT_OK": "-1",
+    "android.content.Intent.ACTION_OPEN_DOCUMENT": '"android.intent.action.OPEN_DOCUMENT"',
+    "android.content.Intent.CATEGORY_OPENABLE": '"android.intent.category.OPENABLE"',
+    "android.content.Context.ACTIVITY_SERVICE": '"activity"',
+    "android.view.View.VISIBLE": "0",
+    "android.view.View.GONE": "8",
+    "android.view.View.FOCUS_DOWN": "130",
+    "android.view.ViewGroup.LayoutParams.MATCH_PARENT": "-1",
+    "android.view.ViewGroup.LayoutParams.WRAP_CONTENT": "-2",
+    "android.widget.LinearLayout.HORIZONTAL": "0",
+    "android.widget.LinearLayout.VERTICAL": "1",
+    # the lifecycle's classes (issue 33's state holder, service, notification, theme, clipboard)
+    "android.app.NotificationManager.IMPORTANCE_LOW": "2",
+    "android.app.PendingIntent.FLAG_IMMUTABLE": "67108864",        # 0x04000000
+    "android.app.PendingIntent.FLAG_UPDATE_CURRENT": "134217728",  # 0x08000000
+    "android.app.Service.START_NOT_STICKY": "2",
+    "android.content.Context.NOTIFICATION_SERVICE": '"notification"',
+    "android.content.Context.CLIPBOARD_SERVICE": '"clipboard"',
+    "android.content.pm.ApplicationInfo.FLAG_DEBUGGABLE": "2",     # 1 << 1
+    "android.content.res.Configuration.UI_MODE_NIGHT_MASK": "48",  # 0x30
+    "android.content.res.Configuration.UI_MODE_NIGHT_YES": "32",   # 0x20
+}
+# Set by the framework when the class loads (system properties, the running process): never constants.
+RUNTIME_FIELDS = {"android.os.Build.VERSION.SDK_INT", "android.os.Build.VERSION.RELEASE",
+                  "android.os.Build.VERSION.SDK", "android.os.Build.VERSION.CODENAME",
+                  "android.os.Build.VERSION.INCREMENTAL", "android.os.Build.VERSION.PREVIEW_SDK_INT",
+                  "android.os.Build.VERSION.SECURITY_PATCH", "android.os.Build.MODEL", "android.os.Build.MANUFACTURER",
+                  "android.os.Build.BRAND", "android.os.Build.DEVICE", "android.os.Build.PRODUCT",
+                  "android.os.Build.HARDWARE", "android.os.Build.SUPPORTED_ABIS", "android.os.Build.FINGERPRINT",
+                  "android.os.Build.ID", "android.os.Build.TIME"}
+INLINABLE_TYPES = {"int", "long", "short", "byte", "char", "boolean", "float", "double", "String"}
+CONSTANT_FIELD = re.compile(r"^\s*(?:(?:public|protected)\s+)?(?=[^=]*\bstatic\b)(?=[^=]*\bfinal\b)"
+                            r"(?:(?:public|protected|static|final)\s+)*(?P<type>\w+)\s+(?P<name>\w+)\s*=\s*(?P<value>[^;]+);")
+
+
+def inlined_constants(stubs: Path) -> list[tuple[str, str, str]]:
+    """(qualified field, type, initialiser) for each stub field that javac would inline into the
+    app: static final, of a primitive type or String, initialised with a constant expression
+    (no null, no call, no new)."""
+    found = []
+    for path in sorted(Path(stubs).rglob("*.java")):
+        source = path.read_text()
+        package = re.search(r"package ([\w.]+);", source).group(1)
+        pos = 0
+        for line in source.splitlines(keepends=True):
+            here, pos = pos, pos + len(line)
+            m = CONSTANT_FIELD.match(line)
+            if not m or m.group("type") not in INLINABLE_TYPES:
+                continue
+            value = m.group("value").strip()
+            if value == "null" or "(" in value or re.search(r"\bnew\b", value):
+                continue
+            encl = _enclosing(source, here)
+            found.append((f"{package}.{encl}.{m.group('name')}", m.group("type"), value))
+    return found
+
+
+def constant_problems(stubs: Path) -> list[str]:
+    """Stub constants that javac would inline where the real field is not a documented constant
+    with that value (android.R: checked against framework-res.apk elsewhere)."""
+    problems = []
+    for field, _, value in inlined_constants(stubs):
+        if field.startswith("android.R."):
+            continue
+        if field in RUNTIME_FIELDS:
+            problems.append(f"{field}: javac inlines the stub's value {value} into the app, but the framework sets "
+                            f"this field at run time (it is not a constant): every phone would see {value}. Declare it "
+                            "as a blank final assigned in a static block, so that the app reads the real field")
+        elif DOCUMENTED_CONSTANTS.get(field) != value:
+            problems.append(f"{field}: javac inlines the stub's value {value} into the app, and it is not a "
+                            "documented constant with that value (check_stubs.DOCUMENTED_CONSTANTS"
+                            + (f" has {DOCUMENTED_CONSTANTS[field]}" if field in DOCUMENTED_CONSTANTS else "")
+                            + "): add it there from the API reference's 'Constant Value', or declare it as a blank "
+                              "final so that the app reads the real field")
+    return problems
+
+
 def check(stubs: Path, api_root: Path) -> list[str]:
     api = Api(api_root)
-    problems: list[str] = []
+    problems: list[str] = constant_problems(stubs)
     for path in sorted(Path(stubs).rglob("*.java")):
         source = path.read_text()
         package = re.search(r"package ([\w.]+);", source).group(1)

@@ -7,6 +7,11 @@
  *
  *   jni_harness RUNTIME_SO JNI_SO ARTIFACT DOCUMENT_FILE SNAPSHOT MAX_NEW QUESTION1 QUESTION2
  *
+ * HARNESS_CHAT=1 in the environment: the document and questions in the model's chat form, as
+ * edgekv-run --chat and the app's chat mode (tests/test_android_package.py, the README demo).
+ * HARNESS_THREADS=N: the kernels' threads (default 2; 1 under an emulator on a busy machine, where
+ * a thread waiting at a barrier costs as much as one working).
+ *
  * Prints one JSON object. The JNIEnv implements only the functions the bridge calls (the others
  * are NULL: calling one crashes, which the test would see). Objects are tagged structs; strings
  * are UTF-16, as in Java. Never shipped. */
@@ -311,13 +316,15 @@ int main(int argc, char **argv) {
   jclass cls = find_class(env, "com/edgekv/demo/EdgeKv");
   const char *doc = read_file(argv[4]);
   int max_new = atoi(argv[6]);
+  jboolean chat = getenv("HARNESS_CHAT") != NULL && strcmp(getenv("HARNESS_CHAT"), "1") == 0 ? JNI_TRUE : JNI_FALSE;
   OUT("{");
   object *devices = (object *)((str_fn)fn("runtimeDevices"))(env, cls);
   OUT("\"devices\": ");
   utf16_json(&out_obj, devices->chars, devices->n);
   OUT(", ");
 
-  jlong model = ((open_fn)fn("modelOpen"))(env, cls, (jstring)jstr(argv[3]), 2, 0);
+  int threads = getenv("HARNESS_THREADS") != NULL ? atoi(getenv("HARNESS_THREADS")) : 2;
+  jlong model = ((open_fn)fn("modelOpen"))(env, cls, (jstring)jstr(argv[3]), threads > 0 ? threads : 2, 0);
   if (took_exception("open_error")) {
     OUT("\"end\": 1}");
     printf("%s\n", out_obj.log);
@@ -342,13 +349,13 @@ int main(int argc, char **argv) {
   if (took_exception("session_error")) return 1;
 
   /* the first question: read the document, save its cache, answer */
-  object *docids = (object *)((encode_fn)fn("encode"))(env, cls, model, (jstring)jstr(doc), JNI_FALSE, 1);
+  object *docids = (object *)((encode_fn)fn("encode"))(env, cls, model, (jstring)jstr(doc), chat, 1);
   took_exception("encode_error");
   object *progress = new_object(K_PROGRESS, "com/edgekv/demo/HarnessProgress");
   ((prefill_fn)fn("prefill"))(env, cls, session, (jintArray)docids, (jobject)progress);
   took_exception("prefill_error");
   OUT("\"document_tokens\": %d, \"progress\": [%s], ", docids->n, progress->log);
-  ((save_fn)fn("save"))(env, cls, session, (jstring)jstr(argv[5]), NULL, JNI_FALSE);
+  ((save_fn)fn("save"))(env, cls, session, (jstring)jstr(argv[5]), NULL, chat);
   took_exception("save_error");
   OUT("\"answers\": [");
   for (int q = 0; q < 2; q++) {
@@ -356,7 +363,7 @@ int main(int argc, char **argv) {
       ((load_fn)fn("load"))(env, cls, session, (jstring)jstr(argv[5]));
       took_exception("load_error");
     }
-    object *qids = (object *)((encode_fn)fn("encode"))(env, cls, model, (jstring)jstr(argv[7 + q]), JNI_FALSE, 2);
+    object *qids = (object *)((encode_fn)fn("encode"))(env, cls, model, (jstring)jstr(argv[7 + q]), chat, 2);
     object *tokens = new_object(K_TOKENS, "com/edgekv/demo/HarnessTokens");
     object *ids = (object *)((generate_fn)fn("generate"))(env, cls, session, (jintArray)qids, max_new, 0.0f, 1.0f, 0,
                                                            NULL, (jobject)tokens);

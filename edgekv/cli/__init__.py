@@ -32,6 +32,7 @@ from .bench import bench_cmd  # noqa: E402
 from .cache import cache_cmd  # noqa: E402
 from .compile import compile_cmd, export_onnx_cmd  # noqa: E402
 from .eval import eval_cmd  # noqa: E402
+from .pack import pack_cmd  # noqa: E402
 from .policies import policies_cmd  # noqa: E402
 from .run import ask_cmd, run_cmd  # noqa: E402
 from .simulate import simulate_cmd  # noqa: E402
@@ -43,6 +44,7 @@ app.command("compile")(compile_cmd)
 app.command("export-onnx")(export_onnx_cmd)
 app.command("policies")(policies_cmd)
 app.command("cache")(cache_cmd)
+app.command("pack")(pack_cmd)
 app.command("simulate")(simulate_cmd)
 app.command("eval")(eval_cmd)
 app.command("bench")(bench_cmd)
