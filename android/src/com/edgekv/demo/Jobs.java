@@ -28,6 +28,40 @@ final class Jobs {
         return new DocumentStore(app.getFilesDir());
     }
 
+    /** Imports the package the file picker returned; Cancel stops it and nothing is kept. */
+    static AppState.Job importModel(final Context app, final android.net.Uri uri) {
+        return new AppState.Job() {
+            @Override
+            public void run(final AppState state) throws Exception {
+                final ModelStore.CancelFlag cancel = new ModelStore.CancelFlag();
+                String name = ModelImport.importFrom(app, Models.store(app), uri, new ModelStore.Progress() {
+                    @Override
+                    public void onProgress(String part, long done, long total) {
+                        if (state.cancelling()) cancel.cancel();
+                        state.progress("Importing " + part, done, total);
+                    }
+                }, cancel);
+                state.message("Imported " + name + ": tap Refresh, choose it, Open.", AppState.Tone.OK);
+            }
+        };
+    }
+
+    /** Deletes imported model `name` (closing it first when it is the open one). */
+    static AppState.Job deleteModel(final Context app, final String name) {
+        return new AppState.Job() {
+            @Override
+            public void run(AppState state) throws Exception {
+                if (name.equals(state.openName())) {
+                    state.engine.close();
+                    state.setOpen(null, 0);
+                    state.setCompiled("No model open.");
+                }
+                Models.delete(app, name);
+                state.message("Deleted " + name + ".", AppState.Tone.OK);
+            }
+        };
+    }
+
     /** Opens model `name` (the memory check first, then the runtime's own check of the plan). */
     static AppState.Job open(final Context app, final String name) {
         return new AppState.Job() {

@@ -34,6 +34,7 @@ import java.util.Locale;
  */
 public final class MainActivity extends Activity implements AppState.Screen {
     private static final int REQUEST_OPEN_DOCUMENT = 1;
+    private static final int REQUEST_IMPORT_MODEL = 2;
     /* fixed view ids: the framework saves and restores these views' state across recreation */
     private static final int ID_QUESTION = 0x0e000001, ID_MAX_TOKENS = 0x0e000002, ID_TEMPERATURE = 0x0e000003,
             ID_TOP_P = 0x0e000004, ID_SEED = 0x0e000005, ID_MODELS = 0x0e000006, ID_SCROLL = 0x0e000007;
@@ -108,6 +109,20 @@ public final class MainActivity extends Activity implements AppState.Screen {
             }
         });
         ui.row(root, ui.weighted(models), openButton, refresh);
+        Button importButton = ui.button("Import model…", new View.OnClickListener() {
+            @Override
+            public void onClick(View v) {
+                startActivityForResult(ModelImport.pickIntent(), REQUEST_IMPORT_MODEL);
+            }
+        });
+        Button deleteButton = ui.button("Delete", new View.OnClickListener() {
+            @Override
+            public void onClick(View v) {
+                Object name = models.getSelectedItem();
+                if (name != null) start("Deleting " + name, Jobs.deleteModel(getApplicationContext(), name.toString()));
+            }
+        });
+        ui.row(root, importButton, deleteButton);
         ui.small(root, Models.whereFrom(this));
         compiled = ui.mono(root, "");
 
@@ -299,6 +314,10 @@ public final class MainActivity extends Activity implements AppState.Screen {
     @Override
     protected void onActivityResult(int requestCode, int resultCode, Intent data) {
         super.onActivityResult(requestCode, resultCode, data);
+        if (requestCode == REQUEST_IMPORT_MODEL && resultCode == RESULT_OK && data != null && data.getData() != null) {
+            start("Importing a model", Jobs.importModel(getApplicationContext(), data.getData()));
+            return;
+        }
         if (requestCode != REQUEST_OPEN_DOCUMENT || resultCode != RESULT_OK || data == null || data.getData() == null) {
             return;
         }
