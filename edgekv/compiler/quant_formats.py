@@ -103,15 +103,21 @@ def blocks_from_ggml(raw: np.ndarray, fmt: WeightFormat, k: int, source: str) ->
     return Blocks(fmt, np.ascontiguousarray(q), np.ascontiguousarray(d), m, k, source)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat) -> Blocks:
-    """[N, K] float32 → ``Blocks`` with GGML's reference quantiser (K padded with zeros to whole blocks)."""
+def quantize(w: np.ndarray, fmt: WeightFormat, rows: int = 8192) -> Blocks:
+    """[N, K] float32 → ``Blocks`` with GGML's reference quantiser (K padded with zeros to whole blocks),
+    ``rows`` rows at a time: blocks are independent, and the quantiser's fp32 temporaries of a whole
+    151,936 × 1,536 embedding would be gigabytes."""
     import gguf
 
     n, k = w.shape
     kp = padded(k, GROUP)
-    wp = np.zeros((n, kp), np.float32)
-    wp[:, :k] = w
-    return blocks_from_ggml(gguf.quants.quantize(wp, fmt.ggml_type), fmt, k, "quantized")
+    parts = []
+    for r in range(0, n, rows):
+        wp = np.zeros((min(rows, n - r), kp), np.float32)
+        wp[:, :k] = w[r:r + rows]
+        parts.append(gguf.quants.quantize(wp, fmt.ggml_type))
+    raw = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return blocks_from_ggml(raw, fmt, k, "quantized")
 
 
 # GGUF tensor types a quantised artifact takes: kept block for block (Q4_1, Q8_0 and the
