@@ -24,6 +24,7 @@ from .errors import ModelError
 # GGUF architectures whose tensors map to HF names with at most llama.cpp's q/k row permutation
 # (transformers' TENSOR_PROCESSORS do the same: llama.cpp permutes Llama's q/k, not Qwen2's)
 STREAMED_ARCHS = {"llama": True, "qwen2": False}  # arch → q/k rows permuted in the file
+ROWS = 8192  # rows dequantised at a time (the 151,936-row Q4_K embedding: ~50 MiB of fp32 per step, not 0.9 GiB × temporaries)
 
 
 def hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
@@ -67,13 +68,23 @@ class GGUFWeights(Mapping):
         import gguf
 
         t = self.sources[name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(self.shapes[name])
+        data = t.data
+        if data.ndim == 2 and data.shape[0] > ROWS:  # rows at a time: the dequantiser's temporaries stay small
+            w = None
+            for r in range(0, data.shape[0], ROWS):
+                part = gguf.quants.dequantize(data[r:r + ROWS], t.tensor_type)
+                if w is None:
+                    w = np.empty((data.shape[0],) + part.shape[1:], np.float32)
+                w[r:r + len(part)] = part
+        else:  # own and writable: F32 tensors come back as views of the file
+            w = np.array(gguf.quants.dequantize(data, t.tensor_type), np.float32)
+        w = w.reshape(self.shapes[name])
         if STREAMED_ARCHS[self.arch] and (".attn_q." in t.name or ".attn_k." in t.name):
             from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
             kv = self.heads if ".attn_q." in t.name else self.kv_heads
-            w = LlamaTensorProcessor()._reverse_permute_weights(w, self.heads, kv)
-        return np.array(w, np.float32)  # own and writable: F32 tensors come back as views of the file
+            w = np.ascontiguousarray(LlamaTensorProcessor()._reverse_permute_weights(w, self.heads, kv))
+        return w
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.sources:
