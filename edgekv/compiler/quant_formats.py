@@ -141,11 +141,11 @@ class GGUFBlocks:
     map of the file's own architecture (``general.architecture``: llama, qwen2, gemma3 ...) and
     the q/k rows put back where transformers' loader puts them (``PERMUTED_ARCHS``)."""
 
-    def __init__(self, path: str | Path, hf_config: Any, num_layers: int):
+    def __init__(self, path: str | Path, hf_config: Any, num_layers: int, reader: Any = None):
         import gguf
 
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = reader or gguf.GGUFReader(str(path))  # a 151K-token header takes ~15 s to read: pass it
         self.by_name = {t.name: t for t in self.reader.tensors}
         field = self.reader.fields.get("general.architecture")
         self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
@@ -214,7 +214,8 @@ def open_source_blocks(model: Any) -> GGUFBlocks | None:
     path = getattr(model, "source", None)
     if path is None or Path(path).suffix.lower() != ".gguf" or not Path(path).is_file():
         return None
-    return GGUFBlocks(path, model.hf_config, model.config.num_layers)
+    reader = getattr(getattr(model, "weights", None), "reader", None)  # weights left in the file: its reader
+    return GGUFBlocks(path, model.hf_config, model.config.num_layers, reader)
 
 
 def unsupported_types_message(model: Any) -> str | None:
