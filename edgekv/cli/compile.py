@@ -161,7 +161,7 @@ def load_compile_input(model: str | None, tokenizer: Path | None):
         return load_onnx_model(model, tokenizer)
     if tokenizer is not None:
         raise InputError("--tokenizer is for an .onnx model; a model name, GGUF file or HF folder brings its own")
-    return load_model(model, err)
+    return load_model(model, err, lazy=True)  # a K-quant GGUF's weights stay in the file (no fp32 copy)
 
 
 def export_onnx_cmd(

@@ -99,7 +99,9 @@ def compile_memory_need(model: Any, weights: str) -> dict[str, int]:
     laid-out params (q4 / q8 blocks, or fp32 panels), the largest weight once more (a transposed /
     panelled / quantised copy is made one tensor at a time: ``pipeline.param_layout``) and TVM's
     build. The imports hold views of the loaded weights (``frontend/export.py``): nothing."""
-    mats = [int(t.numel()) * 4 for t in getattr(model, "weights", {}).values() if t.dim() == 2]
+    shapes = model.weight_shapes.values() if hasattr(model, "weight_shapes") else [
+        tuple(t.shape) for t in getattr(model, "weights", {}).values()]  # shapes only: weights may stay in their file
+    mats = [4 * int(s[0]) * int(s[1]) for s in shapes if len(s) == 2]
     per_fp32 = {"q4": 6.5 / 32, "q8": 8.5 / 32}.get(weights, 1.0)  # Q4_K/Q6_K/Q4_1 ≤ 6.5 bits, Q8_0 8.5
     return {"laid-out params": int(sum(mats) * per_fp32), "one weight in flight": max(mats, default=0),
             "TVM build": TVM_BUILD_BYTES}

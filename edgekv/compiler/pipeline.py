@@ -121,6 +121,9 @@ def contiguous_params(params: list[tuple[str, Any]]) -> None:
     TVM take contiguous arrays), so that at most one copy is alive beside the views."""
     import numpy as np
 
+    from .frontend.weight_arrays import materialize
+
+    materialize(params)  # weights still in their file (the F32 norms and biases of a K-quant GGUF)
     for i, (n, a) in enumerate(params):
         if isinstance(a, np.ndarray) and not a.flags["C_CONTIGUOUS"]:
             params[i] = (n, np.ascontiguousarray(a))
@@ -149,6 +152,10 @@ def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layo
 
 def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None) -> dict[str, Any]:
     W = Keys.Weights
+    if weights == "fp32":  # every weight is read as fp32: take those still in their file now
+        from .frontend.weight_arrays import materialize
+
+        materialize(lowered.params)
     if weights == "fp32" and layout != "host":
         return {W.FORMAT: "fp32", W.TENSORS: {"fp32": len(lowered.params)}}
     if weights == "fp32":

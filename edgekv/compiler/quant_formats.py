@@ -103,15 +103,21 @@ def blocks_from_ggml(raw: np.ndarray, fmt: WeightFormat, k: int, source: str) ->
     return Blocks(fmt, np.ascontiguousarray(q), np.ascontiguousarray(d), m, k, source)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat) -> Blocks:
-    """[N, K] float32 → ``Blocks`` with GGML's reference quantiser (K padded with zeros to whole blocks)."""
+def quantize(w: np.ndarray, fmt: WeightFormat, rows: int = 8192) -> Blocks:
+    """[N, K] float32 → ``Blocks`` with GGML's reference quantiser (K padded with zeros to whole blocks),
+    ``rows`` rows at a time: blocks are independent, and the quantiser's fp32 temporaries of a whole
+    151,936 × 1,536 embedding would be gigabytes."""
     import gguf
 
     n, k = w.shape
     kp = padded(k, GROUP)
-    wp = np.zeros((n, kp), np.float32)
-    wp[:, :k] = w
-    return blocks_from_ggml(gguf.quants.quantize(wp, fmt.ggml_type), fmt, k, "quantized")
+    parts = []
+    for r in range(0, n, rows):
+        wp = np.zeros((min(rows, n - r), kp), np.float32)
+        wp[:, :k] = w[r:r + rows]
+        parts.append(gguf.quants.quantize(wp, fmt.ggml_type))
+    raw = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return blocks_from_ggml(raw, fmt, k, "quantized")
 
 
 # GGUF tensor types a quantised artifact takes: kept block for block (Q4_1, Q8_0 and the
@@ -135,11 +141,11 @@ class GGUFBlocks:
     map of the file's own architecture (``general.architecture``: llama, qwen2, gemma3 ...) and
     the q/k rows put back where transformers' loader puts them (``PERMUTED_ARCHS``)."""
 
-    def __init__(self, path: str | Path, hf_config: Any, num_layers: int):
+    def __init__(self, path: str | Path, hf_config: Any, num_layers: int, reader: Any = None):
         import gguf
 
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = reader or gguf.GGUFReader(str(path))  # a 151K-token header takes ~15 s to read: pass it
         self.by_name = {t.name: t for t in self.reader.tensors}
         field = self.reader.fields.get("general.architecture")
         self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
@@ -208,7 +214,8 @@ def open_source_blocks(model: Any) -> GGUFBlocks | None:
     path = getattr(model, "source", None)
     if path is None or Path(path).suffix.lower() != ".gguf" or not Path(path).is_file():
         return None
-    return GGUFBlocks(path, model.hf_config, model.config.num_layers)
+    reader = getattr(getattr(model, "weights", None), "reader", None)  # weights left in the file: its reader
+    return GGUFBlocks(path, model.hf_config, model.config.num_layers, reader)
 
 
 def unsupported_types_message(model: Any) -> str | None:

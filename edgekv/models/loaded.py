@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -62,7 +63,20 @@ class LoadedModel:
         return self.weights.get("lm_head.weight", self.weights["model.embed_tokens.weight"])
 
     @property
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape, without reading weights kept in their file (``GGUFWeights``)."""
+        shapes = getattr(self.weights, "shapes", None)
+        return dict(shapes) if shapes is not None else {n: tuple(t.shape) for n, t in self.weights.items()}
+
+    @property
+    def weights_in_file(self) -> bool:
+        """The weights are read from the source file on access (``gguf_weights.GGUFWeights``), not held."""
+        return hasattr(self.weights, "shapes")
+
+    @property
     def weight_bytes(self) -> int:
+        if self.weights_in_file:
+            return sum(4 * math.prod(s) for s in self.weight_shapes.values())
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     @cached_property
@@ -70,6 +84,10 @@ class LoadedModel:
         """sha256 of the weights (of the source file when known, else of the tensors)."""
         if self.known_weight_hash:
             return self.known_weight_hash
+        if self.weights_in_file:  # hashing the tensors would read (dequantise) every one of them
+            from .loader import source_sha256
+
+            return source_sha256(Path(self.weights.path))
         digest = hashlib.sha256()
         for name in sorted(self.weights):
             digest.update(name.encode())

@@ -21,19 +21,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 
 from .config import CHAT_TEMPLATES, GGUF_ARCHITECTURES, check_architecture, config_from_hf
 from .errors import ModelError
+from .gguf_weights import STREAMED_ARCHS, GGUFWeights
 from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
 
 CONVERSION_FORMAT = 1  # bump when the cached copy's layout changes
-# GGUF architectures converted tensor by tensor here: name map from gguf, q/k rows un-permuted for llama
-# (transformers' TENSOR_PROCESSORS do the same: llama.cpp permutes Llama's q/k, not Qwen2's)
-STREAMED_ARCHS = {"llama": True, "qwen2": False}  # arch → q/k rows permuted in the file
 _OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|bad_alloc|ENOMEM|os error 12", re.I)
 
 
@@ -176,13 +173,13 @@ def check_gguf(path: Path):
     return reader
 
 
-def check_gguf_architecture(path: Path) -> None:
+def check_gguf_architecture(path: Path, reader=None) -> None:
     """Refuse a GGUF whose architecture edgekv cannot run from its metadata alone (no conversion:
     converting first would take minutes before the same refusal)."""
     import gguf
 
     try:
-        arch = str(gguf.GGUFReader(str(path)).fields["general.architecture"].contents())
+        arch = str((reader or gguf.GGUFReader(str(path))).fields["general.architecture"].contents())
     except KeyError:
         raise ModelError(f"'{path}' names no general.architecture in its GGUF metadata; it is not a model file "
                          "edgekv can read") from None
@@ -249,62 +246,64 @@ def _write_conversion_meta(tmp: Path, path: Path, model_type: str) -> None:
     (tmp / "edgekv.json").write_text(json.dumps(meta, indent=2))
 
 
-def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None, arch: str = "llama") -> None:
-    """Dequantise a GGUF tensor by tensor (``gguf.quants``) into fp32 safetensors shards at ``dest``
-    (written under a temporary name, renamed when complete), with a progress bar."""
-    import gguf
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+def gguf_config_and_tokenizer(path: Path, console: Console, reader=None):
+    """(HF config, tokenizer) of a GGUF, read through transformers (the tokenizer fixed as
+    ``_fixed_tokenizer`` says); unsupported architectures are refused here, before any work."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    reader = reader or gguf.GGUFReader(str(path))
     with _status(console, f"reading {path.name}'s config and tokenizer…"), \
             contextlib.redirect_stderr(io.StringIO()):
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         config_from_hf(hf_config)  # refuse unsupported architectures before writing
         converted_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
-    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
-                                     hf_config.num_hidden_layers)
-    by_name = {t.name: t for t in reader.tensors}
-    sources = {}
-    for hf_name in shapes:
-        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gname in by_name:
-            sources[hf_name] = by_name[gname]
-        elif not (hf_name == "lm_head.weight" and hf_config.tie_word_embeddings):
-            raise ModelError(f"'{path}' has no tensor for {hf_name} (GGUF name {gname}); the file is not a complete "
-                             f"{arch} model")
-    total = sum(4 * int(np.prod(shapes[n])) for n in sources)
+    return hf_config, _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path, reader))
+
+
+def convert_gguf_streamed(path: Path, dest: Path, console: Console, reader=None, arch: str = "llama") -> None:
+    """Dequantise a GGUF tensor by tensor (``gguf_weights.GGUFWeights``) into fp32 safetensors shards
+    at ``dest`` (written under a temporary name, renamed when complete), with a progress bar."""
+    import gguf
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+    from safetensors.torch import save_file
+
+    reader = reader or gguf.GGUFReader(str(path))
+    hf_config, tokenizer = gguf_config_and_tokenizer(path, console, reader)
+    weights = GGUFWeights(path, reader, hf_config, arch)
+    total = weights.fp32_bytes
     check_disk_for(dest, total, f"the fp32 copy of {path.name}")
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     with _staged_dir(dest) as tmp:
         console.print(f"edgekv: converting {path.name} once to an fp32 safetensors copy ({total / 2**30:.1f} GiB) in "
                       f"{dest.parent} (`edgekv cache --clear` deletes it)", highlight=False, soft_wrap=True)
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), console=console, transient=True) as progress:
             task = progress.add_task("dequantising", total=total)
-            shards = _shards(list(sources))
+            shards = _shards(list(weights))
             for i, (group, members) in enumerate(shards):
                 progress.update(task, description=f"dequantising {group} ({i + 1}/{len(shards)})")
                 state = {}
                 for hf_name in members:
-                    t = sources[hf_name]
-                    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-                    w = w.reshape(shapes[hf_name])
-                    if STREAMED_ARCHS[arch] and (".attn_q." in t.name or ".attn_k." in t.name):
-                        kv = heads if ".attn_q." in t.name else kv_heads
-                        w = LlamaTensorProcessor()._reverse_permute_weights(w, heads, kv)
-                    # own and writable: F32 tensors come back as views of the file
-                    state[hf_name] = torch.from_numpy(np.array(w, np.float32))
-                    progress.advance(task, 4 * w.size)
+                    state[hf_name] = weights[hf_name]
+                    progress.advance(task, 4 * state[hf_name].numel())
                 save_file(state, str(tmp / f"model-{group}.safetensors"), metadata={"format": "pt"})
                 del state
         hf_config.save_pretrained(str(tmp))
-        _fixed_tokenizer(converted_tok, _gguf_tokenizer_fields(path, reader)).save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
         _write_conversion_meta(tmp, path, hf_config.model_type)
+
+
+def load_gguf_lazy(path: Path, model_id: str, chat: bool, console: Console, reader=None) -> LoadedModel:
+    """A GGUF of a ``STREAMED_ARCHS`` family as a ``LoadedModel`` whose weights are dequantised on
+    access (``GGUFWeights``): no fp32 copy on disk or in memory — what a compile needs, since it keeps
+    the file's blocks and re-stores only a few tensors. Config and tokenizer are read from the file."""
+    reader = reader or check_gguf(path)
+    quiet_transformers()
+    hf_config, tokenizer = gguf_config_and_tokenizer(path, console, reader)
+    weights = GGUFWeights(path, reader, hf_config, _gguf_arch(reader))
+    if not getattr(tokenizer, "chat_template", None) and hf_config.model_type in CHAT_TEMPLATES:
+        tokenizer.chat_template = CHAT_TEMPLATES[hf_config.model_type]
+    return LoadedModel(model_id=model_id, config=config_from_hf(hf_config), hf_config=hf_config, weights=weights,
+                       tokenizer=tokenizer, chat=chat or bool(getattr(tokenizer, "chat_template", None)), source=path,
+                       known_weight_hash=source_sha256(path))
 
 
 def convert_gguf(path: Path, dest: Path, console: Console) -> None:
@@ -428,12 +427,20 @@ def load_hf_dir(path: Path, model_id: str, chat: bool = False, source: Path | No
     )
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, console: Console | None = None) -> LoadedModel:
-    """Load by known name (``smollm2-135m``), GGUF file, or HF directory."""
+def load_model(name_or_path: str | os.PathLike | None = None, console: Console | None = None, *,
+               lazy: bool = False) -> LoadedModel:
+    """Load by known name (``smollm2-135m``), GGUF file, or HF directory. ``lazy``: a GGUF of a
+    ``STREAMED_ARCHS`` family keeps its weights in the file (``load_gguf_lazy``; for compiles)
+    instead of the cached fp32 copy (converted on first use; for the eager engine)."""
     console = console or Console(stderr=True)
     src: ModelSource = resolve(name_or_path, console)
     if src.kind == "hf":
         return load_hf_dir(src.path, src.model_id, src.chat)
+    if lazy:  # the header is read once (a 151K-token vocabulary takes ~15 s of CPU per read)
+        reader = check_gguf(src.path)
+        check_gguf_architecture(src.path, reader)
+        if _gguf_arch(reader) in STREAMED_ARCHS:
+            return load_gguf_lazy(src.path, src.model_id, src.chat, console, reader)
     check_gguf_architecture(src.path)
     cached = converted_dir(src.path)
     if not (cached / "edgekv.json").is_file():

@@ -3,6 +3,9 @@ prefill tok/s, decode tok/s at the prompt's depth, and peak RSS of each.
 
     python -m tools.bench.bench_llama_cpp --artifact build/art-keydiff-q4 [--prompt-lengths 1k,8k]
         [--threads 2] [--decode-tokens 32] [--rounds 2] [--out docs/results/peer_llama_cpp]
+    # several models in one run, interleaved: one --model per --artifact
+    python -m tools.bench.bench_llama_cpp --artifact build/smol --model smollm2-135m \
+        --artifact build/qwen --model qwen2.5-coder-1.5b
 
 * llama.cpp: `llama-bench` built by tools/bench/build_llama_cpp.py (the sources llama-cpp-python's
   sdist vendors, GGML_NATIVE=ON, Release): pp<L>, and tg<T> at depth L (`-d L`), each with flash
@@ -171,24 +174,33 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifact", type=Path, required=True, help="a compiled artifact (`edgekv compile ... -o DIR`)")
-    ap.add_argument("--model", default="smollm2-135m", help="the model whose GGUF llama.cpp runs (the artifact's)")
+    ap.add_argument("--artifact", type=Path, action="append", required=True,
+                    help="a compiled artifact (`edgekv compile ... -o DIR`); repeat it with --model for several "
+                         "models in one interleaved run")
+    ap.add_argument("--model", action="append", default=None,
+                    help="the model whose GGUF llama.cpp runs (the artifact's; one per --artifact, in order; "
+                         "default smollm2-135m)")
     ap.add_argument("--prompt-lengths", default="1k,8k")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians over them)")
     ap.add_argument("--profile-depth", type=int, default=1024,
-                    help="also profile one edgekv decode token after this many prompt tokens, per kernel, in CPU "
-                         "time on one thread (tools/bench/profile_decode.py); 0: skip")
+                    help="also profile one edgekv decode token of the first artifact after this many prompt tokens, "
+                         "per kernel, in CPU time on one thread (tools/bench/profile_decode.py); 0: skip")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/peer_llama_cpp",
                     help="path stem: writes <out>.json, <out>.md, <out>.png")
     args = ap.parse_args(argv)
     lengths = parse_lengths(args.prompt_lengths)
+    models = args.model or ["smollm2-135m"]
+    if len(models) != len(args.artifact):
+        raise SystemExit(f"error: {len(args.artifact)} --artifact but {len(models)} --model: give one --model per "
+                         "--artifact, in the same order")
     if args.threads < 1 or args.decode_tokens < 1 or args.rounds < 1:
         raise SystemExit("error: --threads, --decode-tokens and --rounds must be at least 1")
-    if not (args.artifact / "program.ekv").is_file():
-        raise SystemExit(f"error: --artifact {args.artifact} holds no program.ekv: compile one with "
-                         "`edgekv compile smollm2-135m --budget 1k --policy keydiff --weights q4 -o DIR`")
+    for artifact in args.artifact:
+        if not (artifact / "program.ekv").is_file():
+            raise SystemExit(f"error: --artifact {artifact} holds no program.ekv: compile one with "
+                             "`edgekv compile smollm2-135m --budget 1k --policy keydiff --weights q4 -o DIR`")
     from edgekv.bench.llama_cpp import build_dir, find_binary
     from edgekv.runtime import native
 
@@ -205,56 +217,71 @@ def main(argv=None) -> int:
     from edgekv.models import load_model
     from edgekv.models.sources import resolve
 
-    src = resolve(args.model, console)
-    if src.kind != "gguf":
-        raise SystemExit(f"error: --model {args.model} is not a GGUF model: llama.cpp runs GGUF files")
-    tokenizer = load_model(args.model, console).tokenizer
-    ids = {n: natural_token_ids(tokenizer, n).tolist() for n in lengths}
-    manifest = json.loads((args.artifact / "manifest.json").read_text()) if (args.artifact / "manifest.json").exists() else {}
+    systems = []  # one per (artifact, model)
+    for artifact, model in zip(args.artifact, models):
+        src = resolve(model, console)
+        if src.kind != "gguf":
+            raise SystemExit(f"error: --model {model} is not a GGUF model: llama.cpp runs GGUF files")
+        tokenizer = load_model(model, console, lazy=True).tokenizer  # the tokenizer only: no fp32 copy
+        manifest = json.loads((artifact / "manifest.json").read_text()) if (artifact / "manifest.json").exists() else {}
+        systems.append({"model": model, "gguf": src.path, "artifact": artifact, "manifest": manifest,
+                        "ids": {n: natural_token_ids(tokenizer, n).tolist() for n in lengths},
+                        "raw": {"edgekv": {n: [] for n in lengths}, "llama.cpp": {n: [] for n in lengths}}})
     meta = provenance(["python", "-m", "tools.bench.bench_llama_cpp", *(argv if argv is not None else sys.argv[1:])])
     meta["load_before"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    raw = {"edgekv": {n: [] for n in lengths}, "llama.cpp": {n: [] for n in lengths}}
     import time
 
     t0 = time.perf_counter()
-    steps = args.rounds * len(lengths) * 2
+    steps = args.rounds * len(lengths) * 2 * len(systems)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("bench", total=steps)
         for rnd in range(args.rounds):
-            for n in lengths:
-                order = ("edgekv", "llama.cpp") if (rnd + lengths.index(n)) % 2 == 0 else ("llama.cpp", "edgekv")
-                for name in order:
-                    progress.update(task, description=f"round {rnd + 1}: {name} @ {n} tokens")
-                    r = (run_edgekv(exe, args.artifact, ids[n], args.threads, args.decode_tokens) if name == "edgekv"
-                         else run_llama(src.path, n, args.threads, args.decode_tokens))
-                    r["round"] = rnd
-                    raw[name][n].append(r)
-                    progress.advance(task)
+            for s in systems:
+                for n in lengths:
+                    order = ("edgekv", "llama.cpp") if (rnd + lengths.index(n)) % 2 == 0 else ("llama.cpp", "edgekv")
+                    for name in order:
+                        progress.update(task, description=f"round {rnd + 1}: {s['model']}: {name} @ {n} tokens")
+                        r = (run_edgekv(exe, s["artifact"], s["ids"][n], args.threads, args.decode_tokens)
+                             if name == "edgekv" else run_llama(s["gguf"], n, args.threads, args.decode_tokens))
+                        r["round"] = rnd
+                        s["raw"][name][n].append(r)
+                        progress.advance(task)
     meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    wall = time.perf_counter() - t0
     decode_profile = None
     if args.profile_depth > 0:  # in a child: one thread, CPU time (a shared machine disturbs it least)
         with tempfile.TemporaryDirectory() as d:
-            subprocess.run([sys.executable, "-m", "tools.bench.profile_decode", "--artifact", str(args.artifact),
+            subprocess.run([sys.executable, "-m", "tools.bench.profile_decode", "--artifact", str(args.artifact[0]),
                             "--depth", str(args.profile_depth), "--threads", "1", "--clock", "cpu",
                             "--json", f"{d}/p.json"], check=True, cwd=ROOT, capture_output=True)
             decode_profile = json.loads(Path(f"{d}/p.json").read_text())
     build_json = build_dir() / "build.json"
-    result = {
-        "meta": meta, "model": args.model, "gguf": str(src.path), "artifact": str(args.artifact),
-        "artifact_summary": ", ".join(f"{k} {manifest[k]}" for k in ("policy", "budget", "block", "weights")
-                                      if k in manifest) or str(args.artifact),
-        "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds, "lengths": lengths,
-        "llama_cpp_build": json.loads(build_json.read_text()) if build_json.exists() else {},
-        "wall_seconds": time.perf_counter() - t0, "machine_shared": True,
-        "rows": summarize(raw, lengths), "decode_profile": decode_profile, "runs": {k: {str(n): v for n, v in d.items()} for k, d in raw.items()},
-    }
+    sections = []
+    for i, s in enumerate(systems):
+        manifest = s["manifest"]
+        sections.append({
+            "meta": meta, "model": s["model"], "gguf": str(s["gguf"]), "artifact": str(s["artifact"]),
+            "artifact_summary": ", ".join(f"{k} {manifest[k]}" for k in ("policy", "budget", "block", "weights")
+                                          if k in manifest) or str(s["artifact"]),
+            "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds, "lengths": lengths,
+            "llama_cpp_build": json.loads(build_json.read_text()) if build_json.exists() else {},
+            "wall_seconds": wall, "machine_shared": True, "interleaved_with": [m for m in models if m != s["model"]],
+            "rows": summarize(s["raw"], lengths), "decode_profile": decode_profile if i == 0 else None,
+            "runs": {k: {str(n): v for n, v in d.items()} for k, d in s["raw"].items()},
+        })
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
-    console.print(markdown(result))
+    out.with_suffix(".json").write_text(json.dumps(sections[0] if len(sections) == 1 else {"sections": sections},
+                                                   indent=1, default=str))
+    text = "\n".join(markdown(s) for s in sections)
+    if len(sections) > 1:
+        text = (f"All {len(sections)} models below ran in one run, their rounds interleaved "
+                f"({', '.join(models)}).\n\n") + text
+    out.with_suffix(".md").write_text(text)
+    for i, s in enumerate(sections):
+        plot(s, out.with_suffix(".png") if i == 0 else out.with_name(f"{out.name}_{s['model']}.png"))
+    console.print(text)
     return 0
 
 

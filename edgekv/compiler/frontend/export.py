@@ -34,6 +34,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,45 +122,83 @@ def check_exportable(config: Any) -> None:
             "kind. Run it with the eager engine instead: `edgekv run MODEL` (local rings and global eviction)")
 
 
-def plain_module(model: Any) -> PlainLlama:
-    """The plain forward of a ``edgekv.models.LoadedModel``."""
+def placeholder_weights(model: Any) -> dict[str, torch.Tensor]:
+    """A stride-0 fp32 tensor of each weight's shape (4 bytes each): the export traces shapes only."""
+    shapes = model.weight_shapes if hasattr(model, "weight_shapes") else {n: tuple(t.shape)
+                                                                           for n, t in model.weights.items()}
+    zero = torch.zeros((), dtype=torch.float32)
+    return {n: zero.expand(s) for n, s in shapes.items()}
+
+
+def plain_module(model: Any, placeholders: bool = False) -> PlainLlama:
+    """The plain forward of a ``edgekv.models.LoadedModel`` (``placeholders``: over stride-0
+    stand-ins of its weights, for an export that needs their shapes only)."""
     check_exportable(model.config)
-    return PlainLlama(model.config, model.weights, model.inv_freq,
-                      getattr(model, "attention_scaling", 1.0)).eval()
+    weights = placeholder_weights(model) if placeholders else model.weights
+    return PlainLlama(model.config, weights, model.inv_freq, getattr(model, "attention_scaling", 1.0)).eval()
 
 
-def export_plain_forward(model: Any, seq_len: int) -> torch.export.ExportedProgram:
+def export_plain_forward(model: Any, seq_len: int, placeholders: bool = False) -> torch.export.ExportedProgram:
     """torch.export the plain forward of a LoadedModel at a static sequence length."""
-    module = plain_module(model)
+    module = plain_module(model, placeholders)
     tokens = torch.zeros((1, seq_len), dtype=torch.int64)
     positions = torch.arange(seq_len, dtype=torch.int64)[None, :]
     with torch.no_grad():
         return torch.export.export(module, (tokens, positions))
 
 
-def import_to_relax(program: torch.export.ExportedProgram, with_params: bool = True):
+def _placeholder_importer():
+    """TVM's importer, except that it leaves a stride-0 placeholder (``placeholder_weights``) as a
+    one-element tensor: its own conversion (DLPack, else ``.contiguous()``) would materialise every
+    weight in fp32 for the ``params`` attribute that ``import_to_relax`` drops anyway."""
+    import tvm
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    class PlaceholderImporter(ExportedProgramImporter):
+        @staticmethod
+        def _convert_pytorch_tensor_to_tvm(tensor_value):
+            if tensor_value.numel() > 1 and all(s == 0 for s in tensor_value.stride()):
+                return tvm.runtime.tensor(np.zeros(1, np.float32))
+            return ExportedProgramImporter._convert_pytorch_tensor_to_tvm(tensor_value)
+
+    return PlaceholderImporter()
+
+
+def import_to_relax(program: torch.export.ExportedProgram, with_params: bool = True, arrays=None):
     """Import into a Relax IRModule whose ``main(tokens, positions, *params)`` keeps the weights
     as inputs (``num_input`` = 2), plus the parameter tensors in order (numpy arrays, named).
 
     The arrays are views of the program's own parameters (the model's weights), not copies: TVM's
     importer already holds them zero-copy (DLPack), and ``.numpy()`` on those would copy the whole
-    model once more per import. ``with_params=False`` returns names only (the decode import)."""
-    from tvm.relax.frontend.torch import from_exported_program
+    model once more per import. ``with_params=False`` returns names only (the decode import).
+    ``arrays`` (HF weight name → array, ``weight_arrays.model_weight_arrays``): the program was
+    exported over placeholders and each parameter's array is taken from there instead."""
+    if arrays is None:
+        from tvm.relax.frontend.torch import from_exported_program
 
-    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+        mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    else:  # as from_exported_program does, with the placeholders left unread
+        mod = _placeholder_importer().from_exported_program(program.run_decompositions(), True, True, False, None)
     main = mod["main"]
     mod["main"] = main.without_attr("params")  # TVM's zero-copy handles: the views below replace them
     num_input = int(main.attrs["num_input"])
     variables = main.params[num_input:]
-    tensors = [t for _, t in program.named_parameters()]
+    named_tensors = list(program.named_parameters())
+    tensors = [t for _, t in named_tensors]
     if len(tensors) != len(variables):
         raise RuntimeError(f"the exported program has {len(tensors)} parameters, its import {len(variables)}")
     named = []
-    for var, tensor in zip(variables, tensors):
+    for var, (pname, tensor) in zip(variables, named_tensors):
         shape = tuple(int(s) for s in var.ty.shape)
         if tuple(tensor.shape) != shape:
             raise RuntimeError(f"parameter {var.name}: exported {tuple(tensor.shape)}, imported {shape}")
-        named.append((var.name, tensor.detach().numpy() if with_params else None))
+        if not with_params:
+            array = None
+        elif arrays is not None:  # PlainLlama's parameter "w.model__norm__weight" is the weight "model.norm.weight"
+            array = arrays[pname.removeprefix("w.").replace("__", ".")]
+        else:
+            array = tensor.detach().numpy()
+        named.append((var.name, array))
     return mod, named
 
 
@@ -167,12 +206,18 @@ def import_model(model: Any, block: int, extra_rows: int = 0):
     """(module with ``prefill_src`` and ``decode_src``, weights [(name, numpy array)], timings):
     the prefill step exported at T = ``block`` + ``extra_rows`` (pseudo rows,
     ``passes/pseudo_rows.py``) and decode at T = 1, both imported. The weights are the model's
-    own tensors (views), once: the decode import shares them."""
+    own tensors (views) or, for weights kept in their file, handles that read one when asked
+    (``weight_arrays.FileWeight``), once: the decode import shares them. Both exports trace
+    stride-0 placeholders, so no step here holds a copy of the model."""
     import tvm
 
+    from .weight_arrays import model_weight_arrays
+
     t0 = time.perf_counter()
-    mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows))
-    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1), with_params=False)
+    arrays = model_weight_arrays(model)
+    mod_b, params = import_to_relax(export_plain_forward(model, block + extra_rows, placeholders=True), arrays=arrays)
+    mod_1, params_1 = import_to_relax(export_plain_forward(model, 1, placeholders=True), with_params=False,
+                                      arrays=arrays)
     t1 = time.perf_counter()
     if [n for n, _ in params] != [n for n, _ in params_1]:
         raise RuntimeError("the block and decode exports disagree on their weight inputs")

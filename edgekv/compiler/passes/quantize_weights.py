@@ -239,13 +239,12 @@ def quantize_params(params: list[tuple[str, Any]], quantized: dict[str, Quantize
             continue
         if progress is not None:
             progress(i, len(params))
-        w = np.asarray(a, np.float32)
         if isinstance(q.fmt, KFormat):  # the plan chose it because the file has it: taken as it is
             blocks = source.get(hf_name(name), q.fmt, (q.n, q.k))
             if blocks is None:
                 raise RuntimeError(f"{hf_name(name)}: planned as the source's {q.fmt.ggml} blocks, which it lacks")
-        else:
-            blocks = weight_blocks(w.T if q.kind == "linear" else w, q.fmt, source, hf_name(name))
+        else:  # read here, not before: a weight still in its file (weight_arrays.FileWeight) is read only if needed
+            blocks = weight_blocks(a.T if q.kind == "linear" else a, q.fmt, source, hf_name(name))
         origin[blocks.source] += 1
         for (n, shape, dt), arr in zip(q.inputs(name), q.arrays(blocks)):
             if tuple(arr.shape) != tuple(shape) or str(arr.dtype) != dt:
