@@ -51,9 +51,7 @@ ENGINE_EAGER, ENGINE_COMPILED = 1, 2
 KV_DTYPE_CODES = {"float32": 0, "int8": 1}  # header field 100 (the C runtime's names)
 
 
-class SnapshotError(ValueError):
-    """A snapshot that cannot be used here: corrupt, truncated, another format, or made for
-    other weights / another artifact / other settings. The message says which and what to do."""
+from ..errors import SnapshotError  # noqa: E402,F401  (declared in edgekv.errors, which loads no numpy)
 
 
 def _align(n: int) -> int:

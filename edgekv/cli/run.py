@@ -154,15 +154,16 @@ def check_document_options(prompt, prompt_file, questions, save_cache, load_cach
 def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load_cache, budget, block, policy,
                 policy_arg, max_new_tokens, temperature, top_p, seed, output, mem_limit, allow_beyond_context,
                 threads, runtime, kv_dtype=None, no_verify=False) -> None:
-    """`edgekv run` and `edgekv ask`: check every option, then the run (``edgekv/job.py``), printed."""
-    from .. import job
-
+    """`edgekv run` and `edgekv ask`: check every option, then the run (``edgekv/job.py``), printed.
+    The checks come first and load nothing heavy: ``job`` (torch) is imported after them."""
     kv_dtype = parse_kv_dtype(kv_dtype)
     check_writable(output, "-o/--output")
     check_document_options(prompt, prompt_file, questions, save_cache, load_cache)
     text = read_prompt(prompt, prompt_file) if load_cache is None else None
     check_sampling(temperature, top_p, max_new_tokens)
     check_block(block)
+    from .. import job
+
     settings = job.RunSettings(model=model, text=text, chat=chat, questions=list(questions), save_cache=save_cache,
                                load_cache=load_cache, budget=budget, block=block, policy=policy, policy_arg=policy_arg,
                                kv_dtype=kv_dtype, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -33,7 +33,7 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
-DEFAULT_POLICY = "keydiff"
+from ..budget import DEFAULT_POLICY  # noqa: E402  (declared with the other shared defaults)
 
 
 def policy_names() -> list[str]:
