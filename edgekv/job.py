@@ -391,6 +391,11 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
             console.warn(f"{s.model} was compiled without --question-rows, so {name} scores its blocks with their own "
                          "rows, not the question's; compile it with --question-rows N (N ≥ the question's tokens) to "
                          "read the document knowing the question")
+        if s.load_cache is not None:  # another artifact's, policy's, N's or B's cache: refused before the load
+            from .artifact import snapshot_file as sf
+
+            sf.check_matches(sf.read_header(s.load_cache), s.load_cache, engine=sf.ENGINE_COMPILED,
+                             **sf.artifact_identity(s.model, manifest))
         return RunPlan(s, artifact=True, policy_args=args, saved=saved,
                        question_scoring=s.document and bool(manifest.question_rows) and asked)
     if saved is not None:  # options not given come from the saved document (a differing one is refused)
@@ -403,8 +408,46 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
     chosen = make_policy(s.policy, args)  # unknown policy / bad arguments before loading anything
     s.budget, s.block = s.budget or DEFAULT_BUDGET, s.block or DEFAULT_BLOCK
     s.kv_dtype = s.kv_dtype or "fp32"
+    if s.load_cache is not None:
+        _check_cache_fits_model(s, chosen)
     return RunPlan(s, artifact=False, policy_args=args, saved=saved,
                    question_scoring=s.document and chosen.uses_question and asked)
+
+
+def _check_cache_fits_model(s: RunSettings, policy) -> None:
+    """--load-cache with the eager engine: the saved cache's weights, policy, N and B against this
+    run's, from the file's header and the model file's remembered hash — before the model loads
+    (the engine checks the same again when it maps the cache back). A byte --budget needs the
+    model's geometry, so it alone is compared after the load."""
+    import json
+
+    from .artifact import snapshot_file as sf
+    from .units import is_size
+
+    snap = sf.read_header(s.load_cache)
+    budget = snap.budget if is_size(str(s.budget).strip()) else parse_budget(s.budget, None, int(s.block))
+    sf.check_matches(snap, s.load_cache, engine=sf.ENGINE_EAGER, weight_hash=_known_weight_hash(s.model) or
+                     snap.weight_hash, policy=policy.name, policy_params=json.dumps(policy.params(), sort_keys=True),
+                     budget=budget, block=int(s.block))
+
+
+def _known_weight_hash(model: str | None) -> str | None:
+    """The weight hash the eager engine will record for ``model``, when it is known without loading
+    the weights: a GGUF's sha256 (remembered per file), or a converted folder's source hash; None
+    for an HF folder of its own (its hash is of the loaded tensors)."""
+    import json
+
+    from .models.loader import source_sha256
+    from .models.sources import resolve
+
+    src = resolve(model)
+    if src.kind == "gguf":
+        return source_sha256(src.path)
+    meta = Path(src.path) / "edgekv.json"
+    try:
+        return json.loads(meta.read_text()).get("source_sha256") if meta.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def model_reference(model: str | None) -> str:

@@ -61,6 +61,21 @@ def _file(name: str, data: bytes):
     return make
 
 
+def _saved_cache(**differs):
+    """A saved document cache (`--save-cache`) of this artifact but for ``differs`` (another policy,
+    N ...), written as the runtimes write one; and params.safetensors removed, so that a runtime
+    that loaded anything before judging the cache would name the missing weights instead."""
+    def make(art: Path, tmp: Path) -> None:
+        from edgekv.artifact import Manifest
+        from edgekv.artifact import snapshot_file as sf
+
+        ident = {**sf.artifact_identity(art, Manifest.read(art)), **differs}
+        sf.write(sf.Snapshot(engine=sf.ENGINE_COMPILED, position=9, tokens=9, made_from=str(art.resolve()),
+                             **ident), tmp / "doc.ekv")
+        (art / "params.safetensors").unlink()
+    return make
+
+
 @dataclass
 class Case:
     name: str  # what the user did
@@ -92,6 +107,11 @@ CASES = [
          r"no/such/dir"),
     Case("--report into a missing folder", None, ["--prompt", PROMPT, "--report", "{tmp}/missing/r.json"], 2,
          r"missing"),
+    Case("--load-cache made with another policy (params removed: judged before any load)",
+         _saved_cache(policy="h2o", policy_params='{"recent_ratio": 0.5}'),
+         ["--load-cache", "{tmp}/doc.ekv", "--question", "what jumps?"], 2, r"made with policy h2o"),
+    Case("--load-cache made at another budget (params removed: judged before any load)", _saved_cache(budget=64),
+         ["--load-cache", "{tmp}/doc.ekv", "--question", "what jumps?"], 2, r"made at N = 64, B = 8"),
     Case("--threads 0", None, ["--prompt", PROMPT, "--threads", "0"], 2, r"--threads"),
     Case("--threads 999 (clamped, runs)", None, ["--prompt", PROMPT, "--threads", "999", "--max-new-tokens", "4"], 0,
          r"--threads 999 is more than the \d+ usable cores"),

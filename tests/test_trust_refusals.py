@@ -80,3 +80,32 @@ def test_help_and_early_refusals_load_nothing_heavy(args):
     print(f"\nedgekv {' '.join(args)}: {time.perf_counter() - t0:.2f} s (shared machine)")
     assert "Traceback" not in res.stderr, res.stderr
     assert "LOADED []" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def eager_cache(tmp_path_factory):
+    """The tiny HF model (trust_common's byte tokenizer) and a document cache the eager engine saved
+    from it (streaming, N = 32, B = 8)."""
+    from edgekv.models import tiny_random_model
+    from trust_common import byte_tokenizer
+
+    root = tmp_path_factory.mktemp("eager-cache")
+    hf = root / "hf"
+    tiny_random_model(0).to_hf().save_pretrained(hf)
+    byte_tokenizer().save_pretrained(hf)
+    saved = root / "doc.ekv"
+    res = edgekv("run", hf, "--prompt", "the quick brown fox jumps over the lazy dog", "--question", "what jumps?",
+                 "--save-cache", saved, "--policy", "streaming", "--budget", "32", "--block", "8",
+                 "--max-new-tokens", "2", timeout=300)
+    assert res.returncode == 0, res.stderr
+    return hf, saved
+
+
+@pytest.mark.parametrize("option, words", [(["--budget", "64"], "was made at N = 32, B = 8; this run has N = 64"),
+                                           (["--block", "16"], "was made at N = 32, B = 8; this run has N = 32, B = 16"),
+                                           (["--policy", "h2o"], "was made with policy streaming")])
+def test_eager_cache_of_other_settings_is_refused_before_the_model_loads(eager_cache, option, words):
+    hf, saved = eager_cache
+    res = edgekv("run", hf, "--load-cache", saved, "--question", "what jumps?", *option, timeout=300)
+    assert res.returncode == 2 and words in res.stderr, res.stderr
+    assert "loading" not in res.stderr  # the model was not loaded: the header was read first

@@ -209,5 +209,21 @@ def check_matches(snap: Snapshot, path, *, engine: int, weight_hash: str, policy
         raise SnapshotError(f"{path} was made with another artifact (its program differs); make it again")
 
 
+def artifact_identity(path, manifest) -> dict:
+    """What a snapshot made with the artifact in ``path`` records of it, from its manifest and
+    program.ekv alone (nothing loaded): ``check_matches``'s arguments for ``ENGINE_COMPILED``."""
+    import json
+
+    from . import ArtifactError, crc32_file
+
+    program = Path(path) / "program.ekv"
+    if not program.is_file():
+        raise ArtifactError("cache snapshots need an artifact directory with program.ekv (recompile it)")
+    return {"weight_hash": manifest.weight_hash, "policy": manifest.policy_name,
+            "policy_params": json.dumps(manifest.policy_params, sort_keys=True), "budget": int(manifest.budget),
+            "block": int(manifest.block), "program_crc": crc32_file(program),
+            "kv_dtype": KV_DTYPE_CODES["int8" if manifest.kv_dtype == "int8" else "float32"]}
+
+
 def _kv_name(code: int) -> str:
     return {v: k for k, v in KV_DTYPE_CODES.items()}.get(code, "an unknown format")
