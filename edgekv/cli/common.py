@@ -69,6 +69,23 @@ def fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def cancelled(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C: one line saying what stopped, no traceback, exit status 130 (as edgekv-run's). The
+    process ends here, without the interpreter's teardown: with torch and TVM loaded that takes
+    seconds on a busy machine, and the user asked to stop now (every file edgekv writes is written
+    whole or not at all, so nothing is left half-done)."""
+    import sys
+
+    what = str(exc) or "cancelled (Ctrl-C)"
+    err.print(f"\n[dim]edgekv:[/] {what}; nothing more was written", highlight=False)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(130)
+
+
 def say(msg: str) -> None:
     """One line per phase on stderr, so that long steps show even with output redirected."""
     err.print(f"[dim]edgekv:[/] {msg}", highlight=False)

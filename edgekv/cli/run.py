@@ -15,8 +15,8 @@ from rich.table import Table
 from ..errors import USER_ERRORS, InputError
 from ..output_files import check_writable
 from ..units import human_bytes
-from .common import (HELP, BeyondContext, MemLimit, NoVerify, ReportPath, Temperature, Threads, TopP, check_block,
-                     check_sampling, compiler_errors, err, fail, out, parse_kv_dtype, parse_mem_limit,
+from .common import (HELP, BeyondContext, MemLimit, NoVerify, ReportPath, Temperature, Threads, TopP, cancelled,
+                     check_block, check_sampling, compiler_errors, err, fail, out, parse_kv_dtype, parse_mem_limit,
                      prefill_progress, read_prompt, say, setup_threads, warn)
 
 
@@ -106,6 +106,8 @@ def run_cmd(
                     threads=threads, runtime=runtime, kv_dtype=kv_dtype, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
+    except KeyboardInterrupt as exc:  # the native runtime's Cancelled too: it stopped at its next kernel
+        cancelled(exc)
 
 
 def ask_cmd(
@@ -132,6 +134,8 @@ def ask_cmd(
                     runtime=runtime, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
+    except KeyboardInterrupt as exc:  # the native runtime's Cancelled too: it stopped at its next kernel
+        cancelled(exc)
 
 
 def check_document_options(prompt, prompt_file, questions, save_cache, load_cache) -> None:
