@@ -576,8 +576,13 @@ def _run_document(plan: RunPlan, model, block: int, open_session, made_from: str
                                   if plan.question_scoring else ""))
     else:
         console.say(f"answering from {s.load_cache}: a document of {plan.saved['tokens']:,} tokens, read before")
+    # the caches hold what this run's longest sequence needs (document + longest question + output:
+    # each question continues from the document's state), never more; a cache saved for later
+    # questions (--save-cache) keeps its full N + B, and a loaded one has the size it was saved with
+    later = s.save_cache is not None or doc_ids is None
     with console.prefill_progress(len(doc_ids) if doc_ids is not None else 0, block) as advance:
-        session = open_session(None, longest if doc_ids is not None else 0)
+        session = open_session(None if later else start + longest + s.max_new_tokens,
+                               longest if doc_ids is not None else 0)
         result = run(session, model, document_ids=None if doc_ids is None else torch.tensor(doc_ids, dtype=torch.long),
                      questions=questions, max_new_tokens=s.max_new_tokens,
                      new_sampler=new_sampler_factory(s.temperature, s.top_p, s.seed), chat=s.chat,

@@ -30,6 +30,8 @@ def kv_line(report: dict) -> str:
             f"{cmp['sequence_tokens']:,} tokens")
     if cmp["saved_fraction"] > 0:
         return line + f": {100 * cmp['saved_fraction']:.0f} % saved"
+    if held > full and (report.get("document") or {}).get("saved_cache"):
+        return line + ": a saved cache keeps its full N + B entries, room for later questions"
     if report["engine"] == "eager":
         return line + ": the budget holds the whole sequence, nothing was evicted"
     return line + ": the artifact's fixed cache is larger than this sequence needs"
