@@ -408,10 +408,22 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
     chosen = make_policy(s.policy, args)  # unknown policy / bad arguments before loading anything
     s.budget, s.block = s.budget or DEFAULT_BUDGET, s.block or DEFAULT_BLOCK
     s.kv_dtype = s.kv_dtype or "fp32"
+    _check_budget_text(s.budget, int(s.block))
     if s.load_cache is not None:
         _check_cache_fits_model(s, chosen)
     return RunPlan(s, artifact=False, policy_args=args, saved=saved,
                    question_scoring=s.document and chosen.uses_question and asked)
+
+
+def _check_budget_text(budget: str, block: int) -> None:
+    """--budget read before the model loads: a token budget whole (N ≥ B), a byte budget's size
+    readable — its tokens need the model's geometry and are counted when the engine opens."""
+    from .units import is_size, parse_size
+
+    if is_size(str(budget).strip()):
+        parse_size(str(budget).strip())
+    else:
+        parse_budget(budget, None, block)
 
 
 def _check_cache_fits_model(s: RunSettings, policy) -> None:

@@ -7,6 +7,7 @@ file changes."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -139,12 +140,19 @@ def test_truncated_params_says_its_real_size(art, tmp_path):
 
 @pytest.fixture(scope="module")
 def smol_q4(tmp_path_factory):
-    """SmolLM2-135M compiled as the README does (q4: its own Q4_1/Q8_0 blocks), N = 512, B = 128."""
+    """SmolLM2-135M compiled as the README does (q4: its own Q4_1/Q8_0 blocks), N = 512, B = 128.
+    EDGEKV_TEST_SMOLLM2_Q4=DIR keeps the compile there and reuses it on later runs (when it was
+    compiled by this edgekv with per-weight checksums), to spare the compile on a busy machine."""
     from edgekv.compiler import compile_model
     from edgekv.models import load_model
     from edgekv.policies import make_policy
 
-    out = tmp_path_factory.mktemp("smol-q4") / "art"
+    given = os.environ.get("EDGEKV_TEST_SMOLLM2_Q4")
+    out = Path(given) if given else tmp_path_factory.mktemp("smol-q4") / "art"
+    if (out / "program.ekv").is_file():
+        prog = pf.read(out / "program.ekv")
+        if prog.settings.get(pf.WEIGHT_CRCS) == 1 and edgekv_run(out, "--check").returncode == 0:
+            return out
     res = compile_model(load_model("smollm2-135m"), make_policy("keydiff"), 512, 128, "host", out_dir=out,
                         weights="q4")
     assert res.manifest["weights"]["format"] == "q4"
