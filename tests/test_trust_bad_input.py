@@ -223,7 +223,7 @@ def _same_but_machine(row: str, doc: str) -> bool:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    return text.replace("|", "\\|").replace("\t", "\\t")
 
 
 def table_row(case: Case, got: dict) -> str:
