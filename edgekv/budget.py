@@ -21,6 +21,7 @@ from .units import human_bytes, is_size, parse_size
 # the defaults every command shares (`edgekv run`, `compile`, `simulate`, `bench`)
 DEFAULT_BUDGET = "1k"
 DEFAULT_BLOCK = 128
+DEFAULT_POLICY = "keydiff"  # edgekv.policies re-exports it (this module loads no torch)
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 

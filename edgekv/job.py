@@ -396,6 +396,11 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
             console.warn(f"{s.model} was compiled without --question-rows, so {name} scores its blocks with their own "
                          "rows, not the question's; compile it with --question-rows N (N ≥ the question's tokens) to "
                          "read the document knowing the question")
+        if s.load_cache is not None:  # another artifact's, policy's, N's or B's cache: refused before the load
+            from .artifact import snapshot_file as sf
+
+            sf.check_matches(sf.read_header(s.load_cache), s.load_cache, engine=sf.ENGINE_COMPILED,
+                             **sf.artifact_identity(s.model, manifest))
         return RunPlan(s, artifact=True, policy_args=args, saved=saved,
                        question_scoring=s.document and bool(manifest.question_rows) and asked)
     if saved is not None:  # options not given come from the saved document (a differing one is refused)
@@ -408,8 +413,58 @@ def plan_run(settings: RunSettings, console: RunConsole | None = None) -> RunPla
     chosen = make_policy(s.policy, args)  # unknown policy / bad arguments before loading anything
     s.budget, s.block = s.budget or DEFAULT_BUDGET, s.block or DEFAULT_BLOCK
     s.kv_dtype = s.kv_dtype or "fp32"
+    _check_budget_text(s.budget, int(s.block))
+    if s.load_cache is not None:
+        _check_cache_fits_model(s, chosen)
     return RunPlan(s, artifact=False, policy_args=args, saved=saved,
                    question_scoring=s.document and chosen.uses_question and asked)
+
+
+def _check_budget_text(budget: str, block: int) -> None:
+    """--budget read before the model loads: a token budget whole (N ≥ B), a byte budget's size
+    readable — its tokens need the model's geometry and are counted when the engine opens."""
+    from .units import is_size, parse_size
+
+    if is_size(str(budget).strip()):
+        parse_size(str(budget).strip())
+    else:
+        parse_budget(budget, None, block)
+
+
+def _check_cache_fits_model(s: RunSettings, policy) -> None:
+    """--load-cache with the eager engine: the saved cache's weights, policy, N and B against this
+    run's, from the file's header and the model file's remembered hash — before the model loads
+    (the engine checks the same again when it maps the cache back). A byte --budget needs the
+    model's geometry, so it alone is compared after the load."""
+    import json
+
+    from .artifact import snapshot_file as sf
+    from .units import is_size
+
+    snap = sf.read_header(s.load_cache)
+    budget = snap.budget if is_size(str(s.budget).strip()) else parse_budget(s.budget, None, int(s.block))
+    sf.check_matches(snap, s.load_cache, engine=sf.ENGINE_EAGER, weight_hash=_known_weight_hash(s.model) or
+                     snap.weight_hash, policy=policy.name, policy_params=json.dumps(policy.params(), sort_keys=True),
+                     budget=budget, block=int(s.block))
+
+
+def _known_weight_hash(model: str | None) -> str | None:
+    """The weight hash the eager engine will record for ``model``, when it is known without loading
+    the weights: a GGUF's sha256 (remembered per file), or a converted folder's source hash; None
+    for an HF folder of its own (its hash is of the loaded tensors)."""
+    import json
+
+    from .models.loader import source_sha256
+    from .models.sources import resolve
+
+    src = resolve(model)
+    if src.kind == "gguf":
+        return source_sha256(src.path)
+    meta = Path(src.path) / "edgekv.json"
+    try:
+        return json.loads(meta.read_text()).get("source_sha256") if meta.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def model_reference(model: str | None) -> str:
@@ -538,8 +593,13 @@ def _run_document(plan: RunPlan, model, block: int, open_session, made_from: str
                                   if plan.question_scoring else ""))
     else:
         console.say(f"answering from {s.load_cache}: a document of {plan.saved['tokens']:,} tokens, read before")
+    # the caches hold what this run's longest sequence needs (document + longest question + output:
+    # each question continues from the document's state), never more; a cache saved for later
+    # questions (--save-cache) keeps its full N + B, and a loaded one has the size it was saved with
+    later = s.save_cache is not None or doc_ids is None
     with console.prefill_progress(len(doc_ids) if doc_ids is not None else 0, block) as advance:
-        session = open_session(None, longest if doc_ids is not None else 0)
+        session = open_session(None if later else start + longest + s.max_new_tokens,
+                               longest if doc_ids is not None else 0)
         result = run(session, model, document_ids=None if doc_ids is None else torch.tensor(doc_ids, dtype=torch.long),
                      questions=questions, max_new_tokens=s.max_new_tokens,
                      new_sampler=new_sampler_factory(s.temperature, s.top_p, s.seed), chat=s.chat,

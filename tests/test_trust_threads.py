@@ -83,3 +83,38 @@ def test_sigint_ends_edgekv_run_promptly(art):
     print(f"\nedgekv-run --threads 64 exited {seconds:.3f} s after SIGINT (exit {proc.returncode})")
     assert proc.returncode == 130, err
     assert "cancelled" in err
+
+
+@needs_native
+def test_sigint_ends_the_python_cli_inside_one_long_native_call(art, tmp_path):
+    """`edgekv run ARTIFACT` makes one ctypes call for the whole prefill: Ctrl-C in the middle of it
+    must end the run (the runtime's cancel flag, set from the waiting main thread), with exit 130
+    and one line, not a traceback after the prefill."""
+    import os
+    import sys
+
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("a b c d e f g h " * 6000)  # ~96k tokens of the byte tokenizer: one long prefill call
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    proc = subprocess.Popen([sys.executable, "-m", "edgekv", "run", str(art), "--prompt-file", str(prompt),
+                             "--max-new-tokens", "4", "--allow-beyond-context", "--runtime", "native"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    said = []
+    for line in proc.stderr:  # wait until the prefill call has begun
+        said.append(line)
+        if "prefill:" in line:
+            break
+    time.sleep(1.5)
+    assert proc.poll() is None, "the run ended before the signal: make the prompt longer\n" + "".join(said)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest, _ = proc.communicate(timeout=10)[1], None
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("edgekv run ignored SIGINT for 10 s (the native prefill ran on)")
+    seconds = time.perf_counter() - t0
+    err = "".join(said) + (rest or "")
+    print(f"\nedgekv run ARTIFACT exited {seconds:.3f} s after SIGINT (exit {proc.returncode})")
+    assert proc.returncode == 130, err
+    assert "cancelled (Ctrl-C)" in err and "Traceback" not in err, err

@@ -7,6 +7,7 @@ file changes."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,48 @@ def test_truncated_params_says_its_real_size(art, tmp_path):
     os.truncate(bad / PARAMS_FILE, size - 64)
     res = edgekv_run(bad, "--check")
     assert res.returncode == 2 and f"is {size - 64} bytes but the program expects {size}" in res.stderr, res.stderr
+
+
+@pytest.fixture(scope="module")
+def smol_q4(tmp_path_factory):
+    """SmolLM2-135M compiled as the README does (q4: its own Q4_1/Q8_0 blocks), N = 512, B = 128.
+    EDGEKV_TEST_SMOLLM2_Q4=DIR keeps the compile there and reuses it on later runs (when it was
+    compiled by this edgekv with per-weight checksums), to spare the compile on a busy machine."""
+    from edgekv.compiler import compile_model
+    from edgekv.models import load_model
+    from edgekv.policies import make_policy
+
+    given = os.environ.get("EDGEKV_TEST_SMOLLM2_Q4")
+    out = Path(given) if given else tmp_path_factory.mktemp("smol-q4") / "art"
+    if (out / "program.ekv").is_file():
+        prog = pf.read(out / "program.ekv")
+        if prog.settings.get(pf.WEIGHT_CRCS) == 1 and edgekv_run(out, "--check").returncode == 0:
+            return out
+    res = compile_model(load_model("smollm2-135m"), make_policy("keydiff"), 512, 128, "host", out_dir=out,
+                        weights="q4")
+    assert res.manifest["weights"]["format"] == "q4"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+@needs_native
+def test_smollm2_q4_with_one_flipped_byte_is_refused_by_both_runtimes(smol_q4, tmp_path):
+    """The issue's own case on the real model: one byte flipped in a weight of a SmolLM2 q4 artifact
+    answered garbage with exit 0; by default both runtimes now refuse it, naming the weight."""
+    bad = copy_artifact(smol_q4, tmp_path / "bad")
+    weights = [b for b in pf.read(bad / "program.ekv").buffers if b.kind == pf.WEIGHT]
+    weight = weights[len(weights) // 2]  # a layer in the middle of the model
+    with open(bad / PARAMS_FILE, "r+b") as f:
+        f.seek(weight.a + weight.b // 3)
+        byte = f.read(1)[0]
+        f.seek(weight.a + weight.b // 3)
+        f.write(bytes([byte ^ 0x01]))
+    question = "What is the capital of France?"
+    for name, res in (("edgekv run", edgekv("run", bad, "--prompt", question, "--max-new-tokens", "8")),
+                      ("edgekv-run", edgekv_run(bad, "--prompt", question, "--max-new-tokens", "8"))):
+        said = res.stderr.replace("\n", "")
+        assert res.returncode == 2, f"{name}: exit {res.returncode}: {res.stderr}"
+        assert f"weight {weight.name}" in said and "fails its checksum" in said, f"{name}: {res.stderr}"
+        assert res.stdout.strip() == "", f"{name} answered: {res.stdout}"  # no garbage presented as an answer
+    assert edgekv_run(smol_q4, "--prompt", question, "--max-new-tokens", "4").returncode == 0  # the intact copy runs

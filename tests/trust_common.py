@@ -50,9 +50,10 @@ def copy_artifact(art: Path, dest: Path) -> Path:
     return dest
 
 
-def edgekv(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
-    """`edgekv ...` in a child process, as a user runs it, piped (no terminal width set)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH", "LINES")}
+def edgekv(*args, timeout=300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`edgekv ...` in a child process, as a user runs it, piped (no terminal width set); ``env``:
+    variables to set on top of this process's."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH", "LINES")}, **(env or {})}
     return subprocess.run([sys.executable, "-m", "edgekv", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, **kw)
 

@@ -51,9 +51,7 @@ ENGINE_EAGER, ENGINE_COMPILED = 1, 2
 KV_DTYPE_CODES = {"float32": 0, "int8": 1}  # header field 100 (the C runtime's names)
 
 
-class SnapshotError(ValueError):
-    """A snapshot that cannot be used here: corrupt, truncated, another format, or made for
-    other weights / another artifact / other settings. The message says which and what to do."""
+from ..errors import SnapshotError  # noqa: E402,F401  (declared in edgekv.errors, which loads no numpy)
 
 
 def _align(n: int) -> int:
@@ -209,6 +207,22 @@ def check_matches(snap: Snapshot, path, *, engine: int, weight_hash: str, policy
                             f"{_kv_name(kv_dtype)}; make it again with this artifact")
     if engine == ENGINE_COMPILED and snap.program_crc != program_crc:
         raise SnapshotError(f"{path} was made with another artifact (its program differs); make it again")
+
+
+def artifact_identity(path, manifest) -> dict:
+    """What a snapshot made with the artifact in ``path`` records of it, from its manifest and
+    program.ekv alone (nothing loaded): ``check_matches``'s arguments for ``ENGINE_COMPILED``."""
+    import json
+
+    from . import ArtifactError, crc32_file
+
+    program = Path(path) / "program.ekv"
+    if not program.is_file():
+        raise ArtifactError("cache snapshots need an artifact directory with program.ekv (recompile it)")
+    return {"weight_hash": manifest.weight_hash, "policy": manifest.policy_name,
+            "policy_params": json.dumps(manifest.policy_params, sort_keys=True), "budget": int(manifest.budget),
+            "block": int(manifest.block), "program_crc": crc32_file(program),
+            "kv_dtype": KV_DTYPE_CODES["int8" if manifest.kv_dtype == "int8" else "float32"]}
 
 
 def _kv_name(code: int) -> str:

@@ -12,9 +12,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET
+from ..budget import DEFAULT_BLOCK, DEFAULT_BUDGET, DEFAULT_POLICY
 from ..errors import InputError
-from ..policies import DEFAULT_POLICY
 
 # Piped or redirected, rich would wrap at 80 columns and cut option names in half: a console
 # that is not a terminal gets a wide width (a line is never wrapped mid-message), a terminal its own.
@@ -68,6 +67,23 @@ def fail(exc: Exception) -> None:
     """A user error (``errors.USER_ERRORS``): one line on stderr, no traceback, exit status 2."""
     err.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(2)
+
+
+def cancelled(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C: one line saying what stopped, no traceback, exit status 130 (as edgekv-run's). The
+    process ends here, without the interpreter's teardown: with torch and TVM loaded that takes
+    seconds on a busy machine, and the user asked to stop now (every file edgekv writes is written
+    whole or not at all, so nothing is left half-done)."""
+    import sys
+
+    what = str(exc) or "cancelled (Ctrl-C)"
+    err.print(f"\n[dim]edgekv:[/] {what}; nothing more was written", highlight=False)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(130)
 
 
 def say(msg: str) -> None:
@@ -181,20 +197,18 @@ def parse_kv_dtype(kv_dtype: str | None, option: str = "--kv-dtype") -> str | No
 
 
 def compiler_errors() -> tuple[type[Exception], ...]:
-    """Errors of the compiled path that are the user's to fix (imported lazily: TVM is optional)."""
-    errors: list[type[Exception]] = []
-    try:
-        from ..runtime.host import ArtifactError
+    """Errors of the compiled path that are the user's to fix. ``ArtifactError`` is light and always
+    caught; the compiler's are taken only from modules already loaded (an error a module raised
+    means the module is loaded), so a refusal made before any model loads imports neither TVM nor
+    torch just to name the errors it does not have."""
+    import sys
 
-        errors.append(ArtifactError)
-    except ImportError:
-        pass
-    try:
-        from ..compiler.passes.attention_sites import AttentionMatchError
-        from ..compiler.errors import CompileError
-        from ..compiler.policy_kernels import UnsupportedPolicyError
+    from ..artifact.errors import ArtifactError
 
-        errors += [AttentionMatchError, CompileError, UnsupportedPolicyError]
-    except ImportError:
-        pass
+    errors: list[type[Exception]] = [ArtifactError]
+    for module, names in (("edgekv.compiler.passes.attention_sites", ("AttentionMatchError",)),
+                          ("edgekv.compiler.errors", ("CompileError",)),
+                          ("edgekv.compiler.policy_kernels", ("UnsupportedPolicyError",))):
+        loaded = sys.modules.get(module)
+        errors += [getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name)]
     return tuple(errors)

@@ -15,8 +15,8 @@ from rich.table import Table
 from ..errors import USER_ERRORS, InputError
 from ..output_files import check_writable
 from ..units import human_bytes
-from .common import (HELP, BeyondContext, MemLimit, NoVerify, ReportPath, Temperature, Threads, TopP, check_block,
-                     check_sampling, compiler_errors, err, fail, out, parse_kv_dtype, parse_mem_limit,
+from .common import (HELP, BeyondContext, MemLimit, NoVerify, ReportPath, Temperature, Threads, TopP, cancelled,
+                     check_block, check_sampling, compiler_errors, err, fail, out, parse_kv_dtype, parse_mem_limit,
                      prefill_progress, read_prompt, say, setup_threads, warn)
 
 
@@ -30,6 +30,8 @@ def kv_line(report: dict) -> str:
             f"{cmp['sequence_tokens']:,} tokens")
     if cmp["saved_fraction"] > 0:
         return line + f": {100 * cmp['saved_fraction']:.0f} % saved"
+    if held > full and (report.get("document") or {}).get("saved_cache"):
+        return line + ": a saved cache keeps its full N + B entries, room for later questions"
     if report["engine"] == "eager":
         return line + ": the budget holds the whole sequence, nothing was evicted"
     return line + ": the artifact's fixed cache is larger than this sequence needs"
@@ -107,6 +109,8 @@ def run_cmd(
                     threads=threads, runtime=runtime, kv_dtype=kv_dtype, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
+    except KeyboardInterrupt as exc:  # the native runtime's Cancelled too: it stopped at its next kernel
+        cancelled(exc)
 
 
 def ask_cmd(
@@ -133,6 +137,8 @@ def ask_cmd(
                     runtime=runtime, no_verify=no_verify)
     except USER_ERRORS + compiler_errors() as exc:
         fail(exc)
+    except KeyboardInterrupt as exc:  # the native runtime's Cancelled too: it stopped at its next kernel
+        cancelled(exc)
 
 
 COMPRESS_HELP = ("how the document is compressed as it is read: reconstruct (KVzip's reconstruction score, "
@@ -167,15 +173,16 @@ def check_document_options(prompt, prompt_file, questions, save_cache, load_cach
 def run_command(model, *, prompt, prompt_file, chat, questions, save_cache, load_cache, budget, block, policy,
                 policy_arg, max_new_tokens, temperature, top_p, seed, output, mem_limit, allow_beyond_context,
                 threads, runtime, kv_dtype=None, no_verify=False) -> None:
-    """`edgekv run` and `edgekv ask`: check every option, then the run (``edgekv/job.py``), printed."""
-    from .. import job
-
+    """`edgekv run` and `edgekv ask`: check every option, then the run (``edgekv/job.py``), printed.
+    The checks come first and load nothing heavy: ``job`` (torch) is imported after them."""
     kv_dtype = parse_kv_dtype(kv_dtype)
     check_writable(output, "-o/--output")
     check_document_options(prompt, prompt_file, questions, save_cache, load_cache)
     text = read_prompt(prompt, prompt_file) if load_cache is None else None
     check_sampling(temperature, top_p, max_new_tokens)
     check_block(block)
+    from .. import job
+
     settings = job.RunSettings(model=model, text=text, chat=chat, questions=list(questions), save_cache=save_cache,
                                load_cache=load_cache, budget=budget, block=block, policy=policy, policy_arg=policy_arg,
                                kv_dtype=kv_dtype, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

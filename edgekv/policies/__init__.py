@@ -35,7 +35,7 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
-DEFAULT_POLICY = "keydiff"
+from ..budget import DEFAULT_POLICY  # noqa: E402  (declared with the other shared defaults)
 
 # `--compress MODE`: how a document is compressed as it is read, by the policy that does it
 # (``reconstruct.py``: KVzip's reconstruction score, block-wise)

@@ -96,8 +96,7 @@ class Selection:
 # decode function's attention kernel and keeps the derived state as cache tensors.)
 
 
-class PolicyError(ValueError):
-    """A policy cannot run with the given budget / arguments; the message says how to fix it."""
+from ..errors import PolicyError  # noqa: E402,F401  (declared in edgekv.errors: `edgekv --help` loads no torch)
 
 
 @dataclass

@@ -230,17 +230,11 @@ class HostRuntime:
 
     # ---- snapshots (edgekv/artifact/snapshot_file.py; the native runtime reads the same files) --
     def _snapshot_identity(self) -> dict:
-        from ..artifact import crc32_file
         from ..artifact import snapshot_file as sf
 
-        if self.path is None or not (self.path / "program.ekv").is_file():
+        if self.path is None:
             raise ArtifactError("cache snapshots need an artifact directory with program.ekv (recompile it)")
-        import json
-
-        return {"weight_hash": self.manifest.weight_hash, "policy": self.policy,
-                "policy_params": json.dumps(self.manifest.policy_params, sort_keys=True),
-                "budget": self.budget, "block": self.block, "program_crc": crc32_file(self.path / "program.ekv"),
-                "kv_dtype": sf.KV_DTYPE_CODES["int8" if self.manifest.kv_dtype == "int8" else "float32"]}
+        return sf.artifact_identity(self.path, self.manifest)
 
     def save_cache(self, path, question: str | None = None, chat: bool = False, made_from: str = "") -> None:
         """Save every cache tensor and the position to one file, atomically. The file names this

@@ -174,6 +174,53 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+class Cancelled(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended a native call: the runtime stopped at its next kernel call."""
+
+
+class _InterruptibleCalls:
+    """Long native calls (a prefill, a decode step) made so that Ctrl-C ends them within one kernel.
+
+    A ctypes call holds the main thread until it returns, and Python runs its SIGINT handler only
+    between bytecodes of that thread: a minute-long prefill would ignore Ctrl-C for a minute (and a
+    KeyboardInterrupt raised inside a progress callback is dropped by ctypes). So the call runs on
+    one worker thread and the main thread waits for it in short, interruptible waits; on Ctrl-C it
+    sets the session's cancel flag (``ekv_session_cancel``: the runtime checks it between kernel
+    calls), waits for the call to return and raises ``Cancelled``. Off the main thread (no signals
+    there) the call is made directly."""
+
+    def __init__(self):
+        self._pool = None
+
+    def call(self, cancel, fn, *args):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args)
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgekv-native")
+        future = self._pool.submit(fn, *args)
+        try:
+            return future.result()  # a Condition wait: SIGINT's KeyboardInterrupt interrupts it
+        except KeyboardInterrupt:
+            cancel()
+            while True:  # the runtime stops at its next kernel call; a second Ctrl-C does not abandon it
+                try:
+                    future.result()
+                    break
+                except KeyboardInterrupt:
+                    continue
+                except Exception:  # noqa: BLE001 - the cancelled call's own error is not the story
+                    break
+            raise Cancelled("cancelled (Ctrl-C): the native runtime stopped at its next kernel call") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
 
 class NativeRuntime:
     """A compiled artifact run by the native runtime (libedgekv_runtime) — a ``Session``
@@ -230,9 +277,16 @@ class NativeRuntime:
         self.weights_check = WeightsCheck(WEIGHTS_CHECK.get(self.info["weights_check"], "unchecked"),
                                           self.info["verify_seconds"])
         self._block_hook = None
+        self._calls = _InterruptibleCalls()
+
+    def _long_call(self, fn, *args) -> int:
+        """``fn(*args)`` (a session call that may run long), ended by Ctrl-C within one kernel."""
+        return self._calls.call(lambda: self.lib.ekv_session_cancel(self._session), fn, *args)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
+        if getattr(self, "_calls", None) is not None:
+            self._calls.close()
         if getattr(self, "_session", None):
             self.lib.ekv_session_free(self._session)
             self._session = None
@@ -317,12 +371,12 @@ class NativeRuntime:
             return 0
 
         fn = PROGRESS_FN(cb)
-        self._check(self.lib.ekv_session_prefill(self._session, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-                                                 ids.size, fn, None))
+        self._check(self._long_call(self.lib.ekv_session_prefill, self._session,
+                                    ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), ids.size, fn, None))
         return self._logits()
 
     def decode(self, token_id: int):
-        self._check(self.lib.ekv_session_decode(self._session, int(token_id)))
+        self._check(self._long_call(self.lib.ekv_session_decode, self._session, int(token_id)))
         return self._logits()
 
     def generate(self, prompt_ids, max_new_tokens: int, sampler=None, eos_ids=(), on_token=None, progress=None):

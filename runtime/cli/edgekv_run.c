@@ -702,6 +702,10 @@ int main(int argc, char **argv) {
     if (rc != 0) return 2;
   }
   if (o.repeat_open > 0) return repeat_open(&o);
+  if (o.load_cache != NULL) { /* a cache from another artifact, policy, N or B: refused before the load */
+    char why[1024];
+    if (ekv_snapshot_check(o.artifact, o.load_cache, why, sizeof why) != EKV_OK) return fail("%s%s", why, "");
+  }
   ekv_model_options mo;
   ekv_model_options_init(&mo);
   mo.threads = o.threads;

@@ -225,6 +225,11 @@ ekv_status ekv_session_save(ekv_session *session, const char *path, const char *
  * from it; refused when it was made for other weights, another artifact or other settings, or
  * fails its checksums. Load it again to answer another question from the same state. */
 ekv_status ekv_session_load(ekv_session *session, const char *path);
+/* Whether the snapshot at `path` can be loaded into a session of the artifact in `artifact_dir`,
+ * judged from program.ekv and the snapshot's header alone — nothing is loaded, no weight mapped —
+ * so that a cache made with another artifact, policy, N, B or K/V format is refused before the
+ * slow part (edgekv-run --load-cache calls it first). The reason goes to `msg` (cap bytes). */
+ekv_status ekv_snapshot_check(const char *artifact_dir, const char *path, char *msg, size_t cap);
 
 /* What a loaded snapshot records (strings point into the mapping; valid until the next load,
  * reset or free). */

@@ -231,6 +231,22 @@ ekv_status ekv_model_open(const char *artifact_dir, const ekv_model_options *opt
   return st;
 }
 
+ekv_status ekv_snapshot_check(const char *artifact_dir, const char *path, char *msg, size_t cap) {
+  ekv_model *m = ekv_alloc(sizeof *m, EKV_MEM_RUNTIME); /* the program only: no device, library or weights */
+  if (m == NULL) {
+    if (msg != NULL && cap > 0) snprintf(msg, cap, "out of memory");
+    return EKV_ERR_NO_MEMORY;
+  }
+  ekv_status st = artifact_dir == NULL || path == NULL
+                      ? ekv_fail(&m->err, EKV_ERR_INVALID_ARG, "no artifact directory or snapshot given")
+                      : read_program(m, artifact_dir);
+  if (st == EKV_OK) st = ekv_snapshot_check_header(&m->err, m, path);
+  if (msg != NULL && cap > 0) snprintf(msg, cap, "%s", st == EKV_OK ? "" : m->err.msg);
+  ekv_program_free(&m->prog);
+  ekv_free(m);
+  return st;
+}
+
 void ekv_model_close(ekv_model *m) {
   if (m == NULL) return;
   /* the weights in reverse order of upload, once the device is done with them; then the device */

@@ -63,6 +63,9 @@ struct ekv_session {
 void ekv_session_bind_caches(ekv_session *s, void *const *cache_data);
 /* Unmap a loaded snapshot and point the caches back at the session's own buffers. */
 void ekv_snapshot_release(ekv_session *s);
+/* A snapshot's header checked against the artifact `m` (only its program is needed: format,
+ * checksum, engine, weights, policy, N, B, K/V format, program CRC); the message in `err`. */
+ekv_status ekv_snapshot_check_header(ekv_error *err, const ekv_model *m, const char *path);
 
 /* Run one program function: its calls in order, on the model's pool. */
 ekv_status ekv_run_function(ekv_session *s, int function);

@@ -219,57 +219,80 @@ static ekv_status refuse(ekv_session *s, ekv_mapped_file *f, ekv_status st, cons
   return ekv_fail(&s->err, st, "%s: %s", path, why);
 }
 
+/* The header of a snapshot mapped copy-on-write (its crc field is zeroed in place to check it)
+ * against the artifact `m`: format, checksum, engine, weights, policy, N, B, K/V format, program.
+ * Needs only m's program (read_program), not its weights: ekv_snapshot_check runs it before
+ * anything loads. The file stays mapped; `strings` points at its strings table. */
+static ekv_status check_header(ekv_error *err, const ekv_model *m, const ekv_mapped_file *f, const char *path,
+                               const char **strings_out) {
+  const ekv_program *p = &m->prog;
+  const unsigned char *d = f->data;
+  char why[512];
+  if (f->size < HEADER || memcmp(d, MAGIC, 8) != 0)
+    return ekv_fail(err, EKV_ERR_FORMAT, "%s: not an edgekv cache snapshot (bad magic or truncated)", path);
+  if (ekv_le16(d + 8) != SNAP_MAJOR)
+    return ekv_fail(err, EKV_ERR_FORMAT, "%s: snapshot format %u.%u, this runtime reads %u.x: make it again with "
+                    "this edgekv", path, ekv_le16(d + 8), ekv_le16(d + 10), SNAP_MAJOR);
+  uint32_t head = ekv_le32(d + 12), n = ekv_le32(d + 16), strings = ekv_le32(d + 20);
+  if (head > f->size || (uint64_t)HEADER + (uint64_t)ENTRY * n + strings > head)
+    return ekv_fail(err, EKV_ERR_FORMAT, "%s: the header is truncated or corrupt", path);
+  unsigned char *hd = (unsigned char *)f->data; /* private mapping: zero the crc field to check it */
+  uint32_t stored = ekv_le32(hd + 248);
+  put32(hd + 248, 0);
+  uint32_t computed = ekv_crc32(0, hd, head);
+  put32(hd + 248, stored);
+  if (stored != computed) return ekv_fail(err, EKV_ERR_FORMAT, "%s: the header fails its checksum (corrupt)", path);
+  const char *str = (const char *)d + HEADER + (size_t)ENTRY * n;
+  if (strings < 3 || str[strings - 1] != '\0') return ekv_fail(err, EKV_ERR_FORMAT, "%s: corrupt strings", path);
+  const char *policy = str, *params = nth_string(str, strings, 1), *question = nth_string(str, strings, 2);
+  if (params == NULL || question == NULL) return ekv_fail(err, EKV_ERR_FORMAT, "%s: corrupt strings", path);
+  unsigned char weights[32];
+  if (ekv_le32(d + 48) != ENGINE_COMPILED)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: made by the eager engine; load it with `edgekv run` without an "
+                    "artifact, or make one with this artifact", path);
+  if (!hex_to_bytes(ekv_program_str(p, "weight_hash"), weights) || memcmp(weights, d + 56, 32) != 0)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: made for other model weights than this artifact's", path);
+  if (strcmp(policy, ekv_program_str(p, "policy")) != 0 || strcmp(params, ekv_program_str(p, "policy_params")) != 0) {
+    snprintf(why, sizeof why, "made with policy %s %s, this artifact runs %s %s", policy, params,
+             ekv_program_str(p, "policy"), ekv_program_str(p, "policy_params"));
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: %s", path, why);
+  }
+  if (ekv_le32(d + 40) != (uint32_t)p->budget || ekv_le32(d + 44) != (uint32_t)p->block)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: made at N = %u, B = %u, this artifact has N = %d, B = %d", path,
+                    ekv_le32(d + 40), ekv_le32(d + 44), p->budget, p->block);
+  if (ekv_le32(d + 100) != m->kv_dtype)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: its KV cache is stored as %s, this artifact stores %s; make it again "
+                    "with this artifact", path, kv_dtype_name(ekv_le32(d + 100)), kv_dtype_name(m->kv_dtype));
+  if (ekv_le32(d + 88) != m->program_crc)
+    return ekv_fail(err, EKV_ERR_MISMATCH, "%s: made with another artifact (its program differs); make it again",
+                    path);
+  if (strings_out != NULL) *strings_out = str;
+  return EKV_OK;
+}
+
+ekv_status ekv_snapshot_check_header(ekv_error *err, const ekv_model *m, const char *path) {
+  ekv_mapped_file f;
+  EKV_TRY(ekv_map_file_private(err, path, &f));
+  ekv_status st = check_header(err, m, &f, path, NULL);
+  ekv_unmap_file(&f);
+  return st;
+}
+
 ekv_status ekv_session_load(ekv_session *s, const char *path) {
   ekv_model *m = s->model;
   const ekv_program *p = &m->prog;
   ekv_mapped_file f;
   EKV_TRY(ekv_map_file_private(&s->err, path, &f));
   const unsigned char *d = f.data;
-  char why[512];
-  if (f.size < HEADER || memcmp(d, MAGIC, 8) != 0)
-    return refuse(s, &f, EKV_ERR_FORMAT, path, "not an edgekv cache snapshot (bad magic or truncated)");
-  if (ekv_le16(d + 8) != SNAP_MAJOR) {
-    snprintf(why, sizeof why, "snapshot format %u.%u, this runtime reads %u.x: make it again with this edgekv",
-             ekv_le16(d + 8), ekv_le16(d + 10), SNAP_MAJOR);
-    return refuse(s, &f, EKV_ERR_FORMAT, path, why);
+  const char *str = NULL;
+  ekv_status hs = check_header(&s->err, m, &f, path, &str);
+  if (hs != EKV_OK) {
+    ekv_unmap_file(&f);
+    return hs;
   }
-  uint32_t head = ekv_le32(d + 12), n = ekv_le32(d + 16), strings = ekv_le32(d + 20);
-  if (head > f.size || (uint64_t)HEADER + (uint64_t)ENTRY * n + strings > head)
-    return refuse(s, &f, EKV_ERR_FORMAT, path, "the header is truncated or corrupt");
-  unsigned char *hd = (unsigned char *)f.data; /* private mapping: zero the crc field to check it */
-  uint32_t stored = ekv_le32(hd + 248);
-  put32(hd + 248, 0);
-  uint32_t computed = ekv_crc32(0, hd, head);
-  put32(hd + 248, stored);
-  if (stored != computed) return refuse(s, &f, EKV_ERR_FORMAT, path, "the header fails its checksum (corrupt)");
-  const char *str = (const char *)d + HEADER + (size_t)ENTRY * n;
-  if (strings < 3 || str[strings - 1] != '\0') return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
-  const char *policy = str, *params = nth_string(str, strings, 1), *question = nth_string(str, strings, 2);
-  if (params == NULL || question == NULL) return refuse(s, &f, EKV_ERR_FORMAT, path, "corrupt strings");
+  uint32_t n = ekv_le32(d + 16), strings = ekv_le32(d + 20);
+  const char *question = nth_string(str, strings, 2);
   const char *made_from = ekv_le16(d + 10) >= 1 ? nth_string(str, strings, 4) : NULL;
-  unsigned char weights[32];
-  if (ekv_le32(d + 48) != ENGINE_COMPILED)
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made by the eager engine; load it with `edgekv run` without an "
-                  "artifact, or make one with this artifact");
-  if (!hex_to_bytes(ekv_program_str(p, "weight_hash"), weights) || memcmp(weights, d + 56, 32) != 0)
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made for other model weights than this artifact's");
-  if (strcmp(policy, ekv_program_str(p, "policy")) != 0 || strcmp(params, ekv_program_str(p, "policy_params")) != 0) {
-    snprintf(why, sizeof why, "made with policy %s %s, this artifact runs %s %s", policy, params,
-             ekv_program_str(p, "policy"), ekv_program_str(p, "policy_params"));
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
-  }
-  if (ekv_le32(d + 40) != (uint32_t)p->budget || ekv_le32(d + 44) != (uint32_t)p->block) {
-    snprintf(why, sizeof why, "made at N = %u, B = %u, this artifact has N = %d, B = %d", ekv_le32(d + 40),
-             ekv_le32(d + 44), p->budget, p->block);
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
-  }
-  if (ekv_le32(d + 100) != m->kv_dtype) {
-    snprintf(why, sizeof why, "its KV cache is stored as %s, this artifact stores %s; make it again with this artifact",
-             kv_dtype_name(ekv_le32(d + 100)), kv_dtype_name(m->kv_dtype));
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, why);
-  }
-  if (ekv_le32(d + 88) != m->program_crc)
-    return refuse(s, &f, EKV_ERR_MISMATCH, path, "made with another artifact (its program differs); make it again");
   size_t slots = (size_t)p->num_layers * p->n_fields;
   if (n != slots) return refuse(s, &f, EKV_ERR_MISMATCH, path, "its cache layout differs from this artifact's");
   void **where = ekv_alloc(sizeof(void *) * (p->n_buffers + 1u), EKV_MEM_RUNTIME);

@@ -135,7 +135,7 @@ def write_md(result: dict, path: Path) -> None:
             lines.append(f"| {name} | {r['params_bytes'] / 2**20:,.0f} MiB | {r['weights']} | {pages} | "
                          f"{m['off']['open_seconds_median']:.3f} | {m['full']['open_seconds_median']:.3f} | "
                          f"{crc:.3f} | {m['stamped']['open_seconds_median']:.3f} | {mbs:,.0f} | "
-                         f"{r['python_check_seconds'] if pages == 'warm' else float('nan'):.3f} |")
+                         + (f"{r['python_check_seconds']:.3f} |" if pages == "warm" else "— |"))  # timed warm only
     lines += ["", "Scaling: the check reads every weight byte once, so its cost is the params size over the "
               "check's throughput (the `check MB/s` column; the CRC runs on the kernel threads, slicing by 8): linear "
               "in the file size, paid on the first open of a file only — later opens cost a `stat` of the params "
