@@ -85,7 +85,7 @@ class LoadedModel:
         if self.known_weight_hash:
             return self.known_weight_hash
         if self.weights_in_file:  # hashing the tensors would read (dequantise) every one of them
-            from .loader import source_sha256
+            from .file_hash import source_sha256
 
             return source_sha256(Path(self.weights.path))
         digest = hashlib.sha256()

@@ -12,7 +12,6 @@ GGUF loader (the whole model in memory)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -27,6 +26,7 @@ from rich.console import Console
 from .config import CHAT_TEMPLATES, GGUF_ARCHITECTURES, check_architecture, config_from_hf
 from .errors import ModelError
 from .gguf_weights import STREAMED_ARCHS, GGUFWeights
+from .file_hash import source_sha256
 from .loaded import LoadedModel
 from .sources import ModelSource, cache_root, resolve
 
@@ -36,14 +36,6 @@ _OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|bad_a
 
 class ModelMemoryError(ModelError, MemoryError):
     """The model does not fit in the memory left (an allocation failed while loading it)."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _gguf_tokenizer_fields(path: Path, reader=None) -> dict:
@@ -336,31 +328,6 @@ def convert_gguf(path: Path, dest: Path, console: Console) -> None:
             else:
                 _fixed_tokenizer(converted_tok, tok_meta).save_pretrained(str(tmp))
             _write_conversion_meta(tmp, path, model_type)
-
-
-def source_sha256(path: Path) -> str:
-    """sha256 of a model file, remembered per (path, size, mtime) in the cache so that a file is
-    hashed once, not on every load."""
-    stat = path.stat()
-    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo = cache_root() / "converted" / "hashes.json"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if memo_key in known:
-        return known[memo_key]
-    digest = _sha256(path)
-    known[memo_key] = digest
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="hashes.", dir=memo.parent)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(known, fh, indent=1)
-        os.replace(tmp, memo)
-    except OSError:
-        pass  # a read-only cache still works, it just hashes again next time
-    return digest
 
 
 def cached_conversions() -> list[dict]:
