@@ -4,11 +4,7 @@ import android.system.ErrnoException;
 import android.system.Os;
 
 import java.io.File;
-import java.io.FileInputStream;
-import java.io.FileOutputStream;
 import java.io.IOException;
-import java.io.InputStream;
-import java.io.OutputStream;
 
 /**
  * Makes a pushed artifact loadable. `adb push` can write the app's external files directory
@@ -60,18 +56,7 @@ final class Staging {
     private static void copyIfChanged(File from, File to) throws IOException {
         if (to.isFile() && to.length() == from.length() && to.lastModified() == from.lastModified()) return;
         File part = new File(to.getPath() + ".part");
-        InputStream in = new FileInputStream(from);
-        try {
-            OutputStream out = new FileOutputStream(part);
-            try {
-                byte[] buf = new byte[1 << 16];
-                for (int n; (n = in.read(buf)) > 0;) out.write(buf, 0, n);
-            } finally {
-                out.close();
-            }
-        } finally {
-            in.close();
-        }
+        ModelStore.copyFile(from, part);
         if (to.exists() && !to.delete()) throw new IOException("cannot replace " + to);
         if (!part.renameTo(to)) throw new IOException("cannot write " + to);
         to.setLastModified(from.lastModified());
