@@ -148,7 +148,7 @@ COMPRESS_HELP = ("how the document is compressed as it is read: reconstruct (KVz
 
 def compressed(policy: Optional[str], compress: Optional[str]) -> Optional[str]:
     """--compress MODE: the policy that reads the document (``policies.compress_policy``)."""
-    from ..policies import compress_policy
+    from ..policy_labels import compress_policy
 
     return compress_policy(policy, compress)
 

@@ -218,7 +218,7 @@ def compression_modes() -> dict[str, str]:
     """The tree's compression modes ({mode: the policy that reads with it}); empty before issue 34's
     ``--compress`` lands."""
     try:
-        from ..policies import COMPRESS_MODES
+        from ..policy_labels import COMPRESS_MODES
     except ImportError:
         return {}
     return dict(COMPRESS_MODES)

@@ -36,36 +36,12 @@ REGISTRY: dict[str, type[Policy]] = {
 
 
 from ..budget import DEFAULT_POLICY  # noqa: E402  (declared with the other shared defaults)
+from ..policy_labels import COMPRESS_MODES, base_policy, compress_policy  # noqa: E402,F401  (light: the CLI checks before torch)
 
 # `--compress MODE`: how a document is compressed as it is read, by the policy that does it
 # (``reconstruct.py``: KVzip's reconstruction score, block-wise)
-COMPRESS_MODES = {"reconstruct": "reconstruct"}
-
-
-def compress_policy(policy: str | None, compress: str | None) -> str | None:
-    """The policy a run reads its document with, given ``--policy`` and ``--compress``: the mode's
-    own policy (a different --policy is refused: the mode decides what the cache keeps), else
-    ``policy`` unchanged. ``compress`` None or "none": no mode."""
-    if compress is None or compress == "none":
-        return policy
-    if compress not in COMPRESS_MODES:
-        raise PolicyError(f"--compress {compress!r} is not a compression mode; known: "
-                          f"{', '.join(['none', *COMPRESS_MODES])}")
-    mode = COMPRESS_MODES[compress]
-    if policy is not None and base_policy(policy) != mode:
-        raise PolicyError(f"--compress {compress} scores the document itself and replaces the eviction policy: "
-                          f"drop --policy {policy} (or run --policy {policy} without --compress)")
-    return mode
-
-
 def policy_names() -> list[str]:
     return sorted(REGISTRY)
-
-
-def base_policy(label: str) -> str:
-    """The registered policy a label names: ``snapkv++#k15`` is a variant of ``snapkv++`` (a sweep
-    runs several settings of one policy side by side, each with its own ``--policy-arg LABEL:k=v``)."""
-    return label.split("#", 1)[0]
 
 
 def _coerce(value: str, annotation: typing.Any, policy: str, key: str):
@@ -133,5 +109,5 @@ def make_policy(name: str, args: dict[str, str] | None = None) -> Policy:
     return cls(**kwargs)
 
 
-__all__ = ["DEFAULT_POLICY", "base_policy", "EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy",
+__all__ = ["COMPRESS_MODES", "compress_policy", "DEFAULT_POLICY", "base_policy", "EvictionContext", "Policy", "PolicyError", "Selection", "REGISTRY", "make_policy",
            "policy_arguments", "policy_names", "topk_keep"]
