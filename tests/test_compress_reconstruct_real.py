@@ -88,4 +88,4 @@ def test_c_and_python_native_paths_agree(result):
 def test_eager_keeps_nearly_the_compiled_set(result):
     _, r = result
     o = r["kept_sets_eager_vs_native"]
-    assert o["mean"] > 0.8 and o["min"] > 0.5, o
+    assert o["mean"] > 0.97 and o["min"] > 0.9, o  # 4K multi-key: 99.97 % mean, 99.8 % least

@@ -6,6 +6,7 @@
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
  *              [--no-verify | --verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
  *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
+ *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --save-cache F   (read and save the document only)
  *   edgekv-run ARTIFACT --load-cache F --question Q ...
  *   edgekv-run ARTIFACT --prompt ... --repeat-open N   (open, run, close N times: a teardown check)
  *
@@ -59,6 +60,7 @@ static void usage(FILE *f) {
         "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--no-verify | --verify-weights]\n"
         "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
         "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q [--question Q2 ...] [--save-cache F]\n"
+        "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --save-cache F      (the document only, for later questions)\n"
         "       edgekv-run ARTIFACT --load-cache F --question Q [--question Q2 ...]\n"
         "  --question         a question about the prompt (the document): each answered from the document's state\n"
         "  --save-cache       save the document's compressed cache to F (atomically)\n"

@@ -86,8 +86,10 @@ def overlap(a: list, b: list) -> dict:
 
 
 def run_paths(artifact: Path, doc: Path, questions: list[str], work: Path, *, model: str | None,
-              threads: int, max_new: int) -> dict:
-    """Every path's save and ask (the eager one when ``model`` is given); the reports, times and kept sets."""
+              threads: int, max_new: int, full_cache: bool = False) -> dict:
+    """Every path's save and ask (the eager one when ``model`` is given); the reports, times and kept
+    sets. ``full_cache``: also the eager engine with nothing evicted (N = the whole sequence), the
+    answers a compressed cache is measured against."""
     from edgekv.runtime import native
 
     exe = native.cli_path()
@@ -110,6 +112,11 @@ def run_paths(artifact: Path, doc: Path, questions: list[str], work: Path, *, mo
         paths["eager"] = ([*py, "run", model, "--prompt-file", str(doc), "--chat", "--compress", "reconstruct",
                            "--save-cache", "{cache}", "-o", "{save}", *common],
                           [*py, "ask", "{cache}", *qs, "-o", "{ask}", *ask])
+    if model is not None and full_cache:  # a budget past document + question + answer: nothing evicted
+        room = 1 << max(11, (len(doc.read_text()) // 3).bit_length())  # above the tokens (≥ 3 characters each)
+        paths["eager, full cache"] = ([*py, "run", model, "--prompt-file", str(doc), "--chat", "--budget", str(room),
+                                       "--save-cache", "{cache}", "-o", "{save}", *common],
+                                      [*py, "ask", "{cache}", *qs, "-o", "{ask}", *ask])
     for i, (name, (save, answer)) in enumerate(paths.items()):
         files = {"cache": str(work / f"doc{i}.ekv"), "save": str(work / f"save{i}.json"), "ask": str(work / f"ask{i}.json")}
         fill = lambda cmd: [c.format(**files) if c.startswith("{") else c for c in cmd]  # noqa: E731
@@ -132,13 +139,16 @@ def summarize(artifact: Path, runs: dict, questions: list[str], expected: list[s
     for i, q in enumerate(questions):
         row = {"question": q, "edgekv-run": ca[i]["text"], "edgekv run ARTIFACT": pa[i]["text"],
                "ids_equal": ca[i]["generated_ids"] == pa[i]["generated_ids"]}
+        if "eager, full cache" in runs:
+            row["eager, full cache"] = answers_of(runs["eager, full cache"]["ask"])[i]["text"]
         if "eager" in runs:
             ea = answers_of(runs["eager"]["ask"])[i]
             row["eager"] = ea["text"]
             row["eager_ids_equal_native"] = ea["generated_ids"] == ca[i]["generated_ids"]
         if expected is not None:
             row["expected"] = expected[i]
-            row["correct"] = {k: expected[i] in row[k] for k in ("edgekv-run", "edgekv run ARTIFACT", "eager") if k in row}
+            row["correct"] = {k: expected[i] in row[k] for k in ("edgekv-run", "edgekv run ARTIFACT", "eager", "eager, full cache")
+                              if k in row}
         rows.append(row)
     native_c, native_p = kept_sets_native(artifact, Path(c["cache"])), kept_sets_native(artifact, Path(p["cache"]))
     result = {"questions": rows, "ids_equal": all(r["ids_equal"] for r in rows),
@@ -175,14 +185,19 @@ def markdown(result: dict, argv: list[str]) -> str:
         md += [f"Eager `--compress reconstruct` (fp32 weights) against the compiled artifact (q4 weights): kept sets "
                f"share {o['mean']:.1%} of their entries on average (least {o['min']:.1%}) over {o['heads']} layer × "
                "KV-head sets; they are not expected to be equal (different weights and arithmetic; the tiny-model tests "
-               "show equal sets where the weights are the same).", ""]
-    cols = ["edgekv-run", "edgekv run ARTIFACT"] + (["eager"] if "kept_sets_eager_vs_native" in result else [])
+               "show equal sets where the weights are the same). The eager answers' ids equal edgekv-run's for "
+               f"{sum(q['eager_ids_equal_native'] for q in result['questions'])} of {len(result['questions'])} "
+               "questions.", ""]
+    cols = [c for c in ("edgekv-run", "edgekv run ARTIFACT", "eager", "eager, full cache") if c in result["questions"][0]]
     md += ["| question | expected | " + " | ".join(cols) + " | ids equal (C vs Python) |",
            "|---|---|" + "---|" * len(cols) + "---|"]
     for r in result["questions"]:
         cells = [r[c].strip().replace("|", "\\|").replace("\n", " ")[:90]
                  + (" ✓" if r.get("correct", {}).get(c) else "") for c in cols]
         md.append(f"| {r['question']} | {r.get('expected', '')} | " + " | ".join(cells) + f" | {r['ids_equal']} |")
+    if "correct" in result["questions"][0]:
+        md += ["", "Correct (the expected value in the answer): " + ", ".join(
+            f"{c} {sum(q['correct'][c] for q in result['questions'])}/{len(result['questions'])}" for c in cols) + "."]
     md += ["", "| path | document tokens | document read (s) | wall: save / ask (s) | peak RSS | plan |",
            "|---|---:|---:|---|---:|---:|"]
     for name, t in result["times"].items():
@@ -204,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", type=int, default=4)
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="the eager side's model ('' to skip the eager path)")
+    ap.add_argument("--no-full-cache", action="store_true", help="skip the eager full-cache reference")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the saved caches and reports here")
@@ -235,7 +251,7 @@ def main(argv=None) -> int:
         else:
             doc, questions, expected, doc_name = args.prompt_file, args.question, None, str(args.prompt_file)
         runs = run_paths(args.artifact, doc, questions, work, model=args.model or None, threads=args.threads,
-                         max_new=args.max_new_tokens)
+                         max_new=args.max_new_tokens, full_cache=not args.no_full_cache)
         result = summarize(args.artifact, runs, questions, expected, args.model or None)
     save = runs["edgekv-run"]["save"]
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, shared with other jobs (load {load_before} "
