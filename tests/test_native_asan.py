@@ -222,6 +222,14 @@ def test_reconstruct_document_under_asan(asan_run, tmp_path):
               report, "--quiet", timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first
+    # the document only, saved without a question (`--save-cache` alone), then asked from the file
+    only = tmp_path / "only.ekv"
+    res = run(asan_run, art, "--prompt", PROMPT * 3, "--chat", "--save-cache", only, "--quiet", timeout=300)
+    assert res.returncode == 0 and only.stat().st_size > 0, res.stderr
+    res = run(asan_run, art, "--load-cache", only, "--question", "What sat?", "--max-new-tokens", 6, "--report",
+              report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first
     if native.cli_path() is not None:
         plain = tmp_path / "plain.json"
         ref = subprocess.run([str(native.cli_path()), str(art), *map(str, ask), "--report", str(plain), "--quiet"],
