@@ -352,7 +352,8 @@ typedef struct {
   double document_seconds;     /* the document's prefill (0 when it came from --load-cache) */
   size_t document_tokens;
   int document_reads;          /* 1, or one per question (an artifact compiled with --question-rows) */
-  ekv_snapshot_info loaded;    /* what --load-cache's snapshot records */
+  ekv_snapshot_info loaded;    /* what --load-cache's snapshot records; its strings are the copies below */
+  char *loaded_question, *loaded_made_from; /* copies: the snapshot's own strings die at the next load */
   int reported;                /* an error was already printed (the CLI's own checks) */
   struct answer {
     const char *question;
@@ -504,6 +505,13 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
   }
 }
 
+static char *copy_string(const char *text) {
+  size_t n = strlen(text) + 1;
+  char *copy = malloc(n);
+  if (copy != NULL) memcpy(copy, text, n);
+  return copy;
+}
+
 /* A document, then each question from the document's state: the state is saved once (to
  * --save-cache, or a temporary file when several questions need it) and loaded again before
  * every question but the first, so no answer leaks into the next question's cache. An artifact
@@ -529,6 +537,12 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     r->answers[0].load_seconds = now_seconds() - t0;
     if (st == EKV_OK) {
       ekv_session_snapshot_info(s, &r->loaded);
+      /* each later question loads the file again, which unmaps the strings the info points into */
+      r->loaded_question = copy_string(r->loaded.question);
+      r->loaded_made_from = copy_string(r->loaded.made_from);
+      if (r->loaded_question == NULL || r->loaded_made_from == NULL) return EKV_ERR_NO_MEMORY;
+      r->loaded.question = r->loaded_question;
+      r->loaded.made_from = r->loaded_made_from;
       r->document_tokens = (size_t)r->loaded.tokens;
       if (o->chat && !r->loaded.chat) { /* the questions follow the document's form */
         r->reported = 1;
@@ -792,6 +806,8 @@ int main(int argc, char **argv) {
   }
   free(r.out_ids);
   free(r.text);
+  free(r.loaded_question);
+  free(r.loaded_made_from);
   for (int i = 0; i < r.n_answers; i++) {
     free(r.answers[i].text);
     free(r.answers[i].ids);
