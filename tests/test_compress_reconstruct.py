@@ -206,3 +206,63 @@ def test_run_settings_take_the_mode():
         assert "drop --policy lagkv" in str(exc)
     else:
         raise AssertionError("refused")
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak bytes of the tensors made inside the mode and still alive (storages, so a view
+    counts its base once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if id(s) not in self._seen:
+                    self._seen.add(id(s))
+                    self.live += s.nbytes()
+                    weakref.finalize(s, self._free, id(s), s.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def test_plan_covers_the_scorers_probabilities(monkeypatch):
+    """The scorer's softmax over [H, G, rows, n + e] is taken SCORE_ROWS rows at a time, in place, so
+    everything it holds at once fits the attention-score matrix the plan counts for a step
+    (Hq × (B + extra rows) × capacity fp32, ``block_activation_bytes``); all rows at once would not."""
+    from edgekv.policies import reconstruct
+
+    session = open_eager_session(MODEL, "keydiff", {}, str(N), B, None, None, compress="reconstruct")
+    eng, cfg = session.engine, MODEL.config
+    # a repeat prompt as long as prompt_rows allows, so a step's rows (40) exceed one chunk (32)
+    eng.policy.set_repeat_prompt(RepeatPrompt(first=tuple(range(2, 26)), later=tuple(range(30, 46)), suffix=(50,) * 8))
+    extra = eng.policy.max_extra_tokens
+    planned_scores = 4 * cfg.num_heads * (B + extra) * eng.capacity
+    assert planned_scores < session.plan.activations
+    peaks, rows = {}, []
+    real = reconstruct.reconstruction_scores
+
+    def measured(*args, chunk_rows=reconstruct.SCORE_ROWS, **kw):
+        rows.append(args[3].shape[1])
+        for c in (chunk_rows, 10 ** 6):
+            with _LiveBytes() as m:
+                out = real(*args, chunk_rows=c, **kw)
+                del out
+            peaks[c] = max(peaks.get(c, 0), m.peak)
+        return real(*args, chunk_rows=chunk_rows, **kw)
+
+    monkeypatch.setattr(reconstruct, "reconstruction_scores", measured)
+    eng.prefill(DOC)
+    assert max(rows) == 40 > reconstruct.SCORE_ROWS
+    assert 0 < peaks[reconstruct.SCORE_ROWS] <= planned_scores, (peaks, planned_scores)
+    assert peaks[10 ** 6] > planned_scores  # the measure can fail: every row at once is over the plan

@@ -133,3 +133,25 @@ def test_native_runtime_fills_the_same_rows(artifact, tmp_path):
     again = native.NativeRuntime(artifact)
     again.load_cache(tmp_path / "nat.ekv")
     assert _rel(again.prefill(QUESTION), want) < 1e-5
+
+
+@pytest.mark.slow  # builds the JNI bridge and runs a JVM (about a minute); the app's own tests cover the bridge
+def test_app_bridge_saves_and_answers_a_reconstruct_document(tmp_path_factory, tmp_path):
+    """The app's Engine through the JNI bridge on a desktop JVM (tests/test_android_app.py's HostCheck)
+    on a reconstruct artifact: the first question reads the document (rows on every block) and saves
+    its cache, the later ones load it; the same ids as edgekv-run on the same artifact."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_android_app as app
+
+    bridge = app._build_bridge(tmp_path_factory.mktemp("bridge"), sanitize=False)
+    # a byte-level tokenizer spells the repeat prompt one byte a row: room for it
+    art = app._host_artifact(tmp_path_factory, "reconstruct", {"prompt_rows": 80})
+    got = app._host_check(bridge, art, tmp_path, app.QUESTIONS)
+    assert got["info"]["policy"] == "reconstruct" and len(app.DOCUMENT.encode("utf-8")) > got["info"]["budget"]
+    want = app._edgekv_run_answers(art, tmp_path, app.QUESTIONS)
+    answers = got["answers"]
+    assert [a["generated_ids"] for a in answers] == [w["generated_ids"] for w in want]
+    assert [a["from_snapshot"] for a in answers] == [False, True, True]

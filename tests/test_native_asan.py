@@ -222,6 +222,17 @@ def test_reconstruct_document_under_asan(asan_run, tmp_path):
               report, "--quiet", timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(report.read_text())["answers"][0]["generated_ids"] == first
+    # the document only, saved without a question (`--save-cache` alone), then asked from the file
+    only = tmp_path / "only.ekv"
+    res = run(asan_run, art, "--prompt", PROMPT * 3, "--chat", "--save-cache", only, "--quiet", timeout=300)
+    assert res.returncode == 0 and only.stat().st_size > 0, res.stderr
+    # several questions: each loads the file again (the report's snapshot strings outlive those loads)
+    res = run(asan_run, art, "--load-cache", only, "--question", "What sat?", "--question", "Who sat?", "--question",
+              "What sat?", "--max-new-tokens", 6, "--report", report, "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(report.read_text())
+    assert data["made_for_question"] == "" and len(data["answers"]) == 3
+    assert data["answers"][0]["generated_ids"] == data["answers"][2]["generated_ids"] == first
     if native.cli_path() is not None:
         plain = tmp_path / "plain.json"
         ref = subprocess.run([str(native.cli_path()), str(art), *map(str, ask), "--report", str(plain), "--quiet"],

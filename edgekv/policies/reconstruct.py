@@ -97,30 +97,48 @@ def block_rows(prompt: RepeatPrompt, document: torch.Tensor, start: int, b: int,
     return ids, torch.arange(first, first + ids.numel(), dtype=torch.long)
 
 
+# reconstruction rows scored at once: the scorer's largest tensor is [H, G, SCORE_ROWS, n + e] fp32,
+# a fraction of the attention-score matrix that the memory plan counts for one step
+# (``block_activation_bytes``: Hq × (B + extra rows) × capacity), so the score fits the plan
+SCORE_ROWS = 32
+
+
 def reconstruction_scores(keys: torch.Tensor, positions: torch.Tensor, n_cache: int, row_queries: torch.Tensor,
                           row_keys: torch.Tensor, row_positions: torch.Tensor, sinks: int,
-                          scale: float | None = None) -> torch.Tensor:
+                          scale: float | None = None, chunk_rows: int = SCORE_ROWS) -> torch.Tensor:
     """KVzip's score of the block's entries, [H, b] fp32: for each reconstruction row and query head,
     the softmax over the visible keys — the cache's sink entries (position < ``sinks``), the block's
     entries (index ≥ ``n_cache``) and the rows' own keys up to the row's position — then the max
     over the rows and over the query heads of each KV group.
 
     keys [H, n, d] / positions [H, n]: cache ⊕ block; row_queries [Hq, e, d], row_keys [H, e, d],
-    row_positions [e] (post-RoPE)."""
+    row_positions [e] (post-RoPE). The rows are scored ``chunk_rows`` at a time (a running max), and
+    each chunk's softmax is taken in place, so one [H, G, chunk_rows, n + e] matrix (and its mask) is
+    the largest thing alive: the memory plan's attention scores cover it."""
     num_kv, n, d = keys.shape
     num_q, e, _ = row_queries.shape
     groups = kv_groups(num_q, num_kv)
     scale = softmax_scale(scale, d)
-    q = row_queries.to(torch.float32).reshape(num_kv, groups * e, d)
+    q = row_queries.to(torch.float32).reshape(num_kv, groups, e, d)
     k = torch.cat([keys.to(torch.float32), row_keys.to(torch.float32)], dim=1)  # [H, n + e, d]
-    logits = torch.matmul(q, k.transpose(1, 2)).view(num_kv, groups, e, n + e) * scale
+    kt = k.transpose(1, 2)
     index = torch.arange(n, device=keys.device)
-    candidate = (index[None, :] >= n_cache) | (positions < sinks)  # [H, n]
-    own = row_positions[None, :] <= row_positions[:, None]  # [e, e] causal among the rows
-    visible = torch.cat([candidate[:, None, None, :].expand(num_kv, groups, e, n),
-                         own[None, None].expand(num_kv, groups, e, e)], dim=-1)
-    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    return probs[..., n_cache:n].amax(dim=(1, 2))
+    hidden = ~((index[None, :] >= n_cache) | (positions < sinks))  # [H, n]: cache entries the rows do not see
+    score = torch.zeros(num_kv, n - n_cache, dtype=torch.float32, device=keys.device)
+    for r0 in range(0, e, max(1, int(chunk_rows))):
+        r1 = min(e, r0 + max(1, int(chunk_rows)))
+        c = r1 - r0
+        logits = torch.matmul(q[:, :, r0:r1].reshape(num_kv, groups * c, d), kt).view(num_kv, groups, c, n + e)
+        logits.mul_(scale)
+        logits[..., :n].masked_fill_(hidden[:, None, None, :], float("-inf"))
+        # causal among the rows: row i sees row j's key when j's position ≤ i's
+        later = row_positions[None, :] > row_positions[r0:r1, None]  # [c, e]
+        logits[..., n:].masked_fill_(later[None, None], float("-inf"))
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        logits.div_(logits.sum(dim=-1, keepdim=True))
+        torch.maximum(score, logits[..., n_cache:n].amax(dim=(1, 2)), out=score)
+        del logits
+    return score
 
 
 @dataclass

@@ -6,6 +6,7 @@
  *              [--mem-limit 1.5GiB] [--report out.json] [--allow-beyond-context]
  *              [--no-verify | --verify-weights] [--quiet] [--check] [--warmup] [--ignore-eos]
  *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q ... [--save-cache F]
+ *   edgekv-run ARTIFACT --prompt-file DOC [--chat] --save-cache F   (read and save the document only)
  *   edgekv-run ARTIFACT --load-cache F --question Q ...
  *   edgekv-run ARTIFACT --prompt ... --repeat-open N   (open, run, close N times: a teardown check)
  *
@@ -59,6 +60,7 @@ static void usage(FILE *f) {
         "                  [--mem-limit BYTES] [--report FILE] [--allow-beyond-context] [--no-verify | --verify-weights]\n"
         "                  [--quiet] [--check] [--warmup] [--ignore-eos]\n"
         "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --question Q [--question Q2 ...] [--save-cache F]\n"
+        "       edgekv-run ARTIFACT --prompt-file DOC [--chat] --save-cache F      (the document only, for later questions)\n"
         "       edgekv-run ARTIFACT --load-cache F --question Q [--question Q2 ...]\n"
         "  --question         a question about the prompt (the document): each answered from the document's state\n"
         "  --save-cache       save the document's compressed cache to F (atomically)\n"
@@ -350,7 +352,8 @@ typedef struct {
   double document_seconds;     /* the document's prefill (0 when it came from --load-cache) */
   size_t document_tokens;
   int document_reads;          /* 1, or one per question (an artifact compiled with --question-rows) */
-  ekv_snapshot_info loaded;    /* what --load-cache's snapshot records */
+  ekv_snapshot_info loaded;    /* what --load-cache's snapshot records; its strings are the copies below */
+  char *loaded_question, *loaded_made_from; /* copies: the snapshot's own strings die at the next load */
   int reported;                /* an error was already printed (the CLI's own checks) */
   struct answer {
     const char *question;
@@ -502,6 +505,13 @@ static void write_report(const options *o, ekv_model *model, ekv_session *s, con
   }
 }
 
+static char *copy_string(const char *text) {
+  size_t n = strlen(text) + 1;
+  char *copy = malloc(n);
+  if (copy != NULL) memcpy(copy, text, n);
+  return copy;
+}
+
 /* A document, then each question from the document's state: the state is saved once (to
  * --save-cache, or a temporary file when several questions need it) and loaded again before
  * every question but the first, so no answer leaks into the next question's cache. An artifact
@@ -527,6 +537,12 @@ static ekv_status run_document(const options *o, ekv_model *model, ekv_session *
     r->answers[0].load_seconds = now_seconds() - t0;
     if (st == EKV_OK) {
       ekv_session_snapshot_info(s, &r->loaded);
+      /* each later question loads the file again, which unmaps the strings the info points into */
+      r->loaded_question = copy_string(r->loaded.question);
+      r->loaded_made_from = copy_string(r->loaded.made_from);
+      if (r->loaded_question == NULL || r->loaded_made_from == NULL) return EKV_ERR_NO_MEMORY;
+      r->loaded.question = r->loaded_question;
+      r->loaded.made_from = r->loaded_made_from;
       r->document_tokens = (size_t)r->loaded.tokens;
       if (o->chat && !r->loaded.chat) { /* the questions follow the document's form */
         r->reported = 1;
@@ -790,6 +806,8 @@ int main(int argc, char **argv) {
   }
   free(r.out_ids);
   free(r.text);
+  free(r.loaded_question);
+  free(r.loaded_made_from);
   for (int i = 0; i < r.n_answers; i++) {
     free(r.answers[i].text);
     free(r.answers[i].ids);
