@@ -22,6 +22,7 @@ from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
 from edgekv.policies.base import PolicyError  # noqa: E402
 from edgekv.runtime import HostRuntime  # noqa: E402
+from tests.compiled_checks import assert_same_kept_sets as assert_same_sets, relative_error as _rel  # noqa: E402
 from edgekv.runtime import native  # noqa: E402
 
 TARGET = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
@@ -51,15 +52,6 @@ def engine(model, name):
     return BlockEngine(model, make_policy(name, ARGS.get(name, {})), N, B, question_rows=Q)
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def assert_same_sets(rt, eng, what):
-    for layer in range(2):
-        np.testing.assert_array_equal(np.sort(rt.kept_positions(layer), axis=1),
-                                      np.sort(eng.kept_positions(layer).numpy(), axis=1), err_msg=f"{what}, layer {layer}")
 
 
 def check_against_engine(model, rt, name, question):

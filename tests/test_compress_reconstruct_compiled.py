@@ -21,6 +21,7 @@ from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
 from edgekv.policies.reconstruct import RepeatPrompt  # noqa: E402
 from edgekv.runtime import HostRuntime  # noqa: E402
+from tests.compiled_checks import assert_same_kept_sets as same_sets, relative_error as _rel  # noqa: E402
 
 TARGET = {"kind": "llvm", "opt-level": 0, "num-cores": 2}
 B, N = 8, 16
@@ -47,15 +48,6 @@ def artifact(model, tmp_path_factory):
     return out
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def same_sets(rt, eng, what):
-    for layer in range(2):
-        np.testing.assert_array_equal(np.sort(rt.kept_positions(layer), axis=1),
-                                      np.sort(eng.kept_positions(layer).numpy(), axis=1), err_msg=f"{what}, {layer}")
 
 
 def test_manifest_declares_the_rows(artifact):

@@ -75,14 +75,6 @@ def test_fidelity_compare_identical_and_tiny_engine(tiny):
 
 # ---- the real model -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # much faster than 2 contended threads on a shared 2-core box
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def sweep(smol, one_thread, tmp_path_factory):
     """One tiny sweep through the whole command path: passkey (needle early in a 1K prompt) and
     fidelity, policies full + streaming at N = 128, block-wise and one block."""
