@@ -114,7 +114,8 @@ if [ ! -f "$DX_JAR" ] || [ "$(sha256 "$DX_JAR")" != "$DX_SHA256" ]; then
   [ "$(sha256 "$tmp/package/framework/build-tools/android-metadata-generator.jar")" = "$DX_SHA256" ] \
     || die "the dx jar in @nativescript/android@$DX_VERSION does not have the expected SHA-256 $DX_SHA256"
   mkdir -p "$(dirname "$DX_JAR")"
-  cp "$tmp/package/framework/build-tools/android-metadata-generator.jar" "$DX_JAR.part" && mv "$DX_JAR.part" "$DX_JAR"
+  # a part file of this shell's own ($$): two builds fetching at once never write one file
+  cp "$tmp/package/framework/build-tools/android-metadata-generator.jar" "$DX_JAR.$$.part" && mv "$DX_JAR.$$.part" "$DX_JAR"
   rm -rf "$tmp"
   trap - EXIT
 fi

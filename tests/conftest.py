@@ -132,6 +132,77 @@ def shared_artifact(tmp_path_factory):
     return get
 
 
+# Under pytest-xdist (the README's `-n 2 --dist loadfile`) a file's tests run in one worker, so its
+# module fixtures and module-level build caches are made once. These files also share what they
+# build through the session (``shared_artifact``, or a folder under the session's base temp that
+# another file's helper looks for), and a worker has its own session: each group runs in one
+# worker, as it would in a serial run.
+XDIST_FILE_GROUPS = {
+    "opencl": ("tests/test_opencl.py", "tests/test_opencl_source.py", "tests/test_opencl_teardown.py"),
+    "android": ("tests/test_android_app.py", "tests/test_android_package.py", "tests/test_android_ui.py"),
+    "trust": tuple(f"tests/test_trust_{name}.py" for name in
+                   ("bad_input", "plan", "refusals", "small", "threads", "weights")),
+}
+# What each file cost in the last recorded run (``python -m tools.bench.suite_durations``): work is
+# handed out costliest first, so that a long file does not start last and leave one worker alone.
+RECORDED_DURATIONS = os.path.join(os.path.dirname(__file__), "..", "docs", "results", "suite_durations.json")
+
+
+def _recorded_file_seconds() -> tuple[dict[str, float], float]:
+    """({file: CPU seconds}, CPU seconds per test over the whole record), empty without a record."""
+    import json
+
+    try:
+        with open(RECORDED_DURATIONS) as f:
+            files = json.load(f)["files"]
+        seconds = {row["file"]: float(row["cpu_s"]) for row in files}
+        return seconds, sum(seconds.values()) / max(sum(int(row["tests"]) for row in files), 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, 0.0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with ``XDIST_FILE_GROUPS`` kept together and the costliest work first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadFileScheduling
+
+    group_of = {path: name for name, paths in XDIST_FILE_GROUPS.items() for path in paths}
+    seconds, per_test = _recorded_file_seconds()
+
+    def cost(unit: dict) -> float:
+        by_file: dict[str, int] = {}
+        for nodeid in unit:
+            path = nodeid.split("::", 1)[0]
+            by_file[path] = by_file.get(path, 0) + 1
+        # a file missing from the record (new since) costs a guess per test
+        return sum(seconds.get(path, per_test * n) for path, n in by_file.items())
+
+    class CostliestFirst(OrderedDict):
+        """The scheduler's work queue: the next unit it takes is the costliest recorded one; with
+        no record, the order xdist gives (the most tests first)."""
+
+        def popitem(self, last=True):
+            if last or not seconds:
+                return super().popitem(last)
+            scope = max(self, key=lambda s: cost(self[s]))
+            return scope, self.pop(scope)
+
+    class FilesAndGroups(LoadFileScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = CostliestFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+    return FilesAndGroups(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

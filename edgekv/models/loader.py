@@ -218,17 +218,37 @@ def check_disk_for(dest: Path, need: int, what: str) -> None:
 @contextlib.contextmanager
 def _staged_dir(dest: Path):
     """A fresh folder beside ``dest`` that replaces it only when the block completes: an
-    interrupted conversion never leaves a half-written copy under the cache's name."""
+    interrupted conversion never leaves a half-written copy under the cache's name. The swap is two
+    renames (the old copy aside under a unique name, the new one in), never a delete at the
+    cache's name, so another process that finishes the same conversion at the same moment cannot
+    make this one's rename fail; ``conversion_lock`` keeps two from converting at all."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
         yield tmp
+        old = None
         if dest.exists():
-            shutil.rmtree(dest)
+            old = Path(tempfile.mkdtemp(prefix=dest.name + ".old.", dir=dest.parent))
+            dest.replace(old / "copy")
         tmp.replace(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def conversion_lock(dest: Path):
+    """Held while a process checks for and writes the cached copy at ``dest``: a second process
+    (an xdist worker, a second `edgekv run`) converting the same GGUF waits, then finds the copy
+    made and reads it, instead of converting it again and swapping folders under the first one's
+    reads. A lock file beside ``dest`` (``filelock``: fcntl on POSIX, released if the holder dies)."""
+    from filelock import FileLock
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest.parent / f"{dest.name}.lock")):
+        yield
 
 
 def _write_conversion_meta(tmp: Path, path: Path, model_type: str) -> None:
@@ -410,11 +430,21 @@ def load_model(name_or_path: str | os.PathLike | None = None, console: Console |
             return load_gguf_lazy(src.path, src.model_id, src.chat, console, reader)
     check_gguf_architecture(src.path)
     cached = converted_dir(src.path)
-    if not (cached / "edgekv.json").is_file():
+    ensure_converted(src.path, cached, console)
+    return load_hf_dir(cached, src.model_id, src.chat, source=src.path)
+
+
+def ensure_converted(path: Path, cached: Path, console: Console) -> None:
+    """The GGUF's cached copy at ``cached``, converted now unless it is there; under
+    ``conversion_lock``, so of several processes asking at once one converts and the rest read."""
+    if (cached / "edgekv.json").is_file():
+        return
+    with conversion_lock(cached):
+        if (cached / "edgekv.json").is_file():  # made by another process while this one waited
+            return
         try:
-            convert_gguf(src.path, cached, console)
+            convert_gguf(path, cached, console)
         except ModelError:
             raise
         except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a bad GGUF
-            raise ModelError(f"cannot load GGUF '{src.path}': {exc}") from None
-    return load_hf_dir(cached, src.model_id, src.chat, source=src.path)
+            raise ModelError(f"cannot load GGUF '{path}': {exc}") from None

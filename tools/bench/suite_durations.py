@@ -2,13 +2,16 @@
 waited for: native builds, `edgekv-run`, eval workers) of every setup / call / teardown, summed by
 file, written as JSON and a Markdown table.
 
-    python -m tools.bench.suite_durations                       # the default suite (addopts)
+    python -m tools.bench.suite_durations                       # the default suite (addopts), serial
+    python -m tools.bench.suite_durations -- -n 2 --dist loadfile   # as the README runs it (pytest-xdist)
     python -m tools.bench.suite_durations -- -m slow tests/test_opencl.py
     python -m tools.bench.suite_durations --out /tmp/suite -- tests/test_quantized.py
 
 CPU seconds are the figure to compare on a shared machine: wall time grows with the machine's
 load, CPU time much less (the load average at the start and end is recorded beside them). Writes
-``<out>.json`` and ``<out>.md`` (default ``docs/results/suite_durations``)."""
+``<out>.json`` and ``<out>.md`` (default ``docs/results/suite_durations``). Under xdist the run's wall
+time is the figure CI sees; the tests' summed wall is more (the workers overlap). tests/conftest.py
+reads the default JSON's per-file CPU seconds to hand the costliest files to xdist's workers first."""
 
 from __future__ import annotations
 
@@ -20,53 +23,65 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
 
-class Recorder:
-    """A pytest plugin: wall and CPU seconds of each phase of each test."""
-
-    def __init__(self):
-        self.rows: dict[str, dict] = {}
-
-    def _phase(self, item, phase):
-        row = self.rows.setdefault(item.nodeid, {"test": item.nodeid, "file": item.nodeid.split("::")[0],
-                                                 "outcome": "passed"})
-        w0, c0 = time.perf_counter(), _cpu()
-        yield
-        row[f"{phase}_wall_s"] = round(time.perf_counter() - w0, 3)
-        row[f"{phase}_cpu_s"] = round(_cpu() - c0, 3)
+# This module is also the pytest plugin (``-p tools.bench.suite_durations``), so that under
+# pytest-xdist (``-- -n 2 --dist loadfile``) every worker loads it too: the process that runs a phase
+# (setup / call / teardown) measures its CPU seconds and sends them in the phase's report
+# (``user_properties``), and the process that reports (xdist's controller, or the only process of a
+# serial run) gathers each report's wall seconds (its ``duration``) and CPU seconds into ``ROWS``.
+_PHASE_CPU = "suite_durations_cpu_s"
+ROWS: dict[str, dict] = {}
+_phase_cpu: dict[tuple[str, str], float] = {}
 
 
-def _plugin():
-    import pytest
+def _measured(item, phase):
+    c0 = _cpu()
+    try:
+        return (yield)
+    finally:
+        _phase_cpu[(item.nodeid, phase)] = _cpu() - c0
 
-    rec = Recorder()
 
-    class Plugin:
-        rows = rec.rows
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _measured(item, "setup"))
 
-        @pytest.hookimpl(hookwrapper=True)
-        def pytest_runtest_setup(self, item):
-            yield from rec._phase(item, "setup")
 
-        @pytest.hookimpl(hookwrapper=True)
-        def pytest_runtest_call(self, item):
-            yield from rec._phase(item, "call")
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _measured(item, "call"))
 
-        @pytest.hookimpl(hookwrapper=True)
-        def pytest_runtest_teardown(self, item):
-            yield from rec._phase(item, "teardown")
 
-        def pytest_runtest_logreport(self, report):
-            row = rec.rows.get(report.nodeid)
-            if row is not None and report.outcome != "passed" and row["outcome"] == "passed":
-                row["outcome"] = report.outcome
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from _measured(item, "teardown"))
 
-    return Plugin()
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    cpu = _phase_cpu.pop((item.nodeid, call.when), None)
+    if cpu is not None:
+        report.user_properties.append((_PHASE_CPU, round(cpu, 3)))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    row = ROWS.setdefault(report.nodeid, {"test": report.nodeid, "file": report.nodeid.split("::")[0],
+                                          "outcome": "passed"})
+    row[f"{report.when}_wall_s"] = round(report.duration, 3)
+    cpu = dict(report.user_properties).get(_PHASE_CPU)
+    if cpu is not None:
+        row[f"{report.when}_cpu_s"] = cpu
+    if report.outcome != "passed" and row["outcome"] == "passed":
+        row["outcome"] = report.outcome
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -115,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=40, help="tests in the Markdown table")
     args = ap.parse_args(ours)
     prov = provenance([sys.executable, "-m", "tools.bench.suite_durations", *argv])
-    plugin = _plugin()
+    import importlib
+
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
-    code = pytest.main(["-p", "no:cacheprovider", *pytest_args], plugins=[plugin])
+    code = pytest.main(["-p", "no:cacheprovider", "-p", "tools.bench.suite_durations", *pytest_args])
     data = {"provenance": prov, "pytest_args": pytest_args, "exit_code": int(code),
             "run_wall_s": round(time.perf_counter() - t0, 1), "load_before": load_before,
             "load_after": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}
-    rows = list(plugin.rows.values())
+    # the module -p loaded (imported after the run, so that pytest could load it itself), not __main__
+    rows = list(importlib.import_module("tools.bench.suite_durations").ROWS.values())
     data["count"] = len(rows)
     outcomes: dict[str, int] = defaultdict(int)
     for r in rows:

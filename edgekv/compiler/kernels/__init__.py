@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 
+from ..tvmscript_speed import install as _install_fast_macro_lookup
 from .attention import build_block_attention_kernel
 from .select import build_select_compact_kernel
 
 __all__ = ["build_attention", "build_select"]
+
+_install_fast_macro_lookup()  # T.macro expansion without a source lookup per stack frame (tvmscript_speed)
 
 
 # Kernels are immutable PrimFuncs and TVMScript parsing costs ~0.1–0.3 s each: build each

@@ -17,6 +17,7 @@ GPU and cross-compiled targets do not run it: their matmuls keep TVM's layouts a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import tvm
@@ -75,6 +76,17 @@ def plan(mod: tvm.IRModule, functions: list[str], cores: int) -> dict[str, int]:
     return out
 
 
+# Kernels are immutable PrimFuncs and TVMScript parsing costs ~0.1–0.3 s each (as kernels/__init__'s
+# builders): each distinct packed GEMM / GEMV, keyed by every argument of its builder, once per process.
+@functools.lru_cache(maxsize=256)
+def packed_kernel(xs: tuple[int, ...], ws: tuple[int, int], nr: int, cores: int):
+    """The scheduled packed kernel of ``matmul(x [xs], W [ws])`` with W in panels of ``nr``."""
+    cs = xs[:-1] + (ws[1],)
+    f = (build_packed_gemv_kernel(xs, ws, cs, nr) if xs[-2] == 1
+         else build_dense_kernel(xs, ws, cs, cores, packed_nr=nr))
+    return f.with_attr("tirx.is_scheduled", True)
+
+
 def pack_function(mod: tvm.IRModule, name: str, packed: dict[str, int], cores: int) -> tvm.IRModule:
     func = mod[name]
     new_weights = {}
@@ -89,12 +101,9 @@ def pack_function(mod: tvm.IRModule, name: str, packed: dict[str, int], cores: i
     def kernel(bb, xs, ws, nr):
         key = (xs, ws, nr)
         if key not in kernels:
-            cs = xs[:-1] + (ws[1],)
-            f = (build_packed_gemv_kernel(xs, ws, cs, nr) if xs[-2] == 1
-                 else build_dense_kernel(xs, ws, cs, cores, packed_nr=nr))
             tag = "gemv" if xs[-2] == 1 else "gemm"
             # "matmul" in the name: benchmarks and profiles class it with the GEMMs
-            kernels[key] = bb.add_func(f.with_attr("tirx.is_scheduled", True),
+            kernels[key] = bb.add_func(packed_kernel(xs, ws, nr, cores),
                                        f"matmul_packed_{tag}_m{xs[-2]}_k{ws[0]}_n{ws[1]}")
         return kernels[key]
 
