@@ -140,3 +140,30 @@ def test_a_description_the_forward_cannot_map_is_refused_naming_the_piece(model)
         check_exportable(dataclasses.replace(model.config, mlp_activation="relu"))
     with pytest.raises(CompileError, match=r"layer kinds \['chunked'\] have no compiled cache"):
         check_exportable(dataclasses.replace(model.config, layer_kinds=("chunked",) * model.config.num_layers))
+
+
+def test_native_runtime_greedy_ids_equal_eager_and_snapshots_keep_both_kinds(shared_artifact, model, prompt,
+                                                                           tmp_path):
+    """edgekv's C runtime runs the artifact's per-layer caches as program.ekv sizes them (each cache
+    buffer with its layer's shape): greedy ids equal the eager engine's, local layers keep their window,
+    and a saved cache continues as the live one does."""
+    from edgekv.runtime import native
+
+    if not native.available():
+        pytest.skip("the native runtime is not built: `pip install -e .` builds runtime/ (needs cmake and a C compiler)")
+    art = _artifact(shared_artifact, model, "keydiff")
+    cfg = model.config
+    want = BlockEngine(model, make_policy("keydiff", {}), N, B).generate(prompt, DECODE)
+    nat = native.NativeRuntime(art, threads=1)
+    assert nat.generate(prompt.tolist(), DECODE) == want
+    assert nat.cache_lengths() == [cfg.sliding_window if k == "local" else N for k in cfg.layer_kinds]
+    end = PROMPT + DECODE - 1  # the last generated token is never fed back
+    for layer in cfg.local_layers:
+        np.testing.assert_array_equal(nat.kept_positions(layer)[0], np.arange(end - cfg.sliding_window, end))
+    nat.reset()
+    nat.prefill(prompt.tolist())
+    nat.save_cache(tmp_path / "doc.ekvc")
+    live = [int(np.argmax(nat.decode(t))) for t in want[:4]]
+    again = native.NativeRuntime(art, threads=1)
+    again.load_cache(tmp_path / "doc.ekvc")
+    assert [int(np.argmax(again.decode(t))) for t in want[:4]] == live
