@@ -108,14 +108,50 @@ def toy_unigram():
     return tok
 
 
-@pytest.fixture(scope="session", params=["qwen2", "unigram"])
+def toy_sentencepiece_bpe():
+    """Gemma 3's tokenizer as edgekv's conversion rebuilds it from the GGUF (``_sentencepiece_bpe_tokenizer``):
+    a BPE over characters with the 256 <0xXX> byte-fallback pieces, Replace(" ", "▁"), no pre-tokenizer,
+    control tokens and a user-defined run of newlines whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizers.Replace(" ", "\u2581")
+    # trained without CJK and rare scripts, which then reach the <0xXX> byte fallback
+    text = [line for line in _training_text() if all(ord(c) < 0x0600 for c in line)]
+    base.train_from_iterator(text, trainers.BpeTrainer(vocab_size=2500, show_progress=False,
+                                                       special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]))
+    trained = json.loads(base.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    for t in ("<start_of_turn>", "<end_of_turn>", "\n\n"):
+        vocab.setdefault(t, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")])
+    tk.add_tokens([AddedToken("\n\n", normalized=False, special=False)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    tok.chat_template = GEMMA_TURNS
+    return tok
+
+
+TOYS = {"qwen2": (toy_qwen2, "1.1"), "unigram": (toy_unigram, "1.1"), "sentencepiece_bpe": (toy_sentencepiece_bpe, "1.2")}
+
+
+@pytest.fixture(scope="session", params=list(TOYS))
 def toy(request, native_lib, tmp_path_factory):
     from edgekv.runtime.native_tokenizer import NativeTokenizer
 
-    hf = toy_qwen2() if request.param == "qwen2" else toy_unigram()
+    make, version = TOYS[request.param]
+    hf = make()
     path = tmp_path_factory.mktemp("ekt") / f"{request.param}.ekt"
     info = write_tokenizer_file(hf, path)
-    assert info["kind"] == request.param and info["format_version"] == "1.1"
+    assert info["kind"] == request.param and info["format_version"] == version
     return hf, NativeTokenizer(path), path, request.param
 
 
@@ -142,7 +178,7 @@ def test_toy_corpus_exercises_the_odd_paths(toy, corpus):
     hf, _, _, kind = toy
     text = "\n".join(corpus)
     assert unicodedata.normalize("NFC", text) != text  # NFC composes and reorders something
-    if kind == "unigram":
+    if kind in ("unigram", "sentencepiece_bpe"):
         ids = hf(text)["input_ids"]
         byte_ids = {hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
         assert sum(i in byte_ids for i in ids) > 100  # byte fallback is used
@@ -157,7 +193,7 @@ def test_toy_chat_template_matches_hf(toy):
         assert list(native.encode_chat(text)) == hf(want, add_special_tokens=False)["input_ids"]
     stops = native.stop_ids()
     assert hf.eos_token_id in stops
-    if kind == "unigram":  # Gemma's turn ends at <end_of_turn>
+    if kind in ("unigram", "sentencepiece_bpe"):  # Gemma's turn ends at <end_of_turn>
         assert hf.convert_tokens_to_ids("<end_of_turn>") in stops
 
 
