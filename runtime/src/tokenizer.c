@@ -45,7 +45,9 @@
  *   BPE over characters with byte fallback, and CHRS: u32 count, count x (u32 code point, u32 id),
  *   sorted by code point — the single-character pieces a span's characters start as; a character
  *   without one becomes its bytes' <0xXX> tokens (BYTE), or the unknown token. No pre-tokenizer:
- *   each span between added tokens is one word, merged as above.
+ *   each span between added tokens is one word, merged as above. BOSP (u32 id), when present: a
+ *   plain whole prompt (ekv_tokenizer_encode_part, EKV_PART_WHOLE, not chat) starts with that token,
+ *   as HF's post-processor puts Gemma's <bos> first; the chat prefix carries its own.
  *
  * Open validates everything once (bounds with overflow-safe arithmetic before any byte is read,
  * checksums, counts against the bytes present, every id against n_ids, merged tokens equal to
@@ -97,7 +99,7 @@ enum { MODEL_BPE = 1, MODEL_UNIGRAM = 2, MODEL_SP_BPE = 3 };
 
 /* the last three sections (1.1) are needed only by the settings that use them */
 enum { SEC_CONF, SEC_VOCB, SEC_BYTE, SEC_MERG, SEC_ADDT, SEC_UCLS, SEC_CHAT, SEC_STOP, SEC_NFCT, SEC_CONT, SEC_UNIG,
-       SEC_CHRS, N_SECTIONS };
+       SEC_CHRS, SEC_BOSP, N_SECTIONS };
 #define N_REQUIRED_SECTIONS SEC_NFCT
 static const struct {
   char tag[5];
@@ -106,7 +108,7 @@ static const struct {
     {"CONF", "settings"},      {"VOCB", "vocabulary"},        {"BYTE", "byte table"},    {"MERG", "merges"},
     {"ADDT", "added tokens"},  {"UCLS", "character classes"}, {"CHAT", "chat template"}, {"STOP", "stop ids"},
     {"NFCT", "normalization tables"}, {"CONT", "contractions"}, {"UNIG", "unigram pieces"},
-    {"CHRS", "single-character pieces"},
+    {"CHRS", "single-character pieces"}, {"BOSP", "prompt start token"},
 };
 
 typedef struct merge_slot {
@@ -165,6 +167,7 @@ struct ekv_tokenizer {
   ekv_unigram unigram;
   const unsigned char *chars; /* CHRS: (u32 code point, u32 id) x n_chars, sorted by code point */
   uint32_t n_chars;
+  uint32_t bos_id; /* BOSP: the token a plain whole prompt starts with; NO_ID: none */
   /* the contractions the split regex matches at an apostrophe (Qwen2's is case-insensitive) */
   const unsigned char *contraction_text[32];
   uint32_t contraction_len[32], n_contractions;
@@ -671,6 +674,13 @@ static ekv_status parse_file(ekv_tokenizer *tok) {
   if (tok->model == MODEL_SP_BPE) {
     EKV_TRY(needed_section(tok, v[SEC_CHRS], SEC_CHRS));
     EKV_TRY(parse_chars(tok, v[SEC_CHRS]));
+  }
+  tok->bos_id = NO_ID;
+  if (v[SEC_BOSP].p != NULL) {
+    cursor c = section_cursor(tok, SEC_BOSP, v[SEC_BOSP].p, v[SEC_BOSP].size);
+    EKV_TRY(take_u32(&c, "prompt start token", &tok->bos_id));
+    EKV_TRY(expect_end(&c));
+    EKV_TRY(check_id(tok, "prompt start", "token", tok->bos_id));
   }
   if (tok->model == MODEL_UNIGRAM) {
     EKV_TRY(needed_section(tok, v[SEC_UNIG], SEC_UNIG));
@@ -1210,7 +1220,14 @@ ekv_status ekv_tokenizer_encode_part(ekv_tokenizer *tok, const char *text, size_
     tail = tok->chat_suffix;
     tail_len = tok->chat_suffix_len;
   }
-  return encode_wrapped(tok, head, head_len, text, len, tail, tail_len, ids, cap, n_ids);
+  if (part != EKV_PART_WHOLE || chat || tok->bos_id == NO_ID)
+    return encode_wrapped(tok, head, head_len, text, len, tail, tail_len, ids, cap, n_ids);
+  /* a plain prompt of a tokenizer that puts BOS first (BOSP) */
+  if (cap > 0) ids[0] = (int32_t)tok->bos_id;
+  EKV_TRY(encode_wrapped(tok, head, head_len, text, len, tail, tail_len, cap > 0 ? ids + 1 : NULL, cap > 0 ? cap - 1 : 0,
+                         n_ids));
+  *n_ids += 1;
+  return EKV_OK;
 }
 
 /* ------------------------------------------------------------------------------------------

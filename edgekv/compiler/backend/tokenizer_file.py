@@ -79,6 +79,8 @@ Version 1.2 adds the sentencepiece_bpe kind (Gemma 3's tokenizer as edgekv rebui
          bytes' <0xXX> tokens (BYTE), then MERG merges them as for the byte-level BPE
     CHRS: u32 count, then count × (u32 code point, u32 id) sorted by code point: every piece that is
          one character ("▁" for a space)
+    BOSP: u32 id, present when the tokenizer puts that token before a prompt (Gemma's add_bos: HF's
+         TemplateProcessing "<bos> $A"); the runtime then starts a plain (not chat) whole prompt with it
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ from pathlib import Path
 
 from ...models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
 from .tokenizer_kinds import (  # noqa: F401 - the pipeline checks live with the kinds; re-exported
-    KIND_GPT2, KIND_QWEN2, KIND_SP_BPE, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, UnsupportedTokenizer, _describe, check_gpt2_pipeline,
-    tokenizer_kind,
+    KIND_GPT2, KIND_QWEN2, KIND_SP_BPE, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, UnsupportedTokenizer, _describe, bos_prefix,
+    check_gpt2_pipeline, tokenizer_kind,
 )
 from .tokenizer_unicode import contractions_section, nfc_section
 
@@ -157,7 +159,8 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
                                    "the native runtime reads only tokenizers' byte-level BPE")
     spec = json.loads(backend.to_str())
     kind = tokenizer_kind(spec)
-    _check_adds_nothing(tokenizer, backend)
+    bos = bos_prefix(spec) if kind == KIND_SP_BPE else None
+    _check_adds_nothing(tokenizer, backend, None if bos is None else backend.token_to_id(bos))
     if kind == KIND_UNIGRAM:
         return _build_unigram(tokenizer, backend, spec)
     if kind == KIND_SP_BPE:
@@ -306,6 +309,11 @@ def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dic
         (b"STOP", struct.pack(f"<I{len(stop)}I", len(stop), *stop)),
         (b"CHRS", struct.pack(f"<I{2 * len(chars)}I", len(chars), *(x for pair in chars for x in pair))),
     ]
+    bos = bos_prefix(spec)
+    if bos is not None:
+        if bos not in vocab:
+            raise UnsupportedTokenizer(f"the post-processor puts {bos!r} first, which is not in the vocabulary")
+        sections.append((b"BOSP", struct.pack("<I", vocab[bos])))
     data = pack_sections(sections, FORMAT_MINOR_SP_BPE)
     info = {
         "kind": KIND_SP_BPE,
@@ -314,6 +322,7 @@ def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dic
         "ids": n_ids,
         "merges": len(merges),
         "characters": len(chars),
+        "bos_prefix": None if bos is None else vocab[bos],
         "added_tokens": len(added),
         "chat_template": chat["prefix"] is not None,
         "stop_ids": stop,
@@ -369,10 +378,12 @@ def check_pipeline(spec: dict) -> None:
     tokenizer_kind(spec)
 
 
-def _check_adds_nothing(tokenizer, backend) -> None:
+def _check_adds_nothing(tokenizer, backend, bos_id: int | None = None) -> None:
+    """The transformers tokenizer gives the backend's ids of the text, after ``bos_id`` when the file
+    records that the runtime puts it first (BOSP)."""
     for text in _SELF_CHECK_TEXTS:
         wrapped = list(tokenizer(text)["input_ids"])
-        plain = backend.encode(text, add_special_tokens=False).ids
+        plain = ([] if bos_id is None else [bos_id]) + backend.encode(text, add_special_tokens=False).ids
         if wrapped != plain:
             raise UnsupportedTokenizer(f"{type(tokenizer).__name__} adds or changes tokens around the text "
                                        f"({text!r}: {wrapped} vs the backend's {plain}); the native runtime "

@@ -108,10 +108,25 @@ def _check_sentencepiece_bpe(spec: dict) -> None:
     if pre is not None:
         raise UnsupportedTokenizer(f"pre-tokenizer {_describe(pre)} is not supported with a BPE with byte fallback "
                                    f"(the native runtime merges each span whole); supported kinds: {SUPPORTED}")
-    # the normalizer, decoder and post-processor checks are the Unigram kind's (one SentencePiece text form)
-    _check_unigram({**spec, "model": {"byte_fallback": True}, "pre_tokenizer": None},
+    # the normalizer, decoder and post-processor checks are the Unigram kind's (one SentencePiece text form);
+    # a post-processor that puts BOS before a prompt is the file's BOSP (``bos_prefix``)
+    post = None if bos_prefix(spec) is not None else spec.get("post_processor")
+    _check_unigram({**spec, "model": {"byte_fallback": True}, "pre_tokenizer": None, "post_processor": post},
                    lambda msg: UnsupportedTokenizer(msg.replace("a Unigram model", "a BPE with byte fallback")),
                    _describe)
+
+
+def bos_prefix(spec: dict) -> str | None:
+    """The token a TemplateProcessing post-processor puts before the text and nothing else ("<bos> $A",
+    Gemma's add_bos), else None."""
+    post = spec.get("post_processor") or {}
+    single = post.get("single") or []
+    if post.get("type") != "TemplateProcessing" or len(single) != 2:
+        return None
+    first, text = single
+    if "SpecialToken" not in first or "Sequence" not in text:
+        return None
+    return first["SpecialToken"].get("id")
 
 
 def check_gpt2_pipeline(spec: dict) -> None:
