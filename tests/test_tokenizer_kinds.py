@@ -108,21 +108,61 @@ def toy_unigram():
     return tok
 
 
-@pytest.fixture(scope="session", params=["qwen2", "unigram"])
+def toy_sentencepiece_bpe():
+    """Gemma 3's tokenizer as edgekv's conversion rebuilds it from the GGUF (``_sentencepiece_bpe_tokenizer``):
+    a BPE over characters with the 256 <0xXX> byte-fallback pieces, Replace(" ", "▁"), no pre-tokenizer,
+    control tokens and a user-defined run of newlines whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizers.Replace(" ", "\u2581")
+    # trained without CJK and rare scripts, which then reach the <0xXX> byte fallback
+    text = [line for line in _training_text() if all(ord(c) < 0x0600 for c in line)]
+    base.train_from_iterator(text, trainers.BpeTrainer(vocab_size=2500, show_progress=False,
+                                                       special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]))
+    trained = json.loads(base.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    for t in ("<start_of_turn>", "<end_of_turn>", "\n\n"):
+        vocab.setdefault(t, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")])
+    tk.add_tokens([AddedToken("\n\n", normalized=False, special=False)])
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                      special_tokens=[("<bos>", vocab["<bos>"])])  # Gemma's add_bos
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    tok.chat_template = GEMMA_TURNS
+    return tok
+
+
+TOYS = {"qwen2": (toy_qwen2, "1.1"), "unigram": (toy_unigram, "1.1"), "sentencepiece_bpe": (toy_sentencepiece_bpe, "1.2")}
+
+
+@pytest.fixture(scope="session", params=list(TOYS))
 def toy(request, native_lib, tmp_path_factory):
     from edgekv.runtime.native_tokenizer import NativeTokenizer
 
-    hf = toy_qwen2() if request.param == "qwen2" else toy_unigram()
+    make, version = TOYS[request.param]
+    hf = make()
     path = tmp_path_factory.mktemp("ekt") / f"{request.param}.ekt"
     info = write_tokenizer_file(hf, path)
-    assert info["kind"] == request.param and info["format_version"] == "1.1"
+    assert info["kind"] == request.param and info["format_version"] == version
     return hf, NativeTokenizer(path), path, request.param
 
 
 def _mismatches(hf, native, lines):
+    """Lines whose native ids differ from HF's: a plain whole prompt (BOS first where the tokenizer
+    puts it there, BOSP)."""
     bad = []
     for line in lines:
-        want, got = hf(line)["input_ids"], list(native.encode(line))
+        want, got = hf(line)["input_ids"], list(native.encode_part(line, chat=False, part="whole"))
         if want != got:
             bad.append((line[:80], want[:20], got[:20]))
     return bad
@@ -132,7 +172,8 @@ def test_toy_ids_equal_hf_on_the_corpus(toy, corpus):
     hf, native, _, kind = toy
     assert _mismatches(hf, native, corpus) == []
     whole = "\n".join(corpus)
-    assert list(native.encode(whole)) == hf(whole)["input_ids"]
+    assert list(native.encode_part(whole, chat=False, part="whole")) == hf(whole)["input_ids"]
+    assert list(native.encode(whole)) == hf(whole, add_special_tokens=False)["input_ids"]
 
 
 def test_toy_corpus_exercises_the_odd_paths(toy, corpus):
@@ -142,7 +183,7 @@ def test_toy_corpus_exercises_the_odd_paths(toy, corpus):
     hf, _, _, kind = toy
     text = "\n".join(corpus)
     assert unicodedata.normalize("NFC", text) != text  # NFC composes and reorders something
-    if kind == "unigram":
+    if kind in ("unigram", "sentencepiece_bpe"):
         ids = hf(text)["input_ids"]
         byte_ids = {hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
         assert sum(i in byte_ids for i in ids) > 100  # byte fallback is used
@@ -157,7 +198,7 @@ def test_toy_chat_template_matches_hf(toy):
         assert list(native.encode_chat(text)) == hf(want, add_special_tokens=False)["input_ids"]
     stops = native.stop_ids()
     assert hf.eos_token_id in stops
-    if kind == "unigram":  # Gemma's turn ends at <end_of_turn>
+    if kind in ("unigram", "sentencepiece_bpe"):  # Gemma's turn ends at <end_of_turn>
         assert hf.convert_tokens_to_ids("<end_of_turn>") in stops
 
 
@@ -179,6 +220,11 @@ def test_unsupported_kinds_are_refused_by_name():
     uni.backend_tokenizer.normalizer = normalizers.Lowercase()
     with pytest.raises(UnsupportedTokenizer, match="Lowercase.*Unigram"):
         check_native_tokenizer(uni)
+    sp = toy_sentencepiece_bpe()
+    sp.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(UnsupportedTokenizer, match="pre-tokenizer Whitespace is not supported with a BPE with byte "
+                                                   "fallback"):
+        check_native_tokenizer(sp)
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,8 +257,9 @@ from edgekv.runtime.native_tokenizer import NativeTokenizer
 path, lines_file, want_file = sys.argv[1:4]
 lines = json.load(open(lines_file)); want = json.load(open(want_file))
 tok = NativeTokenizer(path)
-bad = sum(list(tok.encode(l)) != w for l, w in zip(lines, want))
-bad += list(tok.encode("\n".join(lines))) != want[-1]
+whole = lambda text: list(tok.encode_part(text, chat=False, part="whole"))
+bad = sum(whole(l) != w for l, w in zip(lines, want))
+bad += whole("\n".join(lines)) != want[-1]
 tok.encode_bytes(b"\xff\xfe bad \xe2\x96 utf8 \xcc\x81\xf0\x9f")  # ill-formed input must not fault
 print("mismatches", bad)
 sys.exit(1 if bad else 0)
@@ -247,6 +294,31 @@ def _gguf_tokenizer(name: str):
     # the tokenizer alone: transformers reads the GGUF's tokenizer.* metadata, no weights
     return _fixed_tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
                             _gguf_tokenizer_fields(path))
+
+
+@pytest.mark.slow
+def test_real_gemma_tokenizer_as_edgekv_rebuilds_it_equals_hf(native_lib, corpus, tmp_path):
+    """Gemma 3 270M's tokenizer as the conversion rebuilds it (SentencePiece BPE, what `edgekv run`
+    encodes with) in the native runtime: ids equal to HF's on the corpus, and Gemma's turn template."""
+    from edgekv.models.loader import _gguf_tokenizer_fields, _sentencepiece_bpe_tokenizer
+    from edgekv.models.config import GEMMA_CHAT_TEMPLATE
+    from edgekv.runtime.native_tokenizer import NativeTokenizer
+
+    path = MODELS / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (set EDGEKV_MODELS_DIR to the folder holding it)")
+    hf = _sentencepiece_bpe_tokenizer(path, _gguf_tokenizer_fields(path))
+    hf.chat_template = GEMMA_CHAT_TEMPLATE
+    info = write_tokenizer_file(hf, tmp_path / "tokenizer.ekt")
+    assert info["kind"] == "sentencepiece_bpe"
+    assert info["bos_prefix"] == hf.bos_token_id == 2  # a plain prompt starts with <bos>, as HF's
+    native = NativeTokenizer(tmp_path / "tokenizer.ekt")
+    assert _mismatches(hf, native, corpus) == []
+    whole = "\n".join(corpus)
+    assert list(native.encode_part(whole, chat=False, part="whole")) == hf(whole)["input_ids"]
+    assert list(native.encode(whole)) == hf(whole, add_special_tokens=False)["input_ids"]
+    want = hf.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert list(native.encode_chat("Hi")) == hf(want, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ class Keys:
     NUM_LAYERS = "num_layers"
     ATTENTION_SITES = "attention_sites"
     CACHE = "cache"
+    CACHE_KINDS = "cache_kinds"
     CACHE_FIELDS = "cache_fields"
     ENTRY_STATE = "entry_state"
     FUNCTIONS = "functions"
@@ -90,6 +91,10 @@ class Keys:
         KIND = "kind"
         MTRIPLE = "mtriple"
         NUM_CORES = "num-cores"
+
+    class CacheKind:  # one layer's entry of ``cache_kinds``
+        KIND = "kind"
+        ENTRIES = "entries"
 
     class AttentionSite:
         INDEX = "index"
@@ -247,6 +252,8 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.NUM_LAYERS, INT, "attention sites rewritten (layers)"),
         Field(K.ATTENTION_SITES, LIST, "each rewritten attention site's geometry", keys=K.AttentionSite),
         Field(K.CACHE, LIST, "per layer: cache field → shape"),
+        Field(K.CACHE_KINDS, LIST, "per layer: its cache's kind (global: the policy's N entries; local: a "
+              "sliding-window layer's newest `window` entries, no policy) and its entries", keys=K.CacheKind),
         Field(K.CACHE_FIELDS, LIST, "the cache tensors of one layer, in argument order, as [name, dtype] pairs"),
         Field(K.ENTRY_STATE, LIST, "names of the policy's per-entry state: rows of the state [S, H, N] tensor"),
         Field(K.FUNCTIONS, OBJECT, "the entry functions' inputs and outputs, for people", keys=K.Functions),
@@ -292,6 +299,11 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.TvmTarget.KIND, STR, "llvm, cuda, opencl, metal, ..."),
         Field(K.TvmTarget.MTRIPLE, STR, "the cross-compile triple; absent: this machine"),
         Field(K.TvmTarget.NUM_CORES, INT, "worker threads the kernels were built for"),
+    ),
+    K.CacheKind: (
+        Field(K.CacheKind.KIND, STR, "global or local", required=True),
+        Field(K.CacheKind.ENTRIES, INT, "KV entries the layer's cache keeps per KV head (N, or the window)",
+              required=True),
     ),
     K.AttentionSite: (
         Field(K.AttentionSite.INDEX, INT, "the layer"),
@@ -560,6 +572,14 @@ class Manifest:
     @property
     def toolchain(self) -> dict:
         return self.device.get(Keys.Device.TOOLCHAIN) or {}
+
+    @property
+    def cache_kinds(self) -> list[tuple[str, int]]:
+        """Every layer's (kind, entries): ``cache_kinds``, or every layer global with N (older artifacts)."""
+        kinds = self.raw.get(Keys.CACHE_KINDS)
+        if kinds is None:
+            return [("global", int(self.budget))] * int(self.num_layers or 0)
+        return [(str(k[Keys.CacheKind.KIND]), int(k[Keys.CacheKind.ENTRIES])) for k in kinds]
 
     @property
     def pseudo_window(self) -> int:

@@ -57,6 +57,44 @@ def check_policy_builds_for(policy: Any, tgt: dict, kv_dtype: str = "fp32", ques
                            f"or pick a policy with GPU kernels: {', '.join(gpu_policy_names())}")
 
 
+def check_local_layers(config: Any, policy: Any, budget: int, tgt: dict, kv_dtype: str = "fp32",
+                       question_rows: int = 0) -> None:
+    """Refuse, before any work, what a model with sliding-window ("local") layers cannot be compiled
+    with yet, naming the missing piece; and a budget below the window (the window is the floor)."""
+    from ..budget import BudgetError, check_window_floor
+    from .passes.pseudo_rows import extra_rows
+    from .policy_kernels import KERNELS
+
+    local = [i for i, kind in enumerate(getattr(config, "layer_kinds", ()) or ()) if kind == "local"]
+    if not local:
+        return
+    try:
+        check_window_floor(config, budget)
+    except BudgetError as exc:
+        raise CompileError(str(exc)) from None
+    what = f"this model's {len(local)} sliding-window layers (window {config.sliding_window})"
+    if is_gpu_target(tgt):
+        raise CompileError(f"{what} have no GPU kernels yet: the window-masked attention and the keep-newest step "
+                           "(kernels/attention.py with window, kernels/window.py) are CPU kernels; compile it for a CPU "
+                           "target (host, aarch64-linux, android-cpu)")
+    if kv_dtype != "fp32":
+        raise CompileError(f"--kv-dtype {kv_dtype} is not compiled for {what} yet: the int8 cache's read / write "
+                           "(passes/int8_cache.py) wraps only the global layers' step; compile with --kv-dtype fp32")
+    if question_rows or extra_rows(policy):
+        rows = "--question-rows" if question_rows else f"policy '{policy.name}''s pseudo rows"
+        raise CompileError(f"{rows} are not compiled for {what} yet: the window-masked attention takes no rows after "
+                           "the block; drop --question-rows, or pick a policy without pseudo rows (e.g. keydiff, snapkv)")
+    face = KERNELS.get(policy.name)
+    hooks = [h for h in ("emit_site_eviction", "emit_prepare", "emit_decode_attention", "emit_after_select")
+             if face is not None and getattr(face, h, None) is not None]
+    if hooks:
+        raise CompileError(f"policy '{policy.name}' is not compiled for {what} yet: its own site hooks "
+                           f"({', '.join(hooks)}: policy_kernels/{policy.name}.py) are written for a model whose every "
+                           "layer has the policy's cache (D2O's layer budgets are allocated over all layers, not the "
+                           "global ones the eager engine uses); pick another policy (e.g. keydiff, snapkv, "
+                           "streaming_llm) or run it eagerly: `edgekv run MODEL --policy " + policy.name + "`")
+
+
 def _missing_gpu_kernels(name: str) -> str:
     """': <what has no GPU version>' for a policy's compiled face (its CPU-only hooks), else ''."""
     from .policy_kernels import KERNELS
@@ -153,9 +191,10 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     policy.check_model(model.config)  # e.g. RocketKV's channels ≤ the head dim
     if hasattr(policy, "use_tokenizer"):  # reconstruct: its rows' words, from the model's tokenizer
         policy.use_tokenizer(getattr(model, "tokenizer", None))
-    check_exportable(model.config)  # a family the compiled forward cannot map yet (Gemma 3's local layers)
+    check_exportable(model.config)  # a description the compiled forward cannot map
     check_question_rows(policy, int(question_rows))
     tgt = CompileTarget.resolve(target)
+    check_local_layers(model.config, policy, budget, tgt.tvm, kv_dtype, int(question_rows))
     check_policy_builds_for(policy, tgt.tvm, kv_dtype, question_rows)
     if tgt.ptx:  # cuda-host: its kernels become PTX with NVRTC; refused before any work without it
         from .backend.cuda_ptx import load_nvrtc

@@ -49,7 +49,7 @@ from .passes.attention_sites import AttentionSite
 from .passes.hoist_last_token import HoistLastTokenGather
 from .passes.pretranspose_weights import SUFFIX, PretransposeWeights
 from .passes.pseudo_rows import extra_rows
-from .passes.rewrite_block_cache import BlockCacheSpec, RewriteBlockCache
+from .passes.rewrite_block_cache import BlockCacheSpec, RewriteBlockCache, layer_windows
 from .policy_kernels import kernel_params
 
 FUNCTIONS = ("prefill_block", "decode")
@@ -79,15 +79,17 @@ class Compiled:
 
 
 def block_cache_spec(policy: Any, budget: int, *, cores: int = 1, kv_dtype: str = "fp32",
-                     question_rows: int = 0) -> BlockCacheSpec:
+                     question_rows: int = 0, config: Any = None) -> BlockCacheSpec:
     """What the block-cache pass needs: the policy's kernel parameters, the extra rows of the
     prefill step (the policy's pseudo rows or a question, whichever is more), the CPU's threads
-    (the attention kernel's row tiles) and the cache's K/V format."""
+    (the attention kernel's row tiles), the cache's K/V format and, from the model's description
+    (``config``), each layer's sliding window (a local layer's cache kind)."""
     from ..memory import check_kv_dtype
 
     return BlockCacheSpec(budget=budget, policy=policy.name, policy_params=kernel_params(policy, budget),
                           extra_rows=max(extra_rows(policy), int(question_rows)), question_rows=int(question_rows),
-                          cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype))
+                          cores=int(cores), kv_dtype=check_kv_dtype(kv_dtype),
+                          layer_windows=layer_windows(config) if config is not None else ())
 
 
 def relax_passes(spec: BlockCacheSpec) -> list:
@@ -205,7 +207,8 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
     # 0–4: frontend and the target-independent passes; the spec carries the int8 cache and the
     # pseudo / question rows into the block-cache pass
     say("exporting and lowering")
-    spec = block_cache_spec(policy, budget, cores=target.cores, kv_dtype=kv_dtype, question_rows=question_rows)
+    spec = block_cache_spec(policy, budget, cores=target.cores, kv_dtype=kv_dtype, question_rows=question_rows,
+                            config=getattr(model, "config", None))
     lowered = lower(model, spec, block, imported)
 
     # 5: weight layout
@@ -215,7 +218,8 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
         combine_projections(lowered)
 
     # 6: memory plan
-    plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype)
+    plan = memory_plan(lowered, budget, policy.name, spec.policy_params, spec.kv_dtype,
+                       [spec.site_budget(s.index) for s in lowered.sites])
     P = Keys.MemoryPlan
     if mem_limit is not None and plan[P.TOTAL_BYTES] > mem_limit:
         q4 = weights == "q4" or target.weight_layout is None

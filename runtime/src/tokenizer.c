@@ -41,6 +41,13 @@
  *   normalizer 1 (NFC, section NFCT, tokenizer_normalize.c) or 2 (" " -> U+2581), model 2
  *   (Unigram, section UNIG, tokenizer_unigram.c); CONT lists the contractions Qwen2's
  *   case-insensitive alternative matches. The exporter's docstring has their byte layouts.
+ *   1.2 (the sentencepiece_bpe kind: Gemma 3's GGUF tokenizer as edgekv rebuilds it) adds model 3,
+ *   BPE over characters with byte fallback, and CHRS: u32 count, count x (u32 code point, u32 id),
+ *   sorted by code point — the single-character pieces a span's characters start as; a character
+ *   without one becomes its bytes' <0xXX> tokens (BYTE), or the unknown token. No pre-tokenizer:
+ *   each span between added tokens is one word, merged as above. BOSP (u32 id), when present: a
+ *   plain whole prompt (ekv_tokenizer_encode_part, EKV_PART_WHOLE, not chat) starts with that token,
+ *   as HF's post-processor puts Gemma's <bos> first; the chat prefix carries its own.
  *
  * Open validates everything once (bounds with overflow-safe arithmetic before any byte is read,
  * checksums, counts against the bytes present, every id against n_ids, merged tokens equal to
@@ -88,11 +95,11 @@ enum { PASS_RAW = 0, PASS_NORMALIZED = 1, PASS_SPLIT = 2 };
 /* CONF values (1.0 has only GPT-2 / none / BPE; 1.1 adds the others) */
 enum { PRE_NONE = 0, PRE_GPT2 = 1, PRE_QWEN2 = 2 };
 enum { NORM_NONE = 0, NORM_NFC = 1, NORM_SPACE_TO_U2581 = 2 };
-enum { MODEL_BPE = 1, MODEL_UNIGRAM = 2 };
+enum { MODEL_BPE = 1, MODEL_UNIGRAM = 2, MODEL_SP_BPE = 3 };
 
 /* the last three sections (1.1) are needed only by the settings that use them */
 enum { SEC_CONF, SEC_VOCB, SEC_BYTE, SEC_MERG, SEC_ADDT, SEC_UCLS, SEC_CHAT, SEC_STOP, SEC_NFCT, SEC_CONT, SEC_UNIG,
-       N_SECTIONS };
+       SEC_CHRS, SEC_BOSP, N_SECTIONS };
 #define N_REQUIRED_SECTIONS SEC_NFCT
 static const struct {
   char tag[5];
@@ -101,6 +108,7 @@ static const struct {
     {"CONF", "settings"},      {"VOCB", "vocabulary"},        {"BYTE", "byte table"},    {"MERG", "merges"},
     {"ADDT", "added tokens"},  {"UCLS", "character classes"}, {"CHAT", "chat template"}, {"STOP", "stop ids"},
     {"NFCT", "normalization tables"}, {"CONT", "contractions"}, {"UNIG", "unigram pieces"},
+    {"CHRS", "single-character pieces"}, {"BOSP", "prompt start token"},
 };
 
 typedef struct merge_slot {
@@ -157,6 +165,9 @@ struct ekv_tokenizer {
   uint32_t pre_tokenizer, normalizer, model;
   ekv_nfc_tables nfc;
   ekv_unigram unigram;
+  const unsigned char *chars; /* CHRS: (u32 code point, u32 id) x n_chars, sorted by code point */
+  uint32_t n_chars;
+  uint32_t bos_id; /* BOSP: the token a plain whole prompt starts with; NO_ID: none */
   /* the contractions the split regex matches at an apostrophe (Qwen2's is case-insensitive) */
   const unsigned char *contraction_text[32];
   uint32_t contraction_len[32], n_contractions;
@@ -366,7 +377,7 @@ static ekv_status parse_conf(ekv_tokenizer *tok, section_view v) {
   EKV_TRY(take_u32(&c, "unknown token", &unk));
   EKV_TRY(expect_end(&c));
   int known = (model == MODEL_BPE && (pre == PRE_GPT2 || pre == PRE_QWEN2) && norm <= NORM_NFC) ||
-              (model == MODEL_UNIGRAM && pre == PRE_NONE && norm == NORM_SPACE_TO_U2581);
+              ((model == MODEL_UNIGRAM || model == MODEL_SP_BPE) && pre == PRE_NONE && norm == NORM_SPACE_TO_U2581);
   tok->pre_tokenizer = pre;
   tok->normalizer = norm;
   tok->model = model;
@@ -612,6 +623,32 @@ static ekv_status parse_contractions(ekv_tokenizer *tok, section_view v) {
   return expect_end(&c);
 }
 
+/* the single-character pieces of the sentencepiece_bpe kind: sorted, each id's bytes its
+ * character's UTF-8 (U+2581 decodes to a space) */
+static ekv_status parse_chars(ekv_tokenizer *tok, section_view v) {
+  cursor c = section_cursor(tok, SEC_CHRS, v.p, v.size);
+  uint32_t n;
+  EKV_TRY(take_u32(&c, "character count", &n));
+  EKV_TRY(need_records(&c, n, 8, "characters"));
+  EKV_TRY(take_bytes(&c, (size_t)n * 8, "characters", &tok->chars));
+  EKV_TRY(expect_end(&c));
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t cp = le32(tok->chars + 8 * (size_t)i), id = le32(tok->chars + 8 * (size_t)i + 4);
+    if (i > 0 && cp <= le32(tok->chars + 8 * (size_t)(i - 1)))
+      return corrupt(tok, "characters section: code point U+%04X is out of order", cp);
+    EKV_TRY(check_id(tok, "characters", "character", id));
+    size_t len;
+    const unsigned char *b = id_bytes(tok, id, &len);
+    uint32_t got = 0;
+    size_t used = 0;
+    int ok = cp == 0x2581 ? (len == 1 && b[0] == ' ')
+                          : (len > 0 && ekv_utf8_next(b, len, &got, &used) == EKV_UTF8_CHAR && used == len && got == cp);
+    if (!ok) return corrupt(tok, "characters section: the token of U+%04X (id %u) is not that character", cp, id);
+  }
+  tok->n_chars = n;
+  return EKV_OK;
+}
+
 /* the one validating path from bytes to a ready tokenizer */
 static ekv_status parse_file(ekv_tokenizer *tok) {
   section_view v[N_SECTIONS];
@@ -633,6 +670,17 @@ static ekv_status parse_file(ekv_tokenizer *tok) {
   if (tok->pre_tokenizer == PRE_QWEN2) {
     EKV_TRY(needed_section(tok, v[SEC_CONT], SEC_CONT));
     EKV_TRY(parse_contractions(tok, v[SEC_CONT]));
+  }
+  if (tok->model == MODEL_SP_BPE) {
+    EKV_TRY(needed_section(tok, v[SEC_CHRS], SEC_CHRS));
+    EKV_TRY(parse_chars(tok, v[SEC_CHRS]));
+  }
+  tok->bos_id = NO_ID;
+  if (v[SEC_BOSP].p != NULL) {
+    cursor c = section_cursor(tok, SEC_BOSP, v[SEC_BOSP].p, v[SEC_BOSP].size);
+    EKV_TRY(take_u32(&c, "prompt start token", &tok->bos_id));
+    EKV_TRY(expect_end(&c));
+    EKV_TRY(check_id(tok, "prompt start", "token", tok->bos_id));
   }
   if (tok->model == MODEL_UNIGRAM) {
     EKV_TRY(needed_section(tok, v[SEC_UNIG], SEC_UNIG));
@@ -814,10 +862,57 @@ static size_t initial_symbols(ekv_tokenizer *tok, const unsigned char *s, size_t
   return count;
 }
 
+/* The sentencepiece_bpe kind's initial symbols: one per character (its single-character piece), a
+ * character without one as its bytes' byte-fallback tokens, or — when one of those is missing —
+ * the unknown token (one per run when fuse_unk), as HF's BPE with byte_fallback. Ill-formed bytes
+ * (never in a Python string) fall back byte by byte. */
+static int32_t char_id(const ekv_tokenizer *tok, uint32_t cp) {
+  size_t lo = 0, hi = tok->n_chars;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    uint32_t at = le32(tok->chars + 8 * mid);
+    if (at == cp) return (int32_t)le32(tok->chars + 8 * mid + 4);
+    if (at < cp)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return -1;
+}
+
+static size_t initial_char_symbols(ekv_tokenizer *tok, const unsigned char *s, size_t n) {
+  size_t count = 0;
+  int in_unknown_run = 0;
+  for (size_t i = 0; i < n;) {
+    uint32_t cp = 0;
+    size_t len = 1;
+    ekv_utf8_unit unit = ekv_utf8_next(s + i, n - i, &cp, &len);
+    if (unit != EKV_UTF8_CHAR) len = 1;
+    int32_t id = unit == EKV_UTF8_CHAR ? char_id(tok, cp) : -1;
+    if (id >= 0) {
+      tok->sym_id[count++] = id;
+      in_unknown_run = 0;
+    } else {
+      int all = 1;
+      for (size_t k = 0; k < len; k++) all = all && tok->byte_id[s[i + k]] != NO_ID;
+      if (all) {
+        for (size_t k = 0; k < len; k++) tok->sym_id[count++] = (int32_t)tok->byte_id[s[i + k]];
+        in_unknown_run = 0;
+      } else if (tok->unk_id != NO_ID && !(in_unknown_run && tok->fuse_unk)) {
+        tok->sym_id[count++] = (int32_t)tok->unk_id;
+        in_unknown_run = 1;
+      }
+    }
+    i += len;
+  }
+  return count;
+}
+
 static ekv_status bpe(ekv_tokenizer *tok, const unsigned char *s, size_t n, id_sink *out) {
   if (n >= INT32_MAX) return ekv_fail(&tok->err, EKV_ERR_INVALID_ARG, "%s: a %zu-byte word is too long", tok->name, n);
   EKV_TRY(grow_scratch(tok, n));
-  size_t count = initial_symbols(tok, s, n), heap_len = 0;
+  size_t count = tok->model == MODEL_SP_BPE ? initial_char_symbols(tok, s, n) : initial_symbols(tok, s, n);
+  size_t heap_len = 0;
   for (size_t i = 0; i < count; i++) {
     tok->sym_prev[i] = (int32_t)i - 1;
     tok->sym_next[i] = i + 1 < count ? (int32_t)i + 1 : -1;
@@ -991,6 +1086,7 @@ static size_t piece_end_qwen2(const ekv_tokenizer *tok, const unsigned char *t, 
 static void emit_to_sink(void *ctx, int32_t id) { emit((id_sink *)ctx, id); }
 
 static ekv_status encode_plain(ekv_tokenizer *tok, const unsigned char *t, size_t begin, size_t end, id_sink *out) {
+  if (tok->model == MODEL_SP_BPE) return begin == end ? EKV_OK : bpe(tok, t + begin, end - begin, out);
   if (tok->model == MODEL_UNIGRAM) { /* no pre-tokenizer: the whole span is one word */
     if (ekv_unigram_encode(&tok->unigram, &tok->unigram_scratch, t + begin, end - begin, tok->byte_id, emit_to_sink,
                            out) != 0)
@@ -1124,7 +1220,14 @@ ekv_status ekv_tokenizer_encode_part(ekv_tokenizer *tok, const char *text, size_
     tail = tok->chat_suffix;
     tail_len = tok->chat_suffix_len;
   }
-  return encode_wrapped(tok, head, head_len, text, len, tail, tail_len, ids, cap, n_ids);
+  if (part != EKV_PART_WHOLE || chat || tok->bos_id == NO_ID)
+    return encode_wrapped(tok, head, head_len, text, len, tail, tail_len, ids, cap, n_ids);
+  /* a plain prompt of a tokenizer that puts BOS first (BOSP) */
+  if (cap > 0) ids[0] = (int32_t)tok->bos_id;
+  EKV_TRY(encode_wrapped(tok, head, head_len, text, len, tail, tail_len, cap > 0 ? ids + 1 : NULL, cap > 0 ? cap - 1 : 0,
+                         n_ids));
+  *n_ids += 1;
+  return EKV_OK;
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 from ...artifact import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, PARAMS_FILE, PROGRAM_FILE, TOKENIZER_DIR,
                          TOKENIZER_FILE, Keys, edgekv_version, sha256_file)
 from ..passes.pseudo_rows import extra_rows as policy_pseudo_rows
-from ..passes.rewrite_block_cache import cache_layout
+from ..passes.rewrite_block_cache import cache_layout, layer_cache_kinds
 from ..policy_kernels import compiled_state_init, prepare_min_prompt
 
 
@@ -99,9 +99,13 @@ def build_manifest(model: Any, policy: Any, spec: Any, budget: int, block: int, 
                              K.AttentionSite.Q_HEADS: s.num_q_heads, K.AttentionSite.KV_HEADS: s.num_kv_heads,
                              K.AttentionSite.HEAD_DIM: s.head_dim, K.AttentionSite.SM_SCALE: s.sm_scale}
                             for s in lowered.sites],
-        K.CACHE: [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim, budget, policy.name,
+        K.CACHE: [{f: list(shape) for f, shape, _ in cache_layout(s.num_kv_heads, s.head_dim,
+                                                                  spec.site_budget(s.index), policy.name,
                                                                   "float32", spec.policy_params, kv_dtype)}
                   for s in lowered.sites],
+        # each layer's cache: a global layer keeps the policy's N, a local (sliding-window) layer its window
+        K.CACHE_KINDS: [{K.CacheKind.KIND: c["kind"], K.CacheKind.ENTRIES: c["entries"]}
+                        for c in layer_cache_kinds(spec, len(lowered.sites))],
         K.CACHE_FIELDS: [[f, dt] for f, dt in fields],
         # names of the policy's per-entry state: rows of the "state" [S, H, N] cache tensor
         K.ENTRY_STATE: state,

@@ -12,16 +12,18 @@ from ..passes.rewrite_block_cache import cache_layout
 
 
 def memory_plan(lowered, budget: int, policy: str = "full", policy_params: dict | None = None,
-                kv_dtype: str = "fp32") -> dict[str, int]:
+                kv_dtype: str = "fp32", layer_budgets: list[int] | None = None) -> dict[str, int]:
     """Static plan in bytes: weights as stored (each array padded to the params file's 64-byte
     alignment: the bytes a runtime maps) and caches exactly (K, V — int8: codes and scales —, positions,
     fill and the policy's state, ``rewrite_block_cache.cache_layout``); activations as the peak of live
     intermediate tensors of ``prefill_block`` in binding order (before fusion: an upper bound
-    of what TVM's static block-memory planner allocates, which reuses storage)."""
+    of what TVM's static block-memory planner allocates, which reuses storage). ``layer_budgets``:
+    each layer's cache rows where they differ (a local layer's window, ``BlockCacheSpec.site_budget``)."""
     weights = sum(stored_bytes(int(a.nbytes)) for _, a in lowered.params)  # what a runtime maps
+    rows = layer_budgets or [budget] * len(lowered.sites)
     cache = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for s in lowered.sites
-                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, budget, policy, "float32", policy_params,
-                                                 kv_dtype))
+                for _, shape, dt in cache_layout(s.num_kv_heads, s.head_dim, rows[s.index], policy, "float32",
+                                                 policy_params, kv_dtype))
     func = lowered.mod["prefill_block"]
     params = set(func.params)
     size: dict = {}

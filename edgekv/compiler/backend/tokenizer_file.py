@@ -71,6 +71,16 @@ three sections, present when CONF needs them (a 1.0 reader refuses such CONF val
          f64 min_score, then n × (u32 offset, u32 len, u32 id, f64 score) sorted bytewise by the
          piece's text (each text once: the id HF's token_to_ids keeps), then the blob of texts
          (normalized form: "▁" for a space). BYTE then holds the <0xXX> byte-fallback tokens.
+
+Version 1.2 adds the sentencepiece_bpe kind (Gemma 3's tokenizer as edgekv rebuilds it):
+
+    CONF pre_tokenizer 0, normalizer 2, model 3 = BPE over characters with byte fallback: a span's
+         characters start as their single-character pieces (CHRS), a character without one as its
+         bytes' <0xXX> tokens (BYTE), then MERG merges them as for the byte-level BPE
+    CHRS: u32 count, then count × (u32 code point, u32 id) sorted by code point: every piece that is
+         one character ("▁" for a space)
+    BOSP: u32 id, present when the tokenizer puts that token before a prompt (Gemma's add_bos: HF's
+         TemplateProcessing "<bos> $A"); the runtime then starts a plain (not chat) whole prompt with it
 """
 
 from __future__ import annotations
@@ -85,8 +95,8 @@ from pathlib import Path
 
 from ...models.chat import CHAT_PROBE, CHAT_SENTINEL, chat_pieces  # noqa: F401 - used here and re-exported
 from .tokenizer_kinds import (  # noqa: F401 - the pipeline checks live with the kinds; re-exported
-    KIND_GPT2, KIND_QWEN2, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, UnsupportedTokenizer, _describe, check_gpt2_pipeline,
-    tokenizer_kind,
+    KIND_GPT2, KIND_QWEN2, KIND_SP_BPE, KIND_UNIGRAM, QWEN2_SPLIT_PATTERN, UnsupportedTokenizer, _describe, bos_prefix,
+    check_gpt2_pipeline, tokenizer_kind,
 )
 from .tokenizer_unicode import contractions_section, nfc_section
 
@@ -94,6 +104,7 @@ MAGIC = b"EKVTOKN\0"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0  # what a GPT-2 byte-level tokenizer is written as (every 1.x reader reads it)
 FORMAT_MINOR_KINDS = 1  # Qwen2 and Unigram tokenizers
+FORMAT_MINOR_SP_BPE = 2  # SentencePiece BPE (model 3, CHRS)
 HEADER_BYTES = 32
 SECTION_ENTRY_BYTES = 16
 
@@ -105,6 +116,7 @@ NORMALIZER_NFC = 1
 NORMALIZER_SPACE_TO_U2581 = 2
 MODEL_BYTE_LEVEL_BPE = 1
 MODEL_UNIGRAM = 2
+MODEL_SP_BPE = 3
 
 FLAG_FUSE_UNK = 1
 NO_ID = 0xFFFFFFFF
@@ -147,9 +159,12 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
                                    "the native runtime reads only tokenizers' byte-level BPE")
     spec = json.loads(backend.to_str())
     kind = tokenizer_kind(spec)
-    _check_adds_nothing(tokenizer, backend)
+    bos = bos_prefix(spec) if kind == KIND_SP_BPE else None
+    _check_adds_nothing(tokenizer, backend, None if bos is None else backend.token_to_id(bos))
     if kind == KIND_UNIGRAM:
         return _build_unigram(tokenizer, backend, spec)
+    if kind == KIND_SP_BPE:
+        return _build_sentencepiece_bpe(tokenizer, backend, spec)
     model = spec["model"]
     vocab = _model_vocab(model)
     added = _added_tokens(backend)
@@ -253,6 +268,70 @@ def _build_unigram(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
     return data, info
 
 
+def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
+    """A BPE over characters with byte fallback (Gemma 3's tokenizer as ``models/loader.py`` rebuilds it)."""
+    model = spec["model"]
+    vocab = _model_vocab(model)
+    added = _added_tokens(backend)
+    n_ids = 1 + max([*vocab.values(), *(a["id"] for a in added)], default=-1)
+    text: list[str | None] = [None] * n_ids
+    flags = [0] * n_ids
+    for token, idx in vocab.items():
+        text[idx], flags[idx] = token, VOCAB_PRESENT
+    for a in added:
+        text[a["id"]], flags[a["id"]] = a["content"], VOCAB_PRESENT | VOCAB_ADDED
+    specials = {a["content"] for a in added if a["special"]}
+    for idx, t in enumerate(text):
+        if t is not None and t in specials:
+            flags[idx] |= VOCAB_SPECIAL
+    token_bytes = [sentencepiece_bytes(t) if t is not None else b"" for t in text]
+    byte_ids = [vocab.get(f"<0x{b:02X}>", NO_ID) for b in range(256)]
+    for b, idx in enumerate(byte_ids):
+        if idx != NO_ID and token_bytes[idx] != bytes([b]):
+            raise UnsupportedTokenizer(f"byte-fallback token <0x{b:02X}> (id {idx}) does not decode to its byte")
+    unk = model.get("unk_token")
+    if unk is not None and unk not in vocab:
+        raise UnsupportedTokenizer(f"the unknown token {unk!r} is not in the vocabulary")
+    unk_id = NO_ID if unk is None else vocab[unk]
+    chars = sorted((ord(t), idx) for t, idx in vocab.items() if len(t) == 1 and not 0xD800 <= ord(t) < 0xE000)
+    merges = _merges(model, vocab)
+    chat = chat_pieces(tokenizer)
+    stop = _stop_ids(tokenizer, n_ids, vocab, chat)
+    sections = [
+        (b"CONF", struct.pack("<5I", PRE_TOKENIZER_NONE, NORMALIZER_SPACE_TO_U2581, MODEL_SP_BPE,
+                              FLAG_FUSE_UNK if model.get("fuse_unk") else 0, unk_id)),
+        (b"VOCB", _vocab_section(token_bytes, flags)),
+        (b"BYTE", struct.pack("<256I", *byte_ids)),
+        (b"MERG", _merges_section(merges)),
+        (b"ADDT", _added_section(added)),
+        (b"UCLS", struct.pack("<3I", 0, 0, 0)),
+        (b"CHAT", _chat_section(chat)),
+        (b"STOP", struct.pack(f"<I{len(stop)}I", len(stop), *stop)),
+        (b"CHRS", struct.pack(f"<I{2 * len(chars)}I", len(chars), *(x for pair in chars for x in pair))),
+    ]
+    bos = bos_prefix(spec)
+    if bos is not None:
+        if bos not in vocab:
+            raise UnsupportedTokenizer(f"the post-processor puts {bos!r} first, which is not in the vocabulary")
+        sections.append((b"BOSP", struct.pack("<I", vocab[bos])))
+    data = pack_sections(sections, FORMAT_MINOR_SP_BPE)
+    info = {
+        "kind": KIND_SP_BPE,
+        "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR_SP_BPE}",
+        "sections": {tag.decode(): len(body) for tag, body in sections},
+        "ids": n_ids,
+        "merges": len(merges),
+        "characters": len(chars),
+        "bos_prefix": None if bos is None else vocab[bos],
+        "added_tokens": len(added),
+        "chat_template": chat["prefix"] is not None,
+        "stop_ids": stop,
+    }
+    if chat["prefix"] is None:
+        info["chat_template_note"] = chat["reason"]
+    return data, info
+
+
 def sentencepiece_bytes(piece: str) -> bytes:
     """What HF's Replace("▁", " ") + ByteFallback decoder makes of one piece: <0xXX> is its byte."""
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
@@ -299,10 +378,12 @@ def check_pipeline(spec: dict) -> None:
     tokenizer_kind(spec)
 
 
-def _check_adds_nothing(tokenizer, backend) -> None:
+def _check_adds_nothing(tokenizer, backend, bos_id: int | None = None) -> None:
+    """The transformers tokenizer gives the backend's ids of the text, after ``bos_id`` when the file
+    records that the runtime puts it first (BOSP)."""
     for text in _SELF_CHECK_TEXTS:
         wrapped = list(tokenizer(text)["input_ids"])
-        plain = backend.encode(text, add_special_tokens=False).ids
+        plain = ([] if bos_id is None else [bos_id]) + backend.encode(text, add_special_tokens=False).ids
         if wrapped != plain:
             raise UnsupportedTokenizer(f"{type(tokenizer).__name__} adds or changes tokens around the text "
                                        f"({text!r}: {wrapped} vs the backend's {plain}); the native runtime "

@@ -6,6 +6,10 @@ kinds, told apart by the model and the pre-tokenizer (``tokenizer_file.py`` writ
              NFC or no normalizer (Qwen2 / Qwen2.5, as transformers' Qwen2Converter builds it)
     unigram  SentencePiece Unigram with byte fallback, Replace(" ", "▁"), no effective
              pre-tokenizer (Gemma 3, as transformers builds it from the GGUF)
+    sentencepiece_bpe
+             SentencePiece BPE: a BPE over characters with byte fallback, Replace(" ", "▁"), no
+             pre-tokenizer (Gemma 3's GGUF tokenizer as edgekv's conversion rebuilds it,
+             ``models/loader.py``'s ``_sentencepiece_bpe_tokenizer``)
 
 Anything else is refused with ``UnsupportedTokenizer`` naming the part that differs and the kinds
 that are supported, so an artifact never silently lacks its native tokenizer."""
@@ -19,8 +23,11 @@ class UnsupportedTokenizer(ValueError):
 KIND_GPT2 = "gpt2"
 KIND_QWEN2 = "qwen2"
 KIND_UNIGRAM = "unigram"
+KIND_SP_BPE = "sentencepiece_bpe"
 SUPPORTED = ("gpt2 (byte-level BPE with ByteLevel's regex, e.g. SmolLM2), qwen2 (byte-level BPE with Qwen2's split "
-             "regex and NFC), unigram (SentencePiece Unigram with byte fallback, e.g. Gemma 3)")
+             "regex and NFC), unigram (SentencePiece Unigram with byte fallback, e.g. Gemma 3 as transformers reads "
+             "it), sentencepiece_bpe (BPE over characters with byte fallback and Replace(' ', '▁'), e.g. Gemma 3 as "
+             "edgekv rebuilds it)")
 
 # transformers' Qwen2Converter (convert_slow_tokenizer.py) and Qwen2's own tokenizer.json
 QWEN2_SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
@@ -34,6 +41,9 @@ def tokenizer_kind(spec: dict) -> str:
     if model.get("type") == "Unigram":
         _check_unigram(spec, UnsupportedTokenizer, _describe)
         return KIND_UNIGRAM
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        _check_sentencepiece_bpe(spec)
+        return KIND_SP_BPE
     if model.get("type") == "BPE" and _is_qwen2_pre_tokenizer(spec.get("pre_tokenizer")):
         normalizer = spec.get("normalizer")
         if normalizer is not None and normalizer.get("type") != "NFC":
@@ -84,6 +94,39 @@ def _check_unigram(spec: dict, error, describe) -> None:
                                  and all("Sequence" in p for p in post.get("single", []))):
         raise error(f"post-processor {describe(post)} adds tokens around the text; the native runtime encodes the "
                     "text only")
+
+
+def _check_sentencepiece_bpe(spec: dict) -> None:
+    """A BPE with byte fallback: SentencePiece's, as Gemma 3's GGUF tokenizer is rebuilt — characters
+    merged by rank, no pre-tokenizer, spaces as "▁"; its decoder and post-processor as the Unigram's."""
+    model = spec["model"]
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"):
+        if model.get(key):
+            raise UnsupportedTokenizer(f"BPE setting {key}={model[key]!r} is not supported by the native runtime; "
+                                       f"supported kinds: {SUPPORTED}")
+    pre = spec.get("pre_tokenizer")
+    if pre is not None:
+        raise UnsupportedTokenizer(f"pre-tokenizer {_describe(pre)} is not supported with a BPE with byte fallback "
+                                   f"(the native runtime merges each span whole); supported kinds: {SUPPORTED}")
+    # the normalizer, decoder and post-processor checks are the Unigram kind's (one SentencePiece text form);
+    # a post-processor that puts BOS before a prompt is the file's BOSP (``bos_prefix``)
+    post = None if bos_prefix(spec) is not None else spec.get("post_processor")
+    _check_unigram({**spec, "model": {"byte_fallback": True}, "pre_tokenizer": None, "post_processor": post},
+                   lambda msg: UnsupportedTokenizer(msg.replace("a Unigram model", "a BPE with byte fallback")),
+                   _describe)
+
+
+def bos_prefix(spec: dict) -> str | None:
+    """The token a TemplateProcessing post-processor puts before the text and nothing else ("<bos> $A",
+    Gemma's add_bos), else None."""
+    post = spec.get("post_processor") or {}
+    single = post.get("single") or []
+    if post.get("type") != "TemplateProcessing" or len(single) != 2:
+        return None
+    first, text = single
+    if "SpecialToken" not in first or "Sequence" not in text:
+        return None
+    return first["SpecialToken"].get("id")
 
 
 def check_gpt2_pipeline(spec: dict) -> None:

@@ -1,4 +1,4 @@
-"""Export a Llama-family model's *plain* forward and import it into Relax.
+"""Export a decoder's *plain* forward (Llama family, Gemma 3) and import it into Relax.
 
 The compiler pass never sees this module's Python class: it works on the exported graph.
 This file only produces that graph the way any user would export a decoder:
@@ -41,25 +41,42 @@ from torch import nn
 
 
 class PlainLlama(nn.Module):
-    """A stateless decoder forward over HF-named weights (fp32), for export only."""
+    """A stateless decoder forward over HF-named weights (fp32), for export only.
+
+    One forward for every supported family: where a family's decoder layer differs from Llama's,
+    the difference is a field of its ``ModelConfig`` read here (``models/config.py``), never a
+    second class — QK-norm (``qk_norm``), four norms per layer (``sandwich_norms``), RMSNorm's
+    (1 + w) scale (``norm_offset``), GeGLU with tanh GELU (``mlp_activation``), the embedding scale
+    (``embed_scale``), the attention scale (``attention_scale``), the output softcap
+    (``final_softcap``) and the local layers' RoPE base (``local_inv_freq``). Every layer's
+    attention is exported causal: a local layer's sliding window is not in the graph but a
+    property of the description that the block-cache pass reads (``BlockCacheSpec.layer_windows``),
+    so the exported graph of a local layer is exact for T ≤ window (the decode step, the block) and
+    the attention-site matcher sees the one causal form it knows."""
 
     def __init__(self, config: Any, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor,
-                 attention_scaling: float = 1.0):
+                 attention_scaling: float = 1.0, local_inv_freq: torch.Tensor | None = None,
+                 local_attention_scaling: float | None = None):
         super().__init__()
         self.cfg = config
         self.attention_scaling = float(attention_scaling)
+        self.local_attention_scaling = float(attention_scaling if local_attention_scaling is None
+                                             else local_attention_scaling)
         self.w = nn.ParameterDict()
         for name, tensor in weights.items():
             self.w[name.replace(".", "__")] = nn.Parameter(tensor.detach().to(torch.float32), requires_grad=False)
         # RoPE angles in float64 (as the reference engine): positions up to 8K+ lose ~1e-3 rad in fp32.
         self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64), persistent=False)
+        local = inv_freq if local_inv_freq is None else local_inv_freq
+        self.register_buffer("local_inv_freq", local.detach().to(torch.float64), persistent=False)
 
     def p(self, name: str) -> torch.Tensor:
         return self.w[name.replace(".", "__")]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.cfg.rms_eps) * weight
+        scale = weight + self.cfg.norm_offset if self.cfg.norm_offset else weight  # Gemma: (1 + w)
+        return x * torch.rsqrt(var + self.cfg.rms_eps) * scale
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         bias_name = prefix + ".bias"
@@ -71,55 +88,89 @@ class PlainLlama(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
+        freqs = positions.to(torch.float64)[..., None] * inv_freq[None, None, :]  # [1, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * scaling).to(torch.float32)[:, None, :, :],
+                (emb.sin() * scaling).to(torch.float32)[:, None, :, :])
+
+    def _mlp(self, h: torch.Tensor, pre: str) -> torch.Tensor:
+        gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
+        up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
+        act = F.gelu(gate, approximate="tanh") if self.cfg.mlp_activation == "gelu_tanh" else F.silu(gate)
+        return F.linear(act * up, self.p(pre + "mlp.down_proj.weight"))
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         bsz, seq = tokens.shape
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        local_kinds = [cfg.layer_kind(i) == "local" for i in range(cfg.num_layers)]
         x = F.embedding(tokens, self.p("model.embed_tokens.weight"))
-        freqs = positions.to(torch.float64)[..., None] * self.inv_freq[None, None, :]  # [1, T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(torch.float32)[:, None, :, :]
-        sin = (emb.sin() * self.attention_scaling).to(torch.float32)[:, None, :, :]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        ropes = {False: self._rope(positions, self.inv_freq, self.attention_scaling)}
+        if any(local_kinds):
+            ropes[True] = self._rope(positions, self.local_inv_freq, self.local_attention_scaling)
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
+            cos, sin = ropes[local_kinds[i]]
             h = self._rms(x, self.p(pre + "input_layernorm.weight"))
             q = self._linear(h, pre + "self_attn.q_proj").view(bsz, seq, hq, d).transpose(1, 2)
             k = self._linear(h, pre + "self_attn.k_proj").view(bsz, seq, hkv, d).transpose(1, 2)
             v = self._linear(h, pre + "self_attn.v_proj").view(bsz, seq, hkv, d).transpose(1, 2)
+            if cfg.qk_norm:  # per-head RMSNorm of queries and keys, before RoPE
+                q = self._rms(q, self.p(pre + "self_attn.q_norm.weight"))
+                k = self._rms(k, self.p(pre + "self_attn.k_norm.weight"))
             q = q * cos + self._rotate_half(q) * sin
             k = k * cos + self._rotate_half(k) * sin
             if hq != hkv:
                 k = k.repeat_interleave(hq // hkv, dim=1)
                 v = v.repeat_interleave(hq // hkv, dim=1)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            a = a.transpose(1, 2).reshape(bsz, seq, hq * d)
-            x = x + F.linear(a, self.p(pre + "self_attn.o_proj.weight"))
-            h = self._rms(x, self.p(pre + "post_attention_layernorm.weight"))
-            gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
-            up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
-            x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.attention_scale)
+            a = F.linear(a.transpose(1, 2).reshape(bsz, seq, hq * d), self.p(pre + "self_attn.o_proj.weight"))
+            if cfg.sandwich_norms:  # Gemma: the attention and MLP outputs normed before the residual
+                x = x + self._rms(a, self.p(pre + "post_attention_layernorm.weight"))
+                h = self._rms(x, self.p(pre + "pre_feedforward_layernorm.weight"))
+                x = x + self._rms(self._mlp(h, pre), self.p(pre + "post_feedforward_layernorm.weight"))
+            else:
+                x = x + a
+                h = self._rms(x, self.p(pre + "post_attention_layernorm.weight"))
+                x = x + self._mlp(h, pre)
         x = self._rms(x, self.p("model.norm.weight"))
         head = self.p("model.embed_tokens.weight") if cfg.tie_embeddings else self.p("lm_head.weight")
-        return F.linear(x, head)
+        logits = F.linear(x, head)
+        if cfg.final_softcap:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate activations ``PlainLlama._mlp`` exports
+LAYER_KINDS = ("global", "local")  # local: the block-cache pass applies the window (``layer_windows``)
+
+
 def check_exportable(config: Any) -> None:
     """Refuse a model description the plain forward and the attention-site rewrite cannot map yet,
-    naming the missing piece (called by the driver before any work)."""
+    naming the missing piece (called by the driver before any work). What a description may set is
+    what ``PlainLlama`` reads; a value outside it has no exported form."""
     from ..errors import CompileError
 
+    activation = getattr(config, "mlp_activation", "silu")
+    if activation not in MLP_ACTIVATIONS:
+        raise CompileError(f"the plain forward (compiler/frontend/export.py) has no MLP activation {activation!r}; "
+                           f"it exports {', '.join(MLP_ACTIVATIONS)}")
     kinds = tuple(getattr(config, "layer_kinds", ()) or ())
-    if "local" in kinds or getattr(config, "model_type", "") == "gemma3_text":
-        raise CompileError(
-            "compiling Gemma 3's sliding-window layers is not supported yet: the attention-site rewrite gives every "
-            "layer the policy's N + B cache, and a local layer needs a ring of window + B entries with the window mask "
-            f"({kinds.count('local')} of {len(kinds)} layers here, window {getattr(config, 'sliding_window', 0)}); "
-            "the plain forward also lacks Gemma's QK-norm, four norms and GeGLU, and the manifest a per-layer cache "
-            "kind. Run it with the eager engine instead: `edgekv run MODEL` (local rings and global eviction)")
+    unknown = sorted(set(kinds) - set(LAYER_KINDS))
+    if unknown:
+        raise CompileError(f"layer kinds {unknown} have no compiled cache; the block-cache pass maps "
+                           f"{', '.join(LAYER_KINDS)} layers")
+    if "local" in kinds and int(getattr(config, "sliding_window", 0)) <= 0:
+        raise CompileError("the description has local layers but no sliding_window: their ring has no size")
+    if len(kinds) not in (0, int(config.num_layers)):
+        raise CompileError(f"the description names {len(kinds)} layer kinds for {config.num_layers} layers")
 
 
 def placeholder_weights(model: Any) -> dict[str, torch.Tensor]:
@@ -135,7 +186,8 @@ def plain_module(model: Any, placeholders: bool = False) -> PlainLlama:
     stand-ins of its weights, for an export that needs their shapes only)."""
     check_exportable(model.config)
     weights = placeholder_weights(model) if placeholders else model.weights
-    return PlainLlama(model.config, weights, model.inv_freq, getattr(model, "attention_scaling", 1.0)).eval()
+    return PlainLlama(model.config, weights, model.inv_freq, getattr(model, "attention_scaling", 1.0),
+                      getattr(model, "local_inv_freq", None), getattr(model, "local_attention_scaling", None)).eval()
 
 
 def export_plain_forward(model: Any, seq_len: int, placeholders: bool = False) -> torch.export.ExportedProgram:

@@ -106,10 +106,16 @@ def block_key_visible(key, row, n_valid, real_rows: int, extra_rows: int):
 
 def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: int, block: int,
                                  head_dim: int, sm_scale: float, dtype: str = "float32", extra_rows: int = 0,
-                                 cores: int = 1):
+                                 cores: int = 1, window: int = 0):
     """``block`` rows in all; with ``extra_rows`` = w > 0 the last w of them are pseudo rows (DapQ):
     they see every valid cache row, the real rows [0, n_valid) and the pseudo rows up to their own
-    (causal), and their output is kept; real rows never see them (they come last)."""
+    (causal), and their output is kept; real rows never see them (they come last).
+
+    ``window`` > 0: a sliding-window ("local") layer. Its cache holds the newest ``fill`` tokens
+    before the block in order, positions contiguous (``kernels/window.py`` keeps it so), so the
+    window is a bound on indices: block row i sees cache row c iff c ≥ fill + i − window + 1 and
+    block row j ≤ i iff j ≥ i − window + 1 — its query sees the last ``window`` positions, itself
+    included, exactly the eager engine's ring mask."""
     from tvm import tirx
 
     check_dtype(dtype)
@@ -120,10 +126,16 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     if not 0 <= W < B:
         raise ValueError(f"{W} pseudo rows do not fit a step of {B} rows")
     BR = B - W  # real rows
+    WIN = int(window)
+    if WIN and W:
+        raise ValueError("a sliding-window layer's attention takes no pseudo rows")
 
-    def tile_key_visible(j, lim, t, ncache, row, nv):
+    def tile_key_visible(j, lim, t, ncache, row, nv, nf):
         # j ≤ lim: the cache's fill or causality; with pseudo rows, a block key in the padding
         # [n_valid, BR) is hidden from them too (the cache tiles t < ncache have no padding)
+        if WIN:  # and the key no older than the window: an index bound (cache rows in order)
+            first = T.if_then_else(t < ncache, nf + row - WIN + 1 - t * KT, row - WIN + 1 - (t - ncache) * KT)
+            return tirx.all(j <= lim, j >= first)
         if not W:
             return j <= lim
         key = (t - ncache) * KT + j
@@ -206,7 +218,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                             part[l] = T.float32(NEG_BIG)
                         for j0 in T.serial(KT // KL):
                             for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = T.if_then_else(tile_key_visible(j0 * KL + l, lim, t, ncache, (r0 + r) % B, nv), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                s[r, j0 * KL + l] = T.if_then_else(tile_key_visible(j0 * KL + l, lim, t, ncache, (r0 + r) % B, nv, nf), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
                                 part[l] = T.max(part[l], s[r, j0 * KL + l])
                         # step w folds lanes [h, 2h) onto [0, h), h = KL >> (w + 1); the lanes it
                         # also writes past h are never read again for the result (part[0])

@@ -41,7 +41,7 @@ import tvm
 from tvm import relax
 
 from ...memory import check_kv_dtype, int8_scale_groups
-from ..kernels import build_attention, build_select
+from ..kernels import build_attention, build_select, build_window
 from ..policy_kernels import KERNELS, build_observe, build_score, kernel_spec, policy_tag, site_params
 from ..relax_util import substitute, without_function
 from . import int8_cache
@@ -74,6 +74,33 @@ class BlockCacheSpec:
     # How the caches store K and V (``memory.KV_DTYPES``): fp32, or int8 codes with float16
     # scales (``int8_cache.py``: the site's kernels then read a dequantised view)
     kv_dtype: str = "fp32"
+    # Per attention site (layer, in graph order): its sliding window, 0 for a global layer; empty:
+    # every layer global. From the model's description (``ModelConfig.layer_kinds`` and
+    # ``sliding_window``, ``layer_windows``): a local layer's cache holds exactly its window, its
+    # attention is masked to it and no policy kernel runs there (``kernels/window.py``)
+    layer_windows: tuple[int, ...] = ()
+
+    def site_window(self, index: int) -> int:
+        """The sliding window of attention site ``index`` (0: a global layer)."""
+        return int(self.layer_windows[index]) if self.layer_windows else 0
+
+    def site_budget(self, index: int) -> int:
+        """The cache rows of attention site ``index``: its window on a local layer, else N."""
+        return self.site_window(index) or self.budget
+
+
+def layer_windows(config) -> tuple[int, ...]:
+    """Every layer's sliding window from a model description (0: global), or () when all are global."""
+    kinds = tuple(getattr(config, "layer_kinds", ()) or ())
+    if "local" not in kinds:
+        return ()
+    return tuple(int(config.sliding_window) if kind == "local" else 0 for kind in kinds)
+
+
+def layer_cache_kinds(spec: "BlockCacheSpec", num_layers: int) -> list[dict]:
+    """The manifest's per-layer cache kinds: ``{"kind": "global" | "local", "entries": rows}``."""
+    return [{"kind": "local" if spec.site_window(i) else "global", "entries": spec.site_budget(i)}
+            for i in range(num_layers)]
 
 
 def cache_layout(num_kv_heads: int, head_dim: int, budget: int, policy: str, dtype: str = "float32",
@@ -163,9 +190,12 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
     after_select = face.emit_after_select
     extra_outputs = []
     int8 = spec.kv_dtype == "int8"
+    if spec.layer_windows and len(spec.layer_windows) != len(sites):
+        raise AttentionMatchError(f"the model's description names {len(spec.layer_windows)} layer kinds, the graph "
+                                  f"has {len(sites)} attention sites")
     for s in sites:
-        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.budget, spec.policy, spec.dtype, spec.policy_params,
-                              spec.kv_dtype)
+        layout = cache_layout(s.num_kv_heads, s.head_dim, spec.site_budget(s.index), spec.policy, spec.dtype,
+                              spec.policy_params, spec.kv_dtype)
         cache_vars.append([relax.Var(f"{f}_cache_{s.index}", relax.TensorType(shape, dt)) for f, shape, dt in layout])
     new_weights = [relax.Var(w.name, w.ty) for w in weights]
     params = [new_tokens, new_positions] + ([n_valid] if n_valid is not None else [])
@@ -206,6 +236,11 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
                                               else (stored, kb, vb, None))
                 kc, vc, pc, fc = caches[:4]
                 st = caches[4] if S else None
+                window = spec.site_window(site.index)
+                if window:  # a local layer: its window, no policy (the policy's tensors pass through)
+                    new_caches.append(_local_site(bb, kernel, site, spec, var, window, T, W, caches, q, kb, vb,
+                                                  pos32, nv, vmap))
+                    continue
                 if decode_attention is not None:
                     out = decode_attention(bb, kernel, site, spec, caches, q, kb, vb)
                 else:
@@ -271,6 +306,31 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
             out = bb.emit_output(relax.Tuple([logits] + [v for cv in new_caches for v in cv] + extra_outputs))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _local_site(bb, kernel, site: AttentionSite, spec: BlockCacheSpec, var, window: int, T: int, W: int, caches,
+                q, kb, vb, pos32, nv, vmap) -> list:
+    """A sliding-window layer's step: attention over cache ⊕ block masked to the window, then the
+    newest ``window`` rows kept in place (``kernels/window.py``). Returns the layer's new caches."""
+    H, Hq, D = site.num_kv_heads, site.num_q_heads, site.head_dim
+    if W:
+        raise AttentionMatchError(f"attention site {site.index} is a sliding-window layer: its step takes no pseudo "
+                                  "or question rows")
+    kc, vc, pc, fc = caches[:4]
+    attn_gv = kernel(attention_kernel_key(Hq, H, D, 0) + f"_w{window}",
+                     lambda: build_attention(Hq, H, window, T, D, site.sm_scale, spec.dtype, 0, spec.cores, window))
+    out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv], relax.TensorType((1, Hq, T, D), spec.dtype)),
+                  f"attn_{site.index}")
+    if site.output_layout == "bthd":
+        out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
+    vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
+    keep_gv = kernel(f"window_h{H}_d{D}_w{window}", lambda: build_window(H, window, T, D, spec.dtype))
+    types = [relax.TensorType(shape, dt) for _, shape, dt in
+             cache_layout(H, D, window, "full", spec.dtype)[:4]]
+    upd = bb.emit(relax.call_tir_inplace(keep_gv, [kc, vc, pc, fc, kb, vb, pos32, nv], [0, 1, 2, 3], types),
+                  f"window_{site.index}")
+    kept = [bb.emit(relax.TupleGetItem(upd, i), f"{f}_new_{site.index}") for i, f in enumerate(CACHE_FIELDS)]
+    return kept + list(caches[4:])
 
 
 def _kernel_input(name: str, site: AttentionSite, q):

@@ -40,6 +40,8 @@ public final class ManifestKeys {
     public static final String ATTENTION_SITES = "attention_sites";
     /** per layer: cache field -> shape */
     public static final String CACHE = "cache";
+    /** per layer: its cache's kind (global: the policy's N entries; local: a sliding-window layer's newest `window` entries, no policy) and its entries */
+    public static final String CACHE_KINDS = "cache_kinds";
     /** the cache tensors of one layer, in argument order, as [name, dtype] pairs */
     public static final String CACHE_FIELDS = "cache_fields";
     /** names of the policy's per-entry state: rows of the state [S, H, N] tensor */
@@ -133,6 +135,16 @@ public final class ManifestKeys {
         public static final String MTRIPLE = "mtriple";
         /** worker threads the kernels were built for */
         public static final String NUM_CORES = "num-cores";
+    }
+
+    public static final class CacheKind {
+        private CacheKind() {
+        }
+
+        /** global or local */
+        public static final String KIND = "kind";
+        /** KV entries the layer's cache keeps per KV head (N, or the window) */
+        public static final String ENTRIES = "entries";
     }
 
     public static final class AttentionSite {
