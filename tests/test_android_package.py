@@ -300,6 +300,110 @@ def apk(tmp_path_factory) -> Path:
     return build_apk(tmp_path_factory)
 
 
+# ---- API levels against minSdk ------------------------------------------------------------------
+
+def _check_api_levels():
+    sys.path.insert(0, str(ANDROID / "test"))
+    try:
+        import check_api_levels
+    finally:
+        sys.path.pop(0)
+    return check_api_levels
+
+
+@pytest.fixture(scope="module")
+def api_declarations(tmp_path_factory) -> Path:
+    """The API's classes and members with the level each appeared in: the merged API 21-37
+    declarations of the npm package @nativescript/types-android, fetched once with `npm pack`
+    into ~/.cache/edgekv-android (as android/build.sh fetches the dexer), SHA-256 checked."""
+    levels = _check_api_levels()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgekv-android"
+    tarball = cache / levels.TYPES_TARBALL
+    if not tarball.is_file():
+        if shutil.which("npm") is None:
+            pytest.skip(f"the API levels are not here and npm is missing (apt-get install -y npm): {levels.TYPES_FETCH}")
+        tmp = tmp_path_factory.mktemp("npm")
+        r = run(["npm", "pack", "--silent", f"{levels.TYPES_PACKAGE}@{levels.TYPES_VERSION}"], cwd=tmp, timeout=300)
+        if r.returncode != 0:
+            pytest.skip(f"npm pack failed (no registry?): {levels.TYPES_FETCH}\n{r.stderr[-500:]}")
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(tmp / levels.TYPES_TARBALL), str(tarball))
+    return levels.declarations_from(tarball, tmp_path_factory.mktemp("api-levels"))
+
+
+PLANTED_USES = """package com.edgekv.demo;
+
+import android.content.Context;
+import android.content.Intent;
+import android.os.Build;
+import java.util.List;
+
+final class Planted {
+    static void unguarded(Context c, Intent i) { c.startForegroundService(i); }
+    static void guardTooLow(Context c, Intent i) { if (Build.VERSION.SDK_INT >= 24) c.startForegroundService(i); }
+    static String joined(List<String> parts) { return String.join(",", parts); }
+    static void guarded(Context c, Intent i) { if (Build.VERSION.SDK_INT >= 26) c.startForegroundService(i); }
+    static void guardedElse(Context c, Intent i) {
+        if (Build.VERSION.SDK_INT < 26) c.startService(i); else c.startForegroundService(i);
+    }
+    static void guardedAfterReturn(Context c, Intent i) {
+        if (Build.VERSION.SDK_INT <= 25) { c.startService(i); return; }
+        c.startForegroundService(i);
+    }
+}
+"""
+
+
+def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp_path):
+    """Every framework class, method and field the app's classes use (the bytecode, android.* and
+    java.* alike) exists at minSdk 24, or is used only under an SDK_INT guard for its level (the
+    four API 26 notification and service calls in WorkService); the inlined stub constants are at
+    most minSdk and have the API's values. A planted unguarded API 26 call, one under a guard for
+    24 only, and String.join (a Java 8 method Android added in API 26) are each caught; the three
+    guard forms javac emits are understood."""
+    levels = _check_api_levels()
+    classes = apk.parent / "classes"
+    assert (classes / "com" / "edgekv" / "demo" / "WorkService.class").is_file()
+    min_sdk = int(re.search(r"sdkVersion:'(\d+)'", run(["aapt", "dump", "badging", apk]).stdout).group(1))
+    assert min_sdk == 24
+    declarations = levels.read_declarations(api_declarations)
+    assert levels.level_problems(classes, None, min_sdk, ANDROID / "stubs", declarations) == []
+    # the app does use API 26 members, each guarded: the check saw them
+    app = levels.read_classes(classes)
+    api = levels.Levels(declarations)
+    newer = {api.level(levels._resolve(u, app, api))[1] for c in app.values() for u in c.uses
+             if levels._resolve(u, app, api) is not None and (api.level(levels._resolve(u, app, api))[0] or 0) > 24}
+    assert "android.app.NotificationChannel" in newer and any("startForegroundService" in n for n in newer), newer
+
+    planted = tmp_path / "classes"
+    shutil.copytree(classes, planted)
+    (tmp_path / "Planted.java").write_text(PLANTED_USES)
+    r = run(["javac", "--release", "8", "-nowarn", "-cp", f"{apk.parent / 'android-stubs.jar'}:{classes}", "-d", planted,
+             tmp_path / "Planted.java"])
+    assert r.returncode == 0, r.stderr
+    problems = levels.level_problems(planted, None, min_sdk, None, declarations)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("com.edgekv.demo.Planted.unguarded") and "startForegroundService" in problems[0]
+    assert "added in API 26, above minSdk 24, unguarded" in problems[0]
+    assert problems[1].startswith("com.edgekv.demo.Planted.guardTooLow") and "under a guard for API 24 only" in problems[1]
+    assert problems[2].startswith("com.edgekv.demo.Planted.joined") and "java.lang.String.join" in problems[2]
+    assert "added in API 26" in problems[2]
+
+    stubs = tmp_path / "stubs"
+    shutil.copytree(ANDROID / "stubs", stubs)
+    pending = stubs / "android" / "app" / "PendingIntent.java"
+    text = pending.read_text()
+    assert "FLAG_IMMUTABLE" in text
+    pending.write_text(text.replace("public final class PendingIntent {",
+                                    "public final class PendingIntent {\n    public static final int FLAG_MUTABLE = 33554432;", 1))
+    view = stubs / "android" / "view" / "View.java"
+    view.write_text(view.read_text().replace("GONE = 8;", "GONE = 4;"))
+    problems = levels.constant_level_problems(stubs, api, min_sdk)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("android.app.PendingIntent.FLAG_MUTABLE") and "added in API 31" in problems[0]
+    assert problems[1].startswith("android.view.View.GONE: the stub inlines 4, the API declares 8"), problems
+
+
 def _dexdump(apk: Path, tmp_path: Path) -> str:
     if shutil.which("dexdump") is None:
         pytest.skip("dexdump missing: apt-get install -y dexdump")
