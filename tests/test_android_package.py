@@ -321,7 +321,8 @@ def api_declarations(tmp_path_factory) -> Path:
     tarball = cache / levels.TYPES_TARBALL
     if not tarball.is_file():
         if shutil.which("npm") is None:
-            pytest.skip(f"the API levels are not here and npm is missing (apt-get install -y npm): {levels.TYPES_FETCH}")
+            pytest.skip(f"the API levels are not here and npm is missing (apt-get install -y npm): "
+                        f"{levels.TYPES_FETCH}")
         tmp = tmp_path_factory.mktemp("npm")
         r = run(["npm", "pack", "--silent", f"{levels.TYPES_PACKAGE}@{levels.TYPES_VERSION}"], cwd=tmp, timeout=300)
         if r.returncode != 0:
@@ -368,24 +369,24 @@ def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp
     assert min_sdk == 24
     declarations = levels.read_declarations(api_declarations)
     assert levels.level_problems(classes, None, min_sdk, ANDROID / "stubs", declarations) == []
-    # the app does use API 26 members, each guarded: the check saw them
-    app = levels.read_classes(classes)
+    # the app does use API 26 members, each under its guard: the check saw them
     api = levels.Levels(declarations)
-    newer = {api.level(levels._resolve(u, app, api))[1] for c in app.values() for u in c.uses
-             if levels._resolve(u, app, api) is not None and (api.level(levels._resolve(u, app, api))[0] or 0) > 24}
-    assert "android.app.NotificationChannel" in newer and any("startForegroundService" in n for n in newer), newer
+    newer = {(what, lvl, guard) for _, what, lvl, guard in levels.above_min_sdk(levels.read_classes(classes), api, 24)}
+    assert ("android.app.NotificationChannel", 26, 26) in newer, newer
+    assert {lvl for _, lvl, _ in newer} == {26} and len(newer) == 5, newer
 
     planted = tmp_path / "classes"
     shutil.copytree(classes, planted)
     (tmp_path / "Planted.java").write_text(PLANTED_USES)
-    r = run(["javac", "--release", "8", "-nowarn", "-cp", f"{apk.parent / 'android-stubs.jar'}:{classes}", "-d", planted,
-             tmp_path / "Planted.java"])
+    r = run(["javac", "--release", "8", "-nowarn", "-cp", f"{apk.parent / 'android-stubs.jar'}:{classes}",
+             "-d", planted, tmp_path / "Planted.java"])
     assert r.returncode == 0, r.stderr
     problems = levels.level_problems(planted, None, min_sdk, None, declarations)
     assert len(problems) == 3, problems
     assert problems[0].startswith("com.edgekv.demo.Planted.unguarded") and "startForegroundService" in problems[0]
     assert "added in API 26, above minSdk 24, unguarded" in problems[0]
-    assert problems[1].startswith("com.edgekv.demo.Planted.guardTooLow") and "under a guard for API 24 only" in problems[1]
+    assert problems[1].startswith("com.edgekv.demo.Planted.guardTooLow")
+    assert "under a guard for API 24 only" in problems[1]
     assert problems[2].startswith("com.edgekv.demo.Planted.joined") and "java.lang.String.join" in problems[2]
     assert "added in API 26" in problems[2]
 
@@ -394,8 +395,8 @@ def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp
     pending = stubs / "android" / "app" / "PendingIntent.java"
     text = pending.read_text()
     assert "FLAG_IMMUTABLE" in text
-    pending.write_text(text.replace("public final class PendingIntent {",
-                                    "public final class PendingIntent {\n    public static final int FLAG_MUTABLE = 33554432;", 1))
+    pending.write_text(text.replace("public final class PendingIntent {", "public final class PendingIntent {\n"
+                                    "    public static final int FLAG_MUTABLE = 33554432;", 1))
     view = stubs / "android" / "view" / "View.java"
     view.write_text(view.read_text().replace("GONE = 8;", "GONE = 4;"))
     problems = levels.constant_level_problems(stubs, api, min_sdk)

@@ -138,7 +138,8 @@ def read_declarations(dts: Path) -> dict[str, ApiClass]:
         m = _CLASS.match(line)
         if m:
             qual = ".".join(n for _, n in stack + [("class", m.group(1))])
-            bases = ([m.group(2)] if m.group(2) else []) + [re.sub(r"<.*>", "", b) for b in _split_top(m.group(3) or "")]
+            bases = [m.group(2)] if m.group(2) else []
+            bases += [re.sub(r"<.*>", "", b) for b in _split_top(m.group(3) or "")]
             c = classes.setdefault(qual, ApiClass(qual, since))
             c.since = min(c.since, since) if c.members else since
             c.bases += [b for b in bases if b not in c.bases]
@@ -223,7 +224,9 @@ def read_classes(classes_dir: Path) -> dict[str, AppClass]:
             flush()
             name = m.group(1).replace("$", ".")
             sup = m.group(2) if "class " in line.split("{")[0] else None
-            ifaces = _split_top(m.group(3) or "") + ([] if "class " in line.split("{")[0] else _split_top(m.group(2) or ""))
+            ifaces = _split_top(m.group(3) or "")
+            if "class " not in line.split("{")[0]:  # an interface "extends" its interfaces
+                ifaces += _split_top(m.group(2) or "")
             cur = AppClass(name, re.sub(r"<.*>", "", sup).replace("$", ".") if sup else "java.lang.Object",
                            [re.sub(r"<.*>", "", i).replace("$", ".") for i in ifaces], set(), [], {})
             out[name] = cur
@@ -426,40 +429,46 @@ def _resolve(use: Use, app: dict[str, AppClass], levels: Levels) -> Use | None:
     return Use(use.where, use.pc, use.what, framework[0] if framework else use.owner, use.name, use.desc, use.method)
 
 
-def level_problems(classes_dir: Path, dts: Path, min_sdk: int, stubs: Path | None = None,
-                   declarations: dict[str, ApiClass] | None = None) -> list[str]:
-    """Each framework use above min_sdk that no SDK_INT guard covers, each use of something the
-    API lacks, and (with ``stubs``) each inlined stub constant above min_sdk or with another value."""
-    levels = Levels(declarations if declarations is not None else read_declarations(dts))
-    app = read_classes(classes_dir)
-    problems = []
+def above_min_sdk(app: dict[str, AppClass], levels: Levels, min_sdk: int):
+    """(use, what it names, its level or None when the API lacks it, the SDK_INT guard around it or
+    None) for each use of the API whose level is above min_sdk or unknown."""
     for c in app.values():
         for sup in [c.super, *c.interfaces]:
-            if sup in app:
-                continue
-            lvl, what = levels.level(Use(c.name, -1, "class", sup))
-            if lvl is None:
-                problems.append(f"{c.name} extends {sup}, which is not in the Android API")
-            elif lvl > min_sdk:
-                problems.append(f"{c.name} extends {sup}, added in API {lvl} (minSdk {min_sdk}): the class "
-                                "cannot load on older phones; raise minSdk or move the code out")
+            if sup not in app:
+                use = Use(f"{c.name} (its supertype)", -1, "class", sup)
+                lvl, what = levels.level(use)
+                if lvl is None or lvl > min_sdk:
+                    yield use, what, lvl, None
         for use in c.uses:
             moved = _resolve(use, app, levels)
             if moved is None:
                 continue
             lvl, what = levels.level(moved)
-            if lvl is None:
-                problems.append(f"{use.where} uses {what}, which is not in the Android API (API {OLDEST} to 37): "
-                                "it would fail on every phone")
-                continue
-            if lvl <= min_sdk:
+            if lvl is not None and lvl <= min_sdk:
                 continue
             guard = max((n for a, b, n in c.guards.get(use.method, []) if a <= use.pc < b), default=None)
-            if guard is None or guard < lvl:
-                problems.append(f"{use.where} (bytecode {use.pc}) uses {what}, added in API {lvl}, above minSdk "
-                                f"{min_sdk}" + (f", under a guard for API {guard} only" if guard else ", unguarded")
-                                + f": wrap it in `if (Build.VERSION.SDK_INT >= {lvl}) {{ ... }}` with a fallback, "
-                                  "or raise minSdk")
+            yield use, what, lvl, guard
+
+
+def level_problems(classes_dir: Path, dts: Path | None, min_sdk: int, stubs: Path | None = None,
+                   declarations: dict[str, ApiClass] | None = None) -> list[str]:
+    """Each framework use above min_sdk that no SDK_INT guard for its level covers, each use of
+    something the API lacks, and (with ``stubs``) each inlined stub constant above min_sdk or with
+    another value than the API's."""
+    levels = Levels(declarations if declarations is not None else read_declarations(dts))
+    problems = []
+    for use, what, lvl, guard in above_min_sdk(read_classes(classes_dir), levels, min_sdk):
+        if lvl is None:
+            problems.append(f"{use.where} uses {what}, which is not in the Android API (API {OLDEST} to 37): "
+                            "it would fail on every phone")
+        elif use.pc < 0:
+            problems.append(f"{use.where}: {what} was added in API {lvl}, above minSdk {min_sdk}: the class "
+                            "cannot load on older phones; raise minSdk or move the code out")
+        elif guard is None or guard < lvl:
+            problems.append(f"{use.where} (bytecode {use.pc}) uses {what}, added in API {lvl}, above minSdk "
+                            f"{min_sdk}" + (f", under a guard for API {guard} only" if guard else ", unguarded")
+                            + f": wrap it in `if (Build.VERSION.SDK_INT >= {lvl}) {{ ... }}` with a fallback, "
+                              "or raise minSdk")
     if stubs is not None:
         problems += constant_level_problems(stubs, levels, min_sdk)
     return problems
