@@ -9,6 +9,10 @@ the APK's own libraries run under qemu (issue 33).
   middle, too little space, a package for another model library; nothing partial is left.
 * ``check_stubs.py`` refuses a stub constant that javac would inline where the framework's field is
   set at run time (the planted ``Build.VERSION.SDK_INT = 0``), and the dex reads SDK_INT.
+* ``check_api_levels.py``: every class, method and field the compiled app uses is at most minSdk
+  by the levels of ``@nativescript/types-android`` (npm), or inside an SDK_INT guard for its level;
+  planted newer uses (unguarded, under a too-low guard, a Java 8 method Android added in 26, a
+  newer stub constant) are caught.
 * The APK is signed with the one debug key of the user (~/.android/debug.keystore), builds with
   JDK 17 and with JDK 21 or later (``--release 8``, lowered for dx), and can carry a compiled
   artifact's kernels (``--model-lib``) as lib/arm64-v8a/libedgekv_model.so.
