@@ -512,38 +512,19 @@ def apk_under_qemu(apk, tmp_path_factory) -> dict:
     why = _qemu_why()
     if why:
         pytest.skip(why)
-    d = tmp_path_factory.mktemp("qemu")
-    libs = d / "apk-lib"
-    libs.mkdir()
-    with zipfile.ZipFile(apk) as z:
-        for name in z.namelist():
-            if name.startswith("lib/arm64-v8a/") and name.endswith(".so"):
-                (libs / Path(name).name).write_bytes(z.read(name))
-    shim = d / "shim"
-    shim.mkdir()
-    gcc = "aarch64-linux-gnu-gcc"
-    src = ANDROID / "test" / "bionic_shim.c"
-    for lib, defines, links in (("libc.so", ["-DSHIM_LIBC"], []), ("libm.so", [], ["-Wl,--no-as-needed", "-lm"]),
-                                ("libdl.so", [], ["-Wl,--no-as-needed", "-lc"])):
-        r = run([gcc, "-std=c11", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", *defines,
-                 f"-Wl,-soname,{lib}", "-o", shim / lib, src, *links])
-        assert r.returncode == 0, r.stderr
-    harness = d / "jni_harness"
-    r = run([gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-I/usr/include/android/nativehelper", "-o",
-             harness,
-             ANDROID / "test" / "jni_harness.c", "-ldl"])
-    assert r.returncode == 0, r.stderr
-    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
-    return {"libs": libs, "shim": shim, "harness": harness, "qemu": qemu}
+    from tools.experiments import check_android_qemu
+
+    return check_android_qemu.build_kit(apk, tmp_path_factory.mktemp("qemu"))
 
 
 def run_harness(q: dict, artifact: Path, doc: Path, work: Path, questions, chat=False, timeout=600, threads=2) -> dict:
-    env = [f"LD_LIBRARY_PATH={q['shim']}", f"HARNESS_THREADS={threads}"] + (["HARNESS_CHAT=1"] if chat else [])
-    r = run([q["qemu"], "-L", SYSROOT, *sum((["-E", e] for e in env), []), q["harness"],
-             q["libs"] / "libedgekv_runtime.so", q["libs"] / "libedgekv_jni.so", artifact, doc, work / "doc.ekv",
-             NEW_TOKENS, *questions], timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """The harness under qemu (tools/experiments/check_android_qemu.py, which also times each block)."""
+    from tools.experiments import check_android_qemu
+
+    ran = check_android_qemu.run_harness(q, artifact, doc, work, list(questions), NEW_TOKENS, chat=chat,
+                                         threads=threads, limit_s=timeout)
+    assert not ran["stopped"], f"the harness did not finish in {timeout} s: {ran['blocks'][-3:]}"
+    return ran["result"]
 
 
 def utf16(units) -> str:
