@@ -677,3 +677,50 @@ def test_smollm2_through_the_apk_libraries_under_qemu(apk_under_qemu, importer, 
     print(json.dumps({"qemu_ids": got_ids, "host_ids": [w["generated_ids"] for w in want],
                       "document_tokens": answers["document_tokens"]}))
     assert got_ids == [w["generated_ids"] for w in want]
+
+
+# ---- the app's memory check on the 1.5B (issue 30, item 7) ---------------------------------------
+
+GIB, MIB = 1 << 30, 1 << 20
+# phones as ActivityManager.MemoryInfo reports them: (what, availMem, threshold)
+PHONES = [("a 4 GB phone with other apps open", int(1.4 * GIB), 216 * MIB),
+          ("an 8 GB phone", int(4.5 * GIB), 216 * MIB)]
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_memory_check_refuses_the_1_5b_on_a_small_phone(tmp_path):
+    """The app's own check (Artifact.memoryRefusal, on a desktop JVM) reads the Qwen2.5-Coder-1.5B
+    artifact's memory plan from its manifest and refuses it on a phone with too little free memory,
+    naming the plan's parts and the phone's figures, and lets it load on an 8 GB phone.
+    EDGEKV_QWEN_ARTIFACT: a compiled 1.5B artifact directory (only manifest.json is read; `edgekv
+    compile qwen2.5-coder-1.5b --budget 1k --policy keydiff --target android-cpu -o DIR`)."""
+    given = os.environ.get("EDGEKV_QWEN_ARTIFACT")
+    if not given:
+        pytest.skip("set EDGEKV_QWEN_ARTIFACT to a compiled qwen2.5-coder-1.5b artifact (edgekv compile "
+                    "qwen2.5-coder-1.5b --budget 1k --policy keydiff --target android-cpu -o DIR)")
+    if shutil.which("javac") is None:
+        pytest.skip("javac missing: apt-get install -y default-jdk-headless")
+    manifest = json.loads((Path(given) / "manifest.json").read_text())
+    assert manifest["model"]["id"] == "qwen2.5-coder-1.5b"
+    classes = tmp_path / "classes"
+    sources = [SRC / f"{n}.java" for n in ("Artifact", "Json", "ManifestKeys")]
+    sources.append(ANDROID / "test" / "MemoryCheck.java")
+    r = run(["javac", "--release", "8", "-nowarn", "-d", classes, *sources])
+    assert r.returncode == 0, r.stderr
+    r = run(["java", "-cp", classes, "MemoryCheck", given, *[str(x) for _, avail, low in PHONES for x in (avail, low)]])
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    plan = manifest["memory_plan"]
+    assert got["plan_bytes"] == plan["total_bytes"] and got["needed_bytes"] >= plan["total_bytes"]
+
+    def mib(b):
+        return f"{b / MIB:.1f} MiB"
+
+    small, large = got["verdicts"]
+    assert small is not None and small.startswith(f"Not loading {Path(given).name}: its memory plan needs"), small
+    for part in ("total_bytes", "weights_bytes", "cache_bytes", "activation_bytes"):
+        assert mib(plan[part]) in small, (part, small)
+    assert mib(PHONES[0][1] - PHONES[0][2]) in small and mib(PHONES[0][1]) in small
+    assert large is None
+    print(json.dumps({"artifact": given, "describe": got["describe"], "plan": plan, "refusal": small}))
