@@ -644,9 +644,9 @@ def test_smollm2_through_the_apk_libraries_under_qemu(apk_under_qemu, importer, 
     android-cpu artifact packed and imported by the app's importer: the same ids as edgekv-run on
     this host's build of the same model. EDGEKV_SMOL_ANDROID / EDGEKV_SMOL_HOST: artifacts
     compiled already (`edgekv compile smollm2-135m --budget 512 --block 128 --policy keydiff
-    --target android-cpu` then android/finish.sh; and --target cpu), else both are compiled here."""
+    --target android-cpu` then android/finish.sh; and --target host), else both are compiled here."""
     arts = {}
-    for key, target in (("android", "android-cpu"), ("host", "cpu")):
+    for key, target in (("android", "android-cpu"), ("host", "host")):
         given = os.environ.get(f"EDGEKV_SMOL_{key.upper()}")
         if given:
             arts[key] = Path(given)

@@ -14,7 +14,7 @@ docs/results/android_qemu_smollm2.{json,md}.
 
     edgekv compile smollm2-135m --budget 512 --block 128 --policy keydiff --target android-cpu -o build/smol-android
     android/finish.sh build/smol-android
-    edgekv compile smollm2-135m --budget 512 --block 128 --policy keydiff --target cpu -o build/smol-host
+    edgekv compile smollm2-135m --budget 512 --block 128 --policy keydiff --target host -o build/smol-host
     android/build.sh
     python tools/experiments/check_android_qemu.py --android build/smol-android --host build/smol-host \\
         --apk build/android/edgekv-demo.apk [--document readme|opening] [--limit-s 3000]
@@ -167,7 +167,7 @@ def render(data: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--android", type=Path, help="android-cpu artifact after android/finish.sh")
-    ap.add_argument("--host", type=Path, help="--target cpu artifact of the same model and settings")
+    ap.add_argument("--host", type=Path, help="--target host artifact of the same model and settings")
     ap.add_argument("--apk", type=Path, default=ROOT / "build" / "android" / "edgekv-demo.apk")
     ap.add_argument("--document", choices=("readme", "opening"), default="readme")
     ap.add_argument("--max-new-tokens", type=int, default=24)
