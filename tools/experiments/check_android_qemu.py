@@ -6,7 +6,7 @@ RTLD_LOCAL as ``System.loadLibrary`` does, by android/test/jni_harness.c on the 
 the two-function bionic shim (android/test/bionic_shim.c), then driven through the JNI bridge's
 own functions on an ``android-cpu`` artifact (linked by android/finish.sh): the document is read
 block by block, then two questions are answered, the second from the saved cache. The same
-document and questions go through ``edgekv-run --chat --question ...`` on a host (``--target cpu``)
+document and questions go through ``edgekv-run --chat --question ...`` on a host (``--target host``)
 artifact of the same model, policy, N and B, and the generated ids are compared. Every instruction
 of the phone's code is emulated, so a run is slow; ``--limit-s`` stops it and the results say how
 far the prefill got (the harness prints each block as it finishes). Writes
@@ -142,7 +142,7 @@ def render(data: dict) -> str:
              "and `libedgekv_jni.so` (built by `android/build.sh` for aarch64-linux-android24) run under "
              f"`{data['qemu_version']}` with the bionic shim, driven through the bridge's JNI functions "
              "(android/test/jni_harness.c) on an `android-cpu` artifact linked by `android/finish.sh`; the host "
-             "side is `edgekv-run` on a `--target cpu` artifact of the same model and settings. Times under qemu "
+             "side is `edgekv-run` on a `--target host` artifact of the same model and settings. Times under qemu "
              "are emulation on this machine (shared with other work, 2 cores), not a phone's.", "",
              "| | APK libraries, qemu-aarch64 | edgekv-run, x86-64 |", "|---|---|---|",
              f"| document tokens | {q['document_tokens']} | {h.get('document_tokens', '—')} |",
