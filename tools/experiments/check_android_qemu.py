@@ -134,6 +134,10 @@ def demo_document(which: str) -> tuple[str, list[str]]:
     return text[:text.rindex("Question:")].rstrip() + "\n", [README_QUESTION, SECOND_QUESTION]
 
 
+def _num(x) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
 def render(data: dict) -> str:
     q, h = data["qemu"], data["host"]
     lines = [f"# The README demo through the APK's own libraries under qemu-aarch64 ({data['document']})", "",
@@ -149,8 +153,10 @@ def render(data: dict) -> str:
              f"| prefill reached | {q['prefill_done']}/{q['document_tokens']} tokens | all |",
              f"| wall seconds | {q['wall_s']:.0f}{' (stopped at the limit)' if q['stopped'] else ''} | "
              f"{h['wall_s']:.1f} |",
-             f"| prefill seconds per token | {q['s_per_prefill_token']:.2f} | — |", ""]
-    if q["stopped"]:
+             f"| prefill seconds per token | {_num(q['s_per_prefill_token'])} | — |", ""]
+    if q["stopped"] and not q["s_per_prefill_token"]:
+        lines += [f"**Stopped** after {q['wall_s']:.0f} s before the first block of the document was read.", ""]
+    elif q["stopped"]:
         lines += [f"**Stopped** after {q['wall_s']:.0f} s (`--limit-s {data['limit_s']:.0f}`) with "
                   f"{q['prefill_done']} of {q['document_tokens']} document tokens read: at "
                   f"{q['s_per_prefill_token']:.2f} s per token the whole prefill would take about "
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     total = res["document_tokens"] if res else (q["blocks"][-1][1] if q["blocks"] else 0)
     done = total if res else (q["blocks"][-1][0] if q["blocks"] else 0)
     prefill_s = q["blocks"][-1][2] - (q["blocks"][0][2] if len(q["blocks"]) > 1 else 0) if q["blocks"] else 0
-    per_token = (q["blocks"][-1][2] / q["blocks"][-1][0]) if q["blocks"] and q["blocks"][-1][0] else float("nan")
+    per_token = (q["blocks"][-1][2] / q["blocks"][-1][0]) if q["blocks"] and q["blocks"][-1][0] else None
     answers = [{"generated_ids": a["generated_ids"], "text": "".join(utf16(t[1]) for t in a["tokens"]),
                 "prefillTokens": a.get("prefillTokens")} for a in res["answers"]] if res else []
     host_rows = [{"generated_ids": a["generated_ids"], "text": a.get("text", "")} for a in host]
