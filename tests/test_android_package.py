@@ -9,6 +9,10 @@ the APK's own libraries run under qemu (issue 33).
   middle, too little space, a package for another model library; nothing partial is left.
 * ``check_stubs.py`` refuses a stub constant that javac would inline where the framework's field is
   set at run time (the planted ``Build.VERSION.SDK_INT = 0``), and the dex reads SDK_INT.
+* ``check_api_levels.py``: every class, method and field the compiled app uses is at most minSdk
+  by the levels of ``@nativescript/types-android`` (npm), or inside an SDK_INT guard for its level;
+  planted newer uses (unguarded, under a too-low guard, a Java 8 method Android added in 26, a
+  newer stub constant) are caught.
 * The APK is signed with the one debug key of the user (~/.android/debug.keystore), builds with
   JDK 17 and with JDK 21 or later (``--release 8``, lowered for dx), and can carry a compiled
   artifact's kernels (``--model-lib``) as lib/arm64-v8a/libedgekv_model.so.
@@ -300,6 +304,112 @@ def apk(tmp_path_factory) -> Path:
     return build_apk(tmp_path_factory)
 
 
+# ---- API levels against minSdk ------------------------------------------------------------------
+
+def _check_api_levels():
+    sys.path.insert(0, str(ANDROID / "test"))
+    try:
+        import check_api_levels
+    finally:
+        sys.path.pop(0)
+    return check_api_levels
+
+
+@pytest.fixture(scope="module")
+def api_declarations(tmp_path_factory) -> Path:
+    """The API's classes and members with the level each appeared in: the merged API 21-37
+    declarations of the npm package @nativescript/types-android, fetched once with `npm pack`
+    into ~/.cache/edgekv-android (as android/build.sh fetches the dexer), SHA-256 checked."""
+    levels = _check_api_levels()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgekv-android"
+    tarball = cache / levels.TYPES_TARBALL
+    if not tarball.is_file():
+        if shutil.which("npm") is None:
+            pytest.skip(f"the API levels are not here and npm is missing (apt-get install -y npm): "
+                        f"{levels.TYPES_FETCH}")
+        tmp = tmp_path_factory.mktemp("npm")
+        r = run(["npm", "pack", "--silent", f"{levels.TYPES_PACKAGE}@{levels.TYPES_VERSION}"], cwd=tmp, timeout=300)
+        if r.returncode != 0:
+            pytest.skip(f"npm pack failed (no registry?): {levels.TYPES_FETCH}\n{r.stderr[-500:]}")
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(tmp / levels.TYPES_TARBALL), str(tarball))
+    return levels.declarations_from(tarball, tmp_path_factory.mktemp("api-levels"))
+
+
+PLANTED_USES = """package com.edgekv.demo;
+
+import android.content.Context;
+import android.content.Intent;
+import android.os.Build;
+import java.util.List;
+
+final class Planted {
+    static void unguarded(Context c, Intent i) { c.startForegroundService(i); }
+    static void guardTooLow(Context c, Intent i) { if (Build.VERSION.SDK_INT >= 24) c.startForegroundService(i); }
+    static String joined(List<String> parts) { return String.join(",", parts); }
+    static void guarded(Context c, Intent i) { if (Build.VERSION.SDK_INT >= 26) c.startForegroundService(i); }
+    static void guardedElse(Context c, Intent i) {
+        if (Build.VERSION.SDK_INT < 26) c.startService(i); else c.startForegroundService(i);
+    }
+    static void guardedAfterReturn(Context c, Intent i) {
+        if (Build.VERSION.SDK_INT <= 25) { c.startService(i); return; }
+        c.startForegroundService(i);
+    }
+}
+"""
+
+
+def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp_path):
+    """Every framework class, method and field the app's classes use (the bytecode, android.* and
+    java.* alike) exists at minSdk 24, or is used only under an SDK_INT guard for its level (the
+    four API 26 notification and service calls in WorkService); the inlined stub constants are at
+    most minSdk and have the API's values. A planted unguarded API 26 call, one under a guard for
+    24 only, and String.join (a Java 8 method Android added in API 26) are each caught; the three
+    guard forms javac emits are understood."""
+    levels = _check_api_levels()
+    classes = apk.parent / "classes"
+    assert (classes / "com" / "edgekv" / "demo" / "WorkService.class").is_file()
+    min_sdk = int(re.search(r"sdkVersion:'(\d+)'", run(["aapt", "dump", "badging", apk]).stdout).group(1))
+    assert min_sdk == 24
+    declarations = levels.read_declarations(api_declarations)
+    assert levels.level_problems(classes, None, min_sdk, ANDROID / "stubs", declarations) == []
+    # the app does use API 26 members, each under its guard: the check saw them
+    api = levels.Levels(declarations)
+    newer = {(what, lvl, guard) for _, what, lvl, guard in levels.above_min_sdk(levels.read_classes(classes), api, 24)}
+    assert ("android.app.NotificationChannel", 26, 26) in newer, newer
+    assert any("startForegroundService" in what for what, _, _ in newer), newer
+    assert all(guard is not None and guard >= lvl for _, lvl, guard in newer), newer
+
+    planted = tmp_path / "classes"
+    shutil.copytree(classes, planted)
+    (tmp_path / "Planted.java").write_text(PLANTED_USES)
+    r = run(["javac", "--release", "8", "-nowarn", "-cp", f"{apk.parent / 'android-stubs.jar'}:{classes}",
+             "-d", planted, tmp_path / "Planted.java"])
+    assert r.returncode == 0, r.stderr
+    problems = levels.level_problems(planted, None, min_sdk, None, declarations)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("com.edgekv.demo.Planted.unguarded") and "startForegroundService" in problems[0]
+    assert "added in API 26, above minSdk 24, unguarded" in problems[0]
+    assert problems[1].startswith("com.edgekv.demo.Planted.guardTooLow")
+    assert "under a guard for API 24 only" in problems[1]
+    assert problems[2].startswith("com.edgekv.demo.Planted.joined") and "java.lang.String.join" in problems[2]
+    assert "added in API 26" in problems[2]
+
+    stubs = tmp_path / "stubs"
+    shutil.copytree(ANDROID / "stubs", stubs)
+    pending = stubs / "android" / "app" / "PendingIntent.java"
+    text = pending.read_text()
+    assert "FLAG_IMMUTABLE" in text
+    pending.write_text(text.replace("public final class PendingIntent {", "public final class PendingIntent {\n"
+                                    "    public static final int FLAG_MUTABLE = 33554432;", 1))
+    view = stubs / "android" / "view" / "View.java"
+    view.write_text(view.read_text().replace("GONE = 8;", "GONE = 4;"))
+    problems = levels.constant_level_problems(stubs, api, min_sdk)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("android.app.PendingIntent.FLAG_MUTABLE") and "added in API 31" in problems[0]
+    assert problems[1].startswith("android.view.View.GONE: the stub inlines 4, the API declares 8"), problems
+
+
 def _dexdump(apk: Path, tmp_path: Path) -> str:
     if shutil.which("dexdump") is None:
         pytest.skip("dexdump missing: apt-get install -y dexdump")
@@ -403,38 +513,19 @@ def apk_under_qemu(apk, tmp_path_factory) -> dict:
     why = _qemu_why()
     if why:
         pytest.skip(why)
-    d = tmp_path_factory.mktemp("qemu")
-    libs = d / "apk-lib"
-    libs.mkdir()
-    with zipfile.ZipFile(apk) as z:
-        for name in z.namelist():
-            if name.startswith("lib/arm64-v8a/") and name.endswith(".so"):
-                (libs / Path(name).name).write_bytes(z.read(name))
-    shim = d / "shim"
-    shim.mkdir()
-    gcc = "aarch64-linux-gnu-gcc"
-    src = ANDROID / "test" / "bionic_shim.c"
-    for lib, defines, links in (("libc.so", ["-DSHIM_LIBC"], []), ("libm.so", [], ["-Wl,--no-as-needed", "-lm"]),
-                                ("libdl.so", [], ["-Wl,--no-as-needed", "-lc"])):
-        r = run([gcc, "-std=c11", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", *defines,
-                 f"-Wl,-soname,{lib}", "-o", shim / lib, src, *links])
-        assert r.returncode == 0, r.stderr
-    harness = d / "jni_harness"
-    r = run([gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-I/usr/include/android/nativehelper", "-o",
-             harness,
-             ANDROID / "test" / "jni_harness.c", "-ldl"])
-    assert r.returncode == 0, r.stderr
-    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
-    return {"libs": libs, "shim": shim, "harness": harness, "qemu": qemu}
+    from tools.experiments import check_android_qemu
+
+    return check_android_qemu.build_kit(apk, tmp_path_factory.mktemp("qemu"))
 
 
 def run_harness(q: dict, artifact: Path, doc: Path, work: Path, questions, chat=False, timeout=600, threads=2) -> dict:
-    env = [f"LD_LIBRARY_PATH={q['shim']}", f"HARNESS_THREADS={threads}"] + (["HARNESS_CHAT=1"] if chat else [])
-    r = run([q["qemu"], "-L", SYSROOT, *sum((["-E", e] for e in env), []), q["harness"],
-             q["libs"] / "libedgekv_runtime.so", q["libs"] / "libedgekv_jni.so", artifact, doc, work / "doc.ekv",
-             NEW_TOKENS, *questions], timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """The harness under qemu (tools/experiments/check_android_qemu.py, which also times each block)."""
+    from tools.experiments import check_android_qemu
+
+    ran = check_android_qemu.run_harness(q, artifact, doc, work, list(questions), NEW_TOKENS, chat=chat,
+                                         threads=threads, limit_s=timeout)
+    assert not ran["stopped"], f"the harness did not finish in {timeout} s: {ran['blocks'][-3:]}"
+    return ran["result"]
 
 
 def utf16(units) -> str:
@@ -554,9 +645,9 @@ def test_smollm2_through_the_apk_libraries_under_qemu(apk_under_qemu, importer, 
     android-cpu artifact packed and imported by the app's importer: the same ids as edgekv-run on
     this host's build of the same model. EDGEKV_SMOL_ANDROID / EDGEKV_SMOL_HOST: artifacts
     compiled already (`edgekv compile smollm2-135m --budget 512 --block 128 --policy keydiff
-    --target android-cpu` then android/finish.sh; and --target cpu), else both are compiled here."""
+    --target android-cpu` then android/finish.sh; and --target host), else both are compiled here."""
     arts = {}
-    for key, target in (("android", "android-cpu"), ("host", "cpu")):
+    for key, target in (("android", "android-cpu"), ("host", "host")):
         given = os.environ.get(f"EDGEKV_SMOL_{key.upper()}")
         if given:
             arts[key] = Path(given)
@@ -587,3 +678,50 @@ def test_smollm2_through_the_apk_libraries_under_qemu(apk_under_qemu, importer, 
     print(json.dumps({"qemu_ids": got_ids, "host_ids": [w["generated_ids"] for w in want],
                       "document_tokens": answers["document_tokens"]}))
     assert got_ids == [w["generated_ids"] for w in want]
+
+
+# ---- the app's memory check on the 1.5B (issue 30, item 7) ---------------------------------------
+
+GIB, MIB = 1 << 30, 1 << 20
+# phones as ActivityManager.MemoryInfo reports them: (what, availMem, threshold)
+PHONES = [("a 4 GB phone with other apps open", int(1.4 * GIB), 216 * MIB),
+          ("an 8 GB phone", int(4.5 * GIB), 216 * MIB)]
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_memory_check_refuses_the_1_5b_on_a_small_phone(tmp_path):
+    """The app's own check (Artifact.memoryRefusal, on a desktop JVM) reads the Qwen2.5-Coder-1.5B
+    artifact's memory plan from its manifest and refuses it on a phone with too little free memory,
+    naming the plan's parts and the phone's figures, and lets it load on an 8 GB phone.
+    EDGEKV_QWEN_ARTIFACT: a compiled 1.5B artifact directory (only manifest.json is read; `edgekv
+    compile qwen2.5-coder-1.5b --budget 1k --policy keydiff --target android-cpu -o DIR`)."""
+    given = os.environ.get("EDGEKV_QWEN_ARTIFACT")
+    if not given:
+        pytest.skip("set EDGEKV_QWEN_ARTIFACT to a compiled qwen2.5-coder-1.5b artifact (edgekv compile "
+                    "qwen2.5-coder-1.5b --budget 1k --policy keydiff --target android-cpu -o DIR)")
+    if shutil.which("javac") is None:
+        pytest.skip("javac missing: apt-get install -y default-jdk-headless")
+    manifest = json.loads((Path(given) / "manifest.json").read_text())
+    assert manifest["model"]["id"] == "qwen2.5-coder-1.5b"
+    classes = tmp_path / "classes"
+    sources = [SRC / f"{n}.java" for n in ("Artifact", "Json", "ManifestKeys")]
+    sources.append(ANDROID / "test" / "MemoryCheck.java")
+    r = run(["javac", "--release", "8", "-nowarn", "-d", classes, *sources])
+    assert r.returncode == 0, r.stderr
+    r = run(["java", "-cp", classes, "MemoryCheck", given, *[str(x) for _, avail, low in PHONES for x in (avail, low)]])
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    plan = manifest["memory_plan"]
+    assert got["plan_bytes"] == plan["total_bytes"] and got["needed_bytes"] >= plan["total_bytes"]
+
+    def mib(b):
+        return f"{b / MIB:.1f} MiB"
+
+    small, large = got["verdicts"]
+    assert small is not None and small.startswith(f"Not loading {Path(given).name}: its memory plan needs"), small
+    for part in ("total_bytes", "weights_bytes", "cache_bytes", "activation_bytes"):
+        assert mib(plan[part]) in small, (part, small)
+    assert mib(PHONES[0][1] - PHONES[0][2]) in small and mib(PHONES[0][1]) in small
+    assert large is None
+    print(json.dumps({"artifact": given, "describe": got["describe"], "plan": plan, "refusal": small}))

@@ -9,7 +9,8 @@ every stub class: that the class exists with the stub's superclass among its rea
 for every public member, that the class or one of its real ancestors declares it with the same
 parameter types and a matching return type (constructors on the class itself; constants as
 fields). The .pyi files name Java's int and long return types both ``int`` and give no API levels:
-what exists at API 36 may be newer than the app's minSdk.
+what exists at API 36 may be newer than the app's minSdk; check_api_levels.py holds every use in
+the compiled app to its level (from @nativescript/types-android) and to the app's SDK_INT guards.
 
 Constants: ``javac`` copies the value of a ``static final`` primitive or String field with a
 constant initialiser into the app (the dex then holds ``const``, not a read of the field). That

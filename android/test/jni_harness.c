@@ -15,6 +15,7 @@
  * Prints one JSON object. The JNIEnv implements only the functions the bridge calls (the others
  * are NULL: calling one crashes, which the test would see). Objects are tagged structs; strings
  * are UTF-16, as in Java. Never shipped. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <dlfcn.h>
 #include <jni.h>
 #include <stdarg.h>
@@ -22,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum kind { K_CLASS, K_STRING, K_INTS, K_EXCEPTION, K_HOLDER, K_PROGRESS, K_TOKENS };
 typedef struct field {
@@ -50,6 +52,14 @@ typedef struct method {
   char name[32];
   char sig[64];
 } method;
+
+static double seconds(void) { /* since the first call */
+  static struct timespec start;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (start.tv_sec == 0 && start.tv_nsec == 0) start = now;
+  return (double)(now.tv_sec - start.tv_sec) + 1e-9 * (double)(now.tv_nsec - start.tv_nsec);
+}
 
 static object *pending;
 static method methods[16];
@@ -182,9 +192,12 @@ static jboolean call_boolean(JNIEnv *e, jobject obj, jmethodID id, ...) {
   if (strcmp(m->name, "onBlock") == 0 && strcmp(m->sig, "(JJ)Z") == 0) {
     jlong done = va_arg(ap, jlong), total = va_arg(ap, jlong);
     logf_(o, "%s\"%lld/%lld\"", o->calls > 1 ? "," : "", (long long)done, (long long)total);
+    /* live, for a run stopped before the end: how far the prefill got and when */
+    fprintf(stderr, "harness: block %lld/%lld tokens at %.1f s\n", (long long)done, (long long)total, seconds());
     stop = o->cancel_after > 0 && o->calls >= o->cancel_after;
   } else if (strcmp(m->name, "onToken") == 0 && strcmp(m->sig, "(ILjava/lang/String;)Z") == 0) {
     jint id_ = va_arg(ap, jint);
+    fprintf(stderr, "harness: token %d at %.1f s\n", (int)id_, seconds());
     object *s = va_arg(ap, object *);
     logf_(o, "%s[%d,", o->calls > 1 ? "," : "", (int)id_);
     utf16_json(o, s->chars, s->n);
@@ -306,6 +319,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   init_env();
+  seconds();
   /* System.loadLibrary("edgekv_runtime"); System.loadLibrary("edgekv_jni"): both RTLD_LOCAL */
   void *rt = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   jni = rt != NULL ? dlopen(argv[2], RTLD_NOW | RTLD_LOCAL) : NULL;
