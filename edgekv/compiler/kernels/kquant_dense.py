@@ -249,6 +249,7 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
     NJ, G, HB = _geometry(fmt, K, N, NR)
     TAIL = N % NR != 0
     SUB16 = fmt.sub == 16
+    NS = subpanel_cols(NR)
 
     @T.macro
     def body(A, QL, QH, SC, MN, D, DM, C):
@@ -261,28 +262,29 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
         for jo in T.parallel(NJ):
             with T.sblock("gemv_kq"):
                 acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
-                blk = T.sblock_alloc_buffer((2, NR), "float32", scope="local")
+                blk = T.sblock_alloc_buffer((2, NS), "float32", scope="local")
                 for j in T.vectorized(NR):
                     acc[j] = T.float32(0)
                 for g in T.serial(G):
-                    for h in T.unroll(2):
-                        for j in T.vectorized(NR):
-                            blk[h, j] = T.float32(0)
-                    for i2 in T.unroll(16 // HB):
-                        for i1 in T.serial(HB):
-                            for h in T.unroll(2):
-                                for j in T.vectorized(NR):
-                                    blk[h, j] = blk[h, j] + A[g * 32 + h * 16 + i2 * HB + i1] * _quant(
-                                        fmt, QL, QH, jo, g, h, i2, i1, j, HB)
-                    for j in T.vectorized(NR):
-                        if SUB16:
-                            acc[j] = (acc[j] + _scale(fmt, SC, D, jo, g * 2, g * 32, j) * blk[0, j]
-                                      + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, j) * blk[1, j])
-                        elif fmt.has_min:
-                            acc[j] = (acc[j] + _scale(fmt, SC, D, jo, g, g * 32, j) * (blk[0, j] + blk[1, j])
-                                      - _min(fmt, MN, DM, jo, g, g * 32, j) * XS[g])
-                        else:
-                            acc[j] = acc[j] + _scale(fmt, SC, D, jo, g, g * 32, j) * (blk[0, j] + blk[1, j])
+                    for s in T.unroll(NR // NS):  # NS columns at a time: blk stays in registers
+                        for h in T.unroll(2):
+                            for jj in T.vectorized(NS):
+                                blk[h, jj] = T.float32(0)
+                        for i2 in T.unroll(16 // HB):
+                            for i1 in T.serial(HB):
+                                for h in T.unroll(2):
+                                    for jj in T.vectorized(NS):
+                                        blk[h, jj] = blk[h, jj] + A[g * 32 + h * 16 + i2 * HB + i1] * _quant(
+                                            fmt, QL, QH, jo, g, h, i2, i1, s * NS + jj, HB)
+                        for jj in T.vectorized(NS):
+                            if SUB16:
+                                acc[s * NS + jj] = (acc[s * NS + jj] + _scale(fmt, SC, D, jo, g * 2, g * 32, s * NS + jj) * blk[0, jj]
+                                                    + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, s * NS + jj) * blk[1, jj])
+                            elif fmt.has_min:
+                                acc[s * NS + jj] = (acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
+                                                    - _min(fmt, MN, DM, jo, g, g * 32, s * NS + jj) * XS[g])
+                            else:
+                                acc[s * NS + jj] = acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
                 if TAIL:
                     for j in T.serial(NR):
                         if jo * NR + j < N:
