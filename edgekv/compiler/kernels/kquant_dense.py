@@ -1,12 +1,16 @@
 """CPU kernels over the GGUF formats kept as they are (``kquant_formats.py``: Q4_K, Q6_K, Q5_0
-column panels), the dequantisation fused in — the same two kernels as ``quant_dense.py``'s Q4_1:
+column panels), the dequantisation fused in:
 
-* **GEMM** (prefill): the panel dequantised into a K × NR fp32 buffer (``weight`` below: gguf's
-  operations in gguf's order, so each weight equals ``gguf.quants.dequantize`` bit for bit), then
-  ``dense.gemm_tile``.
-* **GEMV** (decode): per 32-group, NR lanes accumulate Σ x·(q − offset) for each half (16
-  weights), then acc += S·that (− M·Σx for Q4_K): S = d·sc per sub-block (exact in fp32: an fp16
-  times a byte), one FMA and one conversion per weight.
+* **GEMM** (prefill): per NR-wide panel (one parallel task each), the panel dequantised into an
+  fp32 buffer (``weight`` below: gguf's operations in gguf's order, so each weight equals
+  ``gguf.quants.dequantize`` bit for bit) laid out as NR / 16 sub-panels of K × 16, then MR × 16
+  register tiles (``TILE_ROWS`` × ``TILE_COLS``: 12 ymm accumulators on AVX2, no spills) over K
+  blocks of 256 that stay in L1 while every row block of A uses them. The sum over k runs in
+  order (carried through C between K blocks), as ``dense.gemm_tile``'s.
+* **GEMV** (decode): per 32-group and 16 columns at a time, lanes accumulate Σ x·(q − offset)
+  for each half (16 weights), then acc += S·that (− M·Σx for Q4_K): S = d·sc per sub-block
+  (exact in fp32: an fp16 times a byte), one FMA and one conversion per weight (compute-bound:
+  docs/COMPILER.md, "K-quant kernel schedule").
 
 ``build_kquant_dequant_kernel`` writes the GEMM's dequantised panels out: the bit-exactness test
 runs it against gguf.
