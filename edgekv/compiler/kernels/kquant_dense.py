@@ -282,13 +282,16 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
                                             fmt, QL, QH, jo, g, h, i2, i1, s * NS + jj, HB)
                         for jj in T.vectorized(NS):
                             if SUB16:
-                                acc[s * NS + jj] = (acc[s * NS + jj] + _scale(fmt, SC, D, jo, g * 2, g * 32, s * NS + jj) * blk[0, jj]
-                                                    + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, s * NS + jj) * blk[1, jj])
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g * 2, g * 32, s * NS + jj) * blk[0, jj]
+                                    + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, s * NS + jj) * blk[1, jj])
                             elif fmt.has_min:
-                                acc[s * NS + jj] = (acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
-                                                    - _min(fmt, MN, DM, jo, g, g * 32, s * NS + jj) * XS[g])
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
+                                    - _min(fmt, MN, DM, jo, g, g * 32, s * NS + jj) * XS[g])
                             else:
-                                acc[s * NS + jj] = acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj]))
                 if TAIL:
                     for j in T.serial(NR):
                         if jo * NR + j < N:
