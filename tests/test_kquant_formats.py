@@ -17,7 +17,7 @@ from edgekv.compiler import CompileError, compile_model  # noqa: E402
 from edgekv.compiler import kquant_formats as kq  # noqa: E402
 from edgekv.compiler import quant_formats as qf  # noqa: E402
 from edgekv.compiler.kernels.kquant_dense import (build_kquant_dequant_kernel, build_kquant_gemm_kernel,  # noqa: E402
-                                                  build_kquant_gemv_kernel)
+                                                  build_kquant_gemv_kernel, subpanel_cols)
 from edgekv.models import tiny_random_model  # noqa: E402
 from edgekv.models.loaded import LoadedModel  # noqa: E402
 from edgekv.policies import make_policy  # noqa: E402
@@ -66,7 +66,8 @@ def test_blocks_dequantise_exactly_as_gguf(fmt):
     nj = -(-N // NR)
     w = run_kernel(build_kquant_dequant_kernel(fmt, K, N, NR), [np.zeros(1, np.float32), *arrays,
                                                                 np.zeros(nj * K * NR, np.float32)])
-    w = w.reshape(nj, K, NR).transpose(0, 2, 1).reshape(nj * NR, K)
+    ns = subpanel_cols(NR)  # the GEMM's layout: per panel, NR / NS blocks of K × NS
+    w = w.reshape(nj, NR // ns, K, ns).transpose(0, 1, 3, 2).reshape(nj * NR, K)
     np.testing.assert_array_equal(bits(w[:N]), bits(ref))
     assert not w[N:].any()  # the padded panel rows are zero weights
     assert b.nbytes / (N * K) == fmt.bytes_per_weight() == {"Q4_K": 0.578125, "Q6_K": 0.8203125, "Q5_0": 0.6875}[fmt.ggml]

@@ -17,7 +17,7 @@ tvm = pytest.importorskip("tvm")
 gguf = pytest.importorskip("gguf")
 
 from edgekv.compiler import quant_formats as qf  # noqa: E402
-from edgekv.compiler.kernels.kquant_dense import build_kquant_dequant_kernel  # noqa: E402
+from edgekv.compiler.kernels.kquant_dense import build_kquant_dequant_kernel, subpanel_cols  # noqa: E402
 from edgekv.compiler.kquant_formats import KFormat, kpanel_arrays  # noqa: E402
 from test_kquant_formats import bits, hf_from_gguf, run_kernel  # noqa: E402
 
@@ -88,5 +88,6 @@ def test_real_blocks_are_kept_bit_exact(arch):
                 sub = type(b)(fmt, b.u[:rows], {k: v[:rows] for k, v in b.scales.items()}, b.k)
                 out = run_kernel(build_kquant_dequant_kernel(fmt, shape[1], rows, nr),
                                  [np.zeros(1, np.float32), *kpanel_arrays(sub, nr), np.zeros(rows * shape[1], np.float32)])
-                out = out.reshape(rows // nr, shape[1], nr).transpose(0, 2, 1).reshape(rows, shape[1])
+                ns = subpanel_cols(nr)  # the GEMM's layout: per panel, NR / NS blocks of K × NS
+                out = out.reshape(rows // nr, nr // ns, shape[1], ns).transpose(0, 1, 3, 2).reshape(rows, shape[1])
                 np.testing.assert_array_equal(bits(out), bits(want[:rows]), err_msg=t.name)

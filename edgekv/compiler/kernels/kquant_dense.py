@@ -1,12 +1,16 @@
 """CPU kernels over the GGUF formats kept as they are (``kquant_formats.py``: Q4_K, Q6_K, Q5_0
-column panels), the dequantisation fused in — the same two kernels as ``quant_dense.py``'s Q4_1:
+column panels), the dequantisation fused in:
 
-* **GEMM** (prefill): the panel dequantised into a K × NR fp32 buffer (``weight`` below: gguf's
-  operations in gguf's order, so each weight equals ``gguf.quants.dequantize`` bit for bit), then
-  ``dense.gemm_tile``.
-* **GEMV** (decode): per 32-group, NR lanes accumulate Σ x·(q − offset) for each half (16
-  weights), then acc += S·that (− M·Σx for Q4_K): S = d·sc per sub-block (exact in fp32: an fp16
-  times a byte), one FMA and one conversion per weight.
+* **GEMM** (prefill): per NR-wide panel (one parallel task each), the panel dequantised into an
+  fp32 buffer (``weight`` below: gguf's operations in gguf's order, so each weight equals
+  ``gguf.quants.dequantize`` bit for bit) laid out as NR / 16 sub-panels of K × 16, then MR × 16
+  register tiles (``TILE_ROWS`` × ``TILE_COLS``: 12 ymm accumulators on AVX2, no spills) over K
+  blocks of 256 that stay in L1 while every row block of A uses them. The sum over k runs in
+  order (carried through C between K blocks), as ``dense.gemm_tile``'s.
+* **GEMV** (decode): per 32-group and 16 columns at a time, lanes accumulate Σ x·(q − offset)
+  for each half (16 weights), then acc += S·that (− M·Σx for Q4_K): S = d·sc per sub-block
+  (exact in fp32: an fp16 times a byte), one FMA and one conversion per weight (compute-bound:
+  docs/COMPILER.md, "K-quant kernel schedule").
 
 ``build_kquant_dequant_kernel`` writes the GEMM's dequantised panels out: the bit-exactness test
 runs it against gguf.
@@ -19,7 +23,7 @@ from tvm.script import tirx as T
 
 from ..kquant_formats import KFormat, kpanel_shapes
 from ..quant_formats import padded
-from .dense import VEC, gemm_tile, register_rows
+from .dense import VEC
 from .quant_dense import _check_rows
 
 
@@ -118,8 +122,9 @@ def _signature(fmt: KFormat, body, a_shape, c_shape, a_len: int, c_len: int, sha
     return kquant_dense
 
 
-def _dequantize_panel(fmt: KFormat, K: int, HB: int):
-    """Macro ``dequant(QL, QH, SC, MN, D, DM, W, w_base, jo)``: panel jo as fp32 [K · NR] at W[w_base:]."""
+def _dequantize_panel(fmt: KFormat, K: int, HB: int, NS: int = 0):
+    """Macro ``dequant(QL, QH, SC, MN, D, DM, W, w_base, jo, NR)``: panel jo as fp32 at W[w_base:],
+    in sub-panels of NS columns, each K × NS and contiguous (NS = 0: one K × NR panel)."""
 
     @T.macro
     def dequant(QL, QH, SC, MN, D, DM, W, w_base, jo, NR):
@@ -127,11 +132,80 @@ def _dequantize_panel(fmt: KFormat, K: int, HB: int):
             for h in T.unroll(2):
                 for i2 in T.unroll(16 // HB):
                     for i1 in T.serial(HB):
-                        for j in T.vectorized(NR):
-                            W[w_base + (g * 32 + h * 16 + i2 * HB + i1) * NR + j] = weight(
-                                fmt, QL, QH, SC, MN, D, DM, jo, g, h, i2, i1, j, HB)
+                        for s in T.unroll(NR // (NS or NR)):
+                            for jj in T.vectorized(NS or NR):
+                                W[w_base + s * K * (NS or NR) + (g * 32 + h * 16 + i2 * HB + i1) * (NS or NR) + jj] = weight(
+                                    fmt, QL, QH, SC, MN, D, DM, jo, g, h, i2, i1, s * (NS or NR) + jj, HB)
 
     return dequant
+
+
+# The GEMM's register tile: the NR-wide dequantised panel is multiplied in sub-panels of TILE_COLS
+# columns by TILE_ROWS rows of A, TILE_ROWS · TILE_COLS / 8 accumulators — 12 of AVX2's 16 ymm
+# registers (6 of AVX-512's 32 zmm), so no accumulator spills (``dense.gemm_tile``'s MR × NR tile
+# assumes 32 zmm registers: on an AVX2 CPU, 4 × 64 lanes are 32 ymm, twice the register file).
+TILE_COLS = 16
+TILE_ROWS = 6
+
+
+def subpanel_cols(NR: int) -> int:
+    """NS: the GEMM's sub-panel width, the columns of each K × NS block of its dequantised panel."""
+    return TILE_COLS if NR % TILE_COLS == 0 else NR
+
+
+def _tile_rows(M: int, cap: int) -> int:
+    return next(c for c in range(min(cap, M), 0, -1) if M % c == 0)
+
+
+def _k_block(K: int) -> int:
+    return next((c for c in (256, 128, 64, 32) if K % c == 0), K)
+
+
+def _panel_gemm(M: int, K: int, N: int, NR: int, NS: int, MR: int):
+    """Macro ``tile(A, W, C, acc, jo)``: C[:, panel jo] = A · W (W: the panel as NR / NS
+    sub-panels, each K × NS contiguous), in MR × NS register tiles over K blocks of KC (a KC × NS
+    slice of W stays in L1 while every row block of A uses it). Each tile's sum over k runs in
+    order, carried through C from one K block to the next (an exact fp32 store and load), so the
+    results equal ``dense.gemm_tile``'s sequential sum."""
+    NI, NSUB, KC = M // MR, NR // NS, _k_block(K)
+    KB = K // KC
+    LAST = N - (-(-N // NR) - 1) * NR
+    TAIL = LAST != NR
+
+    @T.macro
+    def tile(A, W, C, acc, jo):
+        for s in T.serial(NSUB):
+            for kb in T.serial(KB):
+                for io in T.serial(NI):
+                    if kb == 0:
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NS):
+                                acc[r, j] = T.float32(0)
+                    elif TAIL:
+                        for r in T.unroll(MR):
+                            for j in T.serial(NS):
+                                acc[r, j] = T.if_then_else(jo * NR + s * NS + j < N,
+                                                           C[(io * MR + r) * N + T.min(jo * NR + s * NS + j, N - 1)],
+                                                           T.float32(0))
+                    else:
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NS):
+                                acc[r, j] = C[(io * MR + r) * N + jo * NR + s * NS + j]
+                    for k in T.serial(KC):
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NS):
+                                acc[r, j] = acc[r, j] + A[(io * MR + r) * K + kb * KC + k] * W[(s * K + kb * KC + k) * NS + j]
+                    if TAIL:
+                        for r in T.unroll(MR):
+                            for j in T.serial(NS):
+                                if jo * NR + s * NS + j < N:
+                                    C[(io * MR + r) * N + jo * NR + s * NS + j] = acc[r, j]
+                    else:
+                        for r in T.unroll(MR):
+                            for j in T.vectorized(NS):
+                                C[(io * MR + r) * N + jo * NR + s * NS + j] = acc[r, j]
+
+    return tile
 
 
 def build_kquant_gemm_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR: int):
@@ -140,26 +214,28 @@ def build_kquant_gemm_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
     if K2 != K:
         raise ValueError(f"A has K = {K2}, the weight {K}")
     NJ, _, HB = _geometry(fmt, K, N, NR)
-    MR = register_rows(M, NR)
-    tile = gemm_tile(M, K, N, MR, NR)
-    dequant = _dequantize_panel(fmt, K, HB)
+    NS = subpanel_cols(NR)
+    MR = _tile_rows(M, TILE_ROWS)
+    tile = _panel_gemm(M, K, N, NR, NS, MR)
+    dequant = _dequantize_panel(fmt, K, HB, NS)
 
     @T.macro
     def body(A, QL, QH, SC, MN, D, DM, C):
         for jo in T.parallel(NJ):
             with T.sblock("gemm_kq"):
                 W = T.sblock_alloc_buffer((K * NR,), "float32")  # the dequantised panel
-                acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                acc = T.sblock_alloc_buffer((MR, NS), "float32", scope="local")
                 dequant(QL, QH, SC, MN, D, DM, W, 0, jo, NR)
-                tile(A, W, C, acc, jo, 0, NR)
+                tile(A, W, C, acc, jo)
 
     return _signature(fmt, body, tuple(a_shape), tuple(c_shape), M * K, M * N, kpanel_shapes(fmt, K, N, NR))
 
 
 def build_kquant_dequant_kernel(fmt: KFormat, K: int, N: int, NR: int):
-    """``W[N/NR · K · NR] = the GEMM's dequantised panels`` (A unused, [1]): for the bit-exactness test."""
+    """``W[N/NR · NR/NS · K · NS] = the GEMM's dequantised panels`` (A unused, [1]), in the GEMM's
+    own layout (``subpanel_cols``): for the bit-exactness test."""
     NJ, _, HB = _geometry(fmt, K, N, NR)
-    dequant = _dequantize_panel(fmt, K, HB)
+    dequant = _dequantize_panel(fmt, K, HB, subpanel_cols(NR))
 
     @T.macro
     def body(A, QL, QH, SC, MN, D, DM, C):
@@ -177,6 +253,7 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
     NJ, G, HB = _geometry(fmt, K, N, NR)
     TAIL = N % NR != 0
     SUB16 = fmt.sub == 16
+    NS = subpanel_cols(NR)
 
     @T.macro
     def body(A, QL, QH, SC, MN, D, DM, C):
@@ -189,28 +266,32 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
         for jo in T.parallel(NJ):
             with T.sblock("gemv_kq"):
                 acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
-                blk = T.sblock_alloc_buffer((2, NR), "float32", scope="local")
+                blk = T.sblock_alloc_buffer((2, NS), "float32", scope="local")
                 for j in T.vectorized(NR):
                     acc[j] = T.float32(0)
                 for g in T.serial(G):
-                    for h in T.unroll(2):
-                        for j in T.vectorized(NR):
-                            blk[h, j] = T.float32(0)
-                    for i2 in T.unroll(16 // HB):
-                        for i1 in T.serial(HB):
-                            for h in T.unroll(2):
-                                for j in T.vectorized(NR):
-                                    blk[h, j] = blk[h, j] + A[g * 32 + h * 16 + i2 * HB + i1] * _quant(
-                                        fmt, QL, QH, jo, g, h, i2, i1, j, HB)
-                    for j in T.vectorized(NR):
-                        if SUB16:
-                            acc[j] = (acc[j] + _scale(fmt, SC, D, jo, g * 2, g * 32, j) * blk[0, j]
-                                      + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, j) * blk[1, j])
-                        elif fmt.has_min:
-                            acc[j] = (acc[j] + _scale(fmt, SC, D, jo, g, g * 32, j) * (blk[0, j] + blk[1, j])
-                                      - _min(fmt, MN, DM, jo, g, g * 32, j) * XS[g])
-                        else:
-                            acc[j] = acc[j] + _scale(fmt, SC, D, jo, g, g * 32, j) * (blk[0, j] + blk[1, j])
+                    for s in T.unroll(NR // NS):  # NS columns at a time: blk stays in registers
+                        for h in T.unroll(2):
+                            for jj in T.vectorized(NS):
+                                blk[h, jj] = T.float32(0)
+                        for i2 in T.unroll(16 // HB):
+                            for i1 in T.serial(HB):
+                                for h in T.unroll(2):
+                                    for jj in T.vectorized(NS):
+                                        blk[h, jj] = blk[h, jj] + A[g * 32 + h * 16 + i2 * HB + i1] * _quant(
+                                            fmt, QL, QH, jo, g, h, i2, i1, s * NS + jj, HB)
+                        for jj in T.vectorized(NS):
+                            if SUB16:
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g * 2, g * 32, s * NS + jj) * blk[0, jj]
+                                    + _scale(fmt, SC, D, jo, g * 2 + 1, g * 32 + 16, s * NS + jj) * blk[1, jj])
+                            elif fmt.has_min:
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj])
+                                    - _min(fmt, MN, DM, jo, g, g * 32, s * NS + jj) * XS[g])
+                            else:
+                                acc[s * NS + jj] = (
+                                    acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj]))
                 if TAIL:
                     for j in T.serial(NR):
                         if jo * NR + j < N:
