@@ -9,6 +9,11 @@ import os
 import pytest
 import torch
 
+# An xdist worker inherits COLUMNS=80, which the CLI reads as a terminal's width (edgekv/cli/common.py):
+# rich would then fold a long tmp_path in the middle of the words a test looks for. Without it every
+# console, in this process and in the CLI subprocesses tests start, has the piped width of a serial run.
+os.environ.pop("COLUMNS", None)
+
 from edgekv.models import load_model, tiny_random_model
 
 

@@ -17,15 +17,6 @@ from edgekv.cli import app  # noqa: E402
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _piped_console_width(monkeypatch):
-    """The CLI's consoles at their piped width whatever COLUMNS says: an xdist worker's environment
-    has COLUMNS=80, which the CLI takes for a terminal's width, and rich would then fold a long
-    ``-o`` path (a worker's tmp_path) in the middle of the name this file looks for."""
-    from edgekv.cli import common
-
-    for console in (common.err, common.out):
-        monkeypatch.setattr(console, "width", common.PIPED_WIDTH)
 HOST_FAST = {"name": "host-test", "target": {"kind": "llvm", "opt-level": 0, "num-cores": 2}}
 ANDROID_FAST = {"name": "android-cpu", "description": "test copy at opt-level 0",
                 "target": {"kind": "llvm", "mtriple": "aarch64-linux-android", "mattr": ["+neon"], "opt-level": 0},

@@ -41,7 +41,9 @@ def tokenizer_kind(spec: dict) -> str:
     if model.get("type") == "Unigram":
         _check_unigram(spec, UnsupportedTokenizer, _describe)
         return KIND_UNIGRAM
-    if model.get("type") == "BPE" and model.get("byte_fallback"):
+    # byte_fallback only matters without a ByteLevel step: a byte-level BPE (SmolLM2's tokenizer as
+    # transformers converts it from the GGUF sets the flag) has every byte in its vocabulary already
+    if model.get("type") == "BPE" and model.get("byte_fallback") and not _has_byte_level(spec.get("pre_tokenizer")):
         _check_sentencepiece_bpe(spec)
         return KIND_SP_BPE
     if model.get("type") == "BPE" and _is_qwen2_pre_tokenizer(spec.get("pre_tokenizer")):
@@ -57,6 +59,15 @@ def tokenizer_kind(spec: dict) -> str:
     except UnsupportedTokenizer as exc:
         raise UnsupportedTokenizer(f"{exc}; supported kinds: {SUPPORTED}") from None
     return KIND_GPT2
+
+
+def _has_byte_level(pre) -> bool:
+    """A ByteLevel pre-tokenizer, alone or inside a Sequence."""
+    if not pre:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre.get("pretokenizers") or [])
+    return pre.get("type") == "ByteLevel"
 
 
 def _is_qwen2_pre_tokenizer(pre) -> bool:
