@@ -41,6 +41,8 @@ VARIANTS = {
     "prompt": "only the repeat prompt's rows (before the block's copy), wide softmax, max",
     "copy": "only the block-copy rows, wide softmax, max",
     "aligned": "each entry's score from the one row that must reproduce it (the row before its copy), wide softmax, max over the group",
+    "aligned2": "as aligned, max over that row and the next (the row holding the entry's copy)",
+    "aligned-own": "as aligned, with KVzip's softmax (sinks + own block + rows)",
 }
 # rank combinations, computed from the maps (mean of the per-(layer, head) percentile ranks)
 COMBOS = {"kvzip+keydiff": ("kvzip", "keydiff"), "wide+keydiff": ("wide", "keydiff")}
@@ -99,6 +101,9 @@ def recorder_class():
             got = {"kvzip": own.amax(dim=(1, 2)), "kvzip-mean": own.mean(dim=(1, 2)), "wide": wide.amax(dim=(1, 2)),
                    "prompt": wide[:, :, :prompt_rows].amax(dim=(1, 2)), "copy": wide[:, :, prompt_rows:].amax(dim=(1, 2)),
                    "aligned": wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].amax(dim=1),
+                   "aligned2": torch.maximum(wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)],
+                                             wide[:, :, prompt_rows + torch.arange(b), torch.arange(b)]).amax(dim=1),
+                   "aligned-own": own[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].amax(dim=1),
                    "value_norm": ctx.values[:, ctx.n_cache:].float().norm(dim=-1),
                    "positions": ctx.positions[:, ctx.n_cache:].clone()}
             for v, t in got.items():
