@@ -43,6 +43,8 @@ VARIANTS = {
     "aligned": "each entry's score from the one row that must reproduce it (the row before its copy), wide softmax, max over the group",
     "aligned2": "as aligned, max over that row and the next (the row holding the entry's copy)",
     "aligned-own": "as aligned, with KVzip's softmax (sinks + own block + rows)",
+    "aligned-layer": "as aligned, max over every query head of the layer: one token set for all KV heads of a layer",
+    "aligned-layer-mean": "as aligned, mean over every query head of the layer: one token set for all KV heads",
 }
 # rank combinations, computed from the maps (mean of the per-(layer, head) percentile ranks)
 COMBOS = {"kvzip+keydiff": ("kvzip", "keydiff"), "wide+keydiff": ("wide", "keydiff")}
@@ -103,6 +105,10 @@ def recorder_class():
                    "aligned": wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].amax(dim=1),
                    "aligned2": torch.maximum(wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)],
                                              wide[:, :, prompt_rows + torch.arange(b), torch.arange(b)]).amax(dim=1),
+                   "aligned-layer": wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].amax(dim=(0, 1))[None].expand(
+                       ctx.keys.shape[0], b),
+                   "aligned-layer-mean": wide[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].mean(dim=(0, 1))[None].expand(
+                       ctx.keys.shape[0], b),
                    "aligned-own": own[:, :, prompt_rows - 1 + torch.arange(b), torch.arange(b)].amax(dim=1),
                    "value_norm": ctx.values[:, ctx.n_cache:].float().norm(dim=-1),
                    "positions": ctx.positions[:, ctx.n_cache:].clone()}
