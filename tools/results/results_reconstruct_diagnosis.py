@@ -221,6 +221,7 @@ def run(args) -> dict:
                 maps = policy.stacked()
                 pos = maps.pop("positions")
                 ref = top_n_positions(maps["kvzip"], pos, budget)
+                ref_aligned = top_n_positions(maps["aligned"], pos, budget)
                 same = sum(len(a & b) for la, lb in zip(ref, kept) for a, b in zip(la, lb)) / sum(
                     len(b) for lb in kept for b in lb)
                 drow["reference_topn_equals_run"] = same
@@ -228,6 +229,8 @@ def run(args) -> dict:
                     sel = top_n_positions(maps[v], pos, budget)
                     recall = sum(len(a & b) for la, lb in zip(sel, ref) for a, b in zip(la, lb)) / sum(
                         len(b) for lb in ref for b in lb)
+                    recall_aligned = sum(len(a & b) for la, lb in zip(sel, ref_aligned) for a, b in zip(la, lb)) / sum(
+                        len(b) for lb in ref_aligned for b in lb)
                     pct = {}
                     for n in doc.needles:
                         # the value tokens' percentile in each (layer, head)'s score distribution
@@ -239,6 +242,7 @@ def run(args) -> dict:
                     drow["variants"][v] = {"needles": {n.kind: needle_stats(sel, n)["all_value_tokens"]
                                                        for n in doc.needles},
                                            "value_percentile": pct, "recall_of_reconstruct_top_n": recall,
+                                           "recall_of_aligned_top_n": recall_aligned,
                                            "composition": composition(sel, doc, tok)}
         out["documents"].append(drow)
     return out
@@ -275,13 +279,16 @@ def write_md(res: dict, path: Path, command: str) -> None:
               "(layer, head) score distribution; recall: the share of reconstruct's (kvzip) keep set that the "
               f"variant's top N holds. Reference top N equals the run's kept set: "
               f"{min(d['reference_topn_equals_run'] for d in docs):.1%} (lowest document).", "",
-              "| variant | what | needle retention | value percentile | recall of reconstruct's top N |",
-              "|---|---|---:|---:|---:|"]
+              "| variant | what | needle retention | value percentile | recall of reconstruct's top N | recall of aligned's top N |",
+              "|---|---|---:|---:|---:|---:|"]
         for v, what in list(VARIANTS.items()) + list(SIGNALS.items()) + [(k, "mean percentile rank of " + " and ".join(p)) for k, p in COMBOS.items()]:
             ret = [x for d in docs for x in d["variants"][v]["needles"].values()]
             pct = [x for d in docs for x in d["variants"][v]["value_percentile"].values()]
             rec = [d["variants"][v]["recall_of_reconstruct_top_n"] for d in docs]
-            L.append(f"| {v} | {what} | {sum(ret) / len(ret):.0%} | {sum(pct) / len(pct):.2f} | {sum(rec) / len(rec):.0%} |")
+            rea = [d["variants"][v].get("recall_of_aligned_top_n", float("nan")) for d in docs]
+            L.append(f"| {v} | {what} | {sum(ret) / len(ret):.0%} | {sum(pct) / len(pct):.2f} | {sum(rec) / len(rec):.0%} "
+                     f"| {sum(rea) / len(rea):.0%} |")
+        L += ["", f"Chance recall (a random N of the document's tokens): {res['budget'] / docs[0]['tokens']:.0%}."]
     path.write_text("\n".join(L) + "\n")
 
 
