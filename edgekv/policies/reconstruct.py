@@ -30,6 +30,8 @@ Where this departs from KVzip, and why:
   right after the block, not after the whole document;
 * the chunk is B (128 by default), not 2,048, so the extra rows fit the memory plan of one step;
 * N per KV head is fixed (the caches have static shapes), where KVzip ranks heads and layers jointly;
+* ``score=aligned`` (not the default) departs from KVzip's rule itself: each entry is scored by the one
+  row that reproduces it, under a softmax over the whole cache (``aligned_scores``; why there);
 * entries added after the document (a question, generated tokens) are not reconstructed: they score
   ``CONTINUATION`` (above any attention), so they push out the lowest-scored document entries.
 A document no longer than N is kept whole and carries no rows.
@@ -150,10 +152,10 @@ def aligned_scores(keys: torch.Tensor, n_cache: int, row_queries: torch.Tensor, 
     everything it sees (the whole cache, the block, the rows up to its own), max over the query heads
     of the KV group.
 
-    Why not KVzip's max over every row: on SmolLM2 the max over rows ranks the entries that many rows
-    look at (punctuation, line breaks, the block's first tokens) above the ones the copy needs, and the
-    needles' values fall below the median (docs/results/reconstruct_diagnosis.md); the aligned row asks
-    only "is j read when j is repeated". The softmax takes the whole cache, so an entry the model can
+    Why not KVzip's max over every row: on SmolLM2, with B-token chunks, the max over rows does not
+    single out the entries the copy needs; the needles' value tokens score about the median of their
+    head (``tools/results/results_reconstruct_diagnosis.py``); the aligned row asks only "is j read
+    when j is repeated". The softmax takes the whole cache, so an entry the model can
     repeat from elsewhere (an earlier mention, the language prior via the sinks) scores low.
 
     Same inputs as ``reconstruction_scores``; the block's copy is the last b rows. Scored
