@@ -9,6 +9,7 @@ CLI's --compress is refused with a conflicting --policy before any work."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from edgekv.engine import BlockEngine
@@ -266,3 +267,52 @@ def test_plan_covers_the_scorers_probabilities(monkeypatch):
     assert max(rows) == 40 > reconstruct.SCORE_ROWS
     assert 0 < peaks[reconstruct.SCORE_ROWS] <= planned_scores, (peaks, planned_scores)
     assert peaks[10 ** 6] > planned_scores  # the measure can fail: every row at once is over the plan
+
+
+def aligned_reference(step, sinks: int, scale: float) -> dict[tuple[int, int], float]:
+    """{(head, position): score} of ``score=aligned`` by explicit loops: entry j of the block scores
+    the softmax weight it gets from the row before its copy (the rows end with the block's copy), over
+    the whole cache, the block and the rows up to that row; max over the group's query heads."""
+    keys, pos, n_cache = step["keys"], step["positions"], step["n_cache"]
+    rq, rk, rp = step["rq"], step["rk"], step["rp"]
+    num_kv, n, _ = keys.shape
+    groups = rq.shape[0] // num_kv
+    b, e = n - n_cache, rq.shape[1]
+    out = {}
+    for h in range(num_kv):
+        for j in range(b):
+            r = max(e - b - 1 + j, 0)
+            own = [i for i in range(e) if int(rp[i]) <= int(rp[r])]
+            k = torch.cat([keys[h], rk[h, own]])
+            best = max(float(torch.softmax(k @ rq[h * groups + g, r] * scale, dim=0)[n_cache + j]) for g in range(groups))
+            p_j = int(pos[h, n_cache + j])
+            out[(h, p_j)] = 1.0 if p_j < sinks else best
+    return out
+
+
+def test_aligned_scoring_equals_the_reference_computation():
+    """``--policy-arg score=aligned``: every block's stored scores equal the explicit loops', and the
+    kept sets are the top N of them (scores never change once written)."""
+    policy = Recording(score="aligned")
+    policy.set_repeat_prompt(PROMPT)
+    eng = BlockEngine(MODEL, policy, N, B, record_kept=True)
+    eng.prefill(DOC)
+    scores: dict[int, dict] = {0: {}, 1: {}}
+    for obs in policy.seen:
+        scores[obs["layer"]].update(aligned_reference(obs, policy.sinks, eng.scale))
+    for layer in range(2):
+        cache = eng.caches[layer]
+        state = cache.state["reconstruction"][:, : cache.length]
+        for h in range(2):
+            for slot, p in enumerate(cache.positions[h, : cache.length].tolist()):
+                assert abs(float(state[h, slot]) - scores[layer][(h, p)]) < 1e-5
+            ranked = sorted((p for (hh, p) in scores[layer] if hh == h), key=lambda p: -scores[layer][(h, p)])
+            kept = set(cache.positions[h, : cache.length].tolist())
+            dropped = set(ranked) - kept
+            assert min(scores[layer][(h, p)] for p in kept) >= max(scores[layer][(h, p)] for p in dropped) - 1e-6
+    assert eng.stats.eviction_events > 0
+
+
+def test_unknown_scoring_is_refused_when_the_policy_is_made():
+    with pytest.raises(PolicyError, match="score=.*kvzip, aligned"):
+        make_policy("reconstruct", {"score": "max"})

@@ -30,10 +30,16 @@ QUESTION = np.array([5, 9, 11, 200, 17, 3])
 PROMPT = RepeatPrompt(first=(7, 8, 9), later=(10, 11), suffix=(12,))
 
 
-def policy():
-    p = make_policy("reconstruct")
+def policy(score="kvzip"):
+    p = make_policy("reconstruct", {"score": score})
     p.set_repeat_prompt(PROMPT)
     return p
+
+
+@pytest.fixture(scope="module", params=["kvzip", "aligned"])
+def score(request):
+    """Each scoring (``--policy-arg score=``) compiled and held against the engine."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +48,26 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def artifact(model, tmp_path_factory):
+def artifact(model, score, tmp_path_factory):
     out = tmp_path_factory.mktemp("reconstruct") / "art"
-    compile_model(model, policy(), N, B, target=TARGET, out_dir=out)
+    compile_model(model, policy(score), N, B, target=TARGET, out_dir=out)
     return out
 
 
 
 
-def test_manifest_declares_the_rows(artifact):
+def test_manifest_declares_the_rows(artifact, score):
     rt = HostRuntime(artifact)
     m = rt.manifest
     assert m.policy_name == "reconstruct" and m.extra_rows == 32 + B
     assert m.pseudo_rows["positions"] == "reconstruct"
     kp = m.raw["policy"]["kernel_params"]
     assert (kp["first"], kp["later"], kp["suffix"], kp["tail"], kp["sinks"]) == ([7, 8, 9], [10, 11], [12], 8, 4)
+    assert kp["aligned"] == (score == "aligned")
 
 
-def test_compiled_keeps_the_engines_sets(model, artifact):
-    rt, eng = HostRuntime(artifact), BlockEngine(model, policy(), N, B)
+def test_compiled_keeps_the_engines_sets(model, artifact, score):
+    rt, eng = HostRuntime(artifact), BlockEngine(model, policy(score), N, B)
     assert _rel(rt.prefill(DOC), eng.prefill(torch.as_tensor(DOC)).numpy()) < 1e-3
     same_sets(rt, eng, "after the document")
     got, want = rt.prefill(QUESTION), eng.prefill(torch.as_tensor(QUESTION)).numpy()
@@ -88,8 +95,8 @@ def test_compiled_saved_cache_answers_as_one_run(artifact, tmp_path):
         np.testing.assert_array_equal(one.kept_positions(layer), later.kept_positions(layer))
 
 
-def test_document_within_the_budget_carries_no_rows(model, artifact):
-    rt, eng = HostRuntime(artifact), BlockEngine(model, policy(), N, B)
+def test_document_within_the_budget_carries_no_rows(model, artifact, score):
+    rt, eng = HostRuntime(artifact), BlockEngine(model, policy(score), N, B)
     short = DOC[:N]
     assert _rel(rt.prefill(short), eng.prefill(torch.as_tensor(short)).numpy()) < 1e-3
     got, want = rt.prefill(QUESTION), eng.prefill(torch.as_tensor(QUESTION)).numpy()

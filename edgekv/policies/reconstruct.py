@@ -30,6 +30,8 @@ Where this departs from KVzip, and why:
   right after the block, not after the whole document;
 * the chunk is B (128 by default), not 2,048, so the extra rows fit the memory plan of one step;
 * N per KV head is fixed (the caches have static shapes), where KVzip ranks heads and layers jointly;
+* ``score=aligned`` (not the default) departs from KVzip's rule itself: each entry is scored by the one
+  row that reproduces it, under a softmax over the whole cache (``aligned_scores``; why there);
 * entries added after the document (a question, generated tokens) are not reconstructed: they score
   ``CONTINUATION`` (above any attention), so they push out the lowest-scored document entries.
 A document no longer than N is kept whole and carries no rows.
@@ -141,6 +143,57 @@ def reconstruction_scores(keys: torch.Tensor, positions: torch.Tensor, n_cache: 
     return score
 
 
+def aligned_scores(keys: torch.Tensor, n_cache: int, row_queries: torch.Tensor, row_keys: torch.Tensor,
+                   row_positions: torch.Tensor, scale: float | None = None,
+                   chunk_rows: int = SCORE_ROWS) -> torch.Tensor:
+    """The ``aligned`` score of the block's entries, [H, b] fp32: entry j scores the attention it gets
+    from the one reconstruction row that must reproduce it — the row holding the token before j's copy
+    (the last prompt row for j = 0; with no prompt rows, row 0) — under that row's softmax over
+    everything it sees (the whole cache, the block, the rows up to its own), max over the query heads
+    of the KV group.
+
+    Why not KVzip's max over every row: on SmolLM2, with B-token chunks, the max over rows does not
+    single out the entries the copy needs; the needles' value tokens score about the median of their
+    head (``tools/results/results_reconstruct_diagnosis.py``); the aligned row asks only "is j read
+    when j is repeated". The softmax takes the whole cache, so an entry the model can
+    repeat from elsewhere (an earlier mention, the language prior via the sinks) scores low.
+
+    Same inputs as ``reconstruction_scores``; the block's copy is the last b rows. Scored
+    ``chunk_rows`` entries at a time: one [H, G, chunk_rows, n + e] matrix is the largest thing alive."""
+    num_kv, n, d = keys.shape
+    num_q, e, _ = row_queries.shape
+    b = n - n_cache
+    groups = kv_groups(num_q, num_kv)
+    scale = softmax_scale(scale, d)
+    prompt = e - b
+    row_of = (torch.arange(b, device=keys.device) + prompt - 1).clamp(min=0)  # [b] the row that reproduces j
+    q = row_queries.to(torch.float32).reshape(num_kv, groups, e, d)
+    k = torch.cat([keys.to(torch.float32), row_keys.to(torch.float32)], dim=1)  # [H, n + e, d]
+    kt = k.transpose(1, 2)
+    score = torch.zeros(num_kv, b, dtype=torch.float32, device=keys.device)
+    for j0 in range(0, b, max(1, int(chunk_rows))):
+        j1 = min(b, j0 + max(1, int(chunk_rows)))
+        rows = row_of[j0:j1]
+        c = j1 - j0
+        logits = torch.matmul(q[:, :, rows].reshape(num_kv, groups * c, d), kt).view(num_kv, groups, c, n + e)
+        logits.mul_(scale)
+        later = row_positions[None, :] > row_positions[rows, None]  # [c, e]: causal among the rows
+        logits[..., n:].masked_fill_(later[None, None], float("-inf"))
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        logits.div_(logits.sum(dim=-1, keepdim=True))
+        own = n_cache + torch.arange(j0, j1, device=keys.device)  # entry j's column in its row
+        score[:, j0:j1] = logits[:, :, torch.arange(c, device=keys.device), own].amax(dim=1)
+        del logits
+    return score
+
+
+# the scorings ``--policy-arg score=...`` selects
+SCORES = {
+    "kvzip": "KVzip's: max over every reconstruction row of its softmax over the sinks, the block and the rows",
+    "aligned": "the row that reproduces the entry, its softmax over everything it sees (the whole cache too)",
+}
+
+
 @dataclass
 class ReconstructPolicy(Policy):
     name = "reconstruct"
@@ -159,8 +212,13 @@ class ReconstructPolicy(Policy):
     chat: bool = True
     # rows reserved for the repeat prompt, the tail and the suffix: a step carries this + B extra rows
     prompt_rows: int = 32
+    # how the rows score the block's entries (``SCORES``)
+    score: str = "kvzip"
 
     def __post_init__(self):
+        if self.score not in SCORES:
+            raise PolicyError(f"reconstruct: score={self.score!r} is not a scoring; give --policy-arg score= one of "
+                              f"{', '.join(SCORES)}")
         self._block = 0
         self._prompt = RepeatPrompt()
         self._document: torch.Tensor | None = None
@@ -234,7 +292,10 @@ class ReconstructPolicy(Policy):
             raise PolicyError(f"reconstruct: ctx.state has no {STATE!r}; the engine keeps it beside the cache")
         block = slice(ctx.n_cache, ctx.n)
         rows = ctx.extra_queries is not None and ctx.extra_keys is not None and not ctx.extra_is_question
-        if rows and ctx.extra_queries.shape[1] > 0:
+        if rows and ctx.extra_queries.shape[1] > 0 and self.score == "aligned":
+            state[:, block] = aligned_scores(ctx.keys, ctx.n_cache, ctx.extra_queries, ctx.extra_keys,
+                                             ctx.extra_query_positions, ctx.scale).to(state.dtype)
+        elif rows and ctx.extra_queries.shape[1] > 0:
             state[:, block] = reconstruction_scores(ctx.keys, ctx.positions, ctx.n_cache, ctx.extra_queries,
                                                     ctx.extra_keys, ctx.extra_query_positions, self.sinks,
                                                     ctx.scale).to(state.dtype)

@@ -10,7 +10,8 @@ observe (every step), per KV head: cache rows carry their score; if the step has
 heads of the group, of the row's softmax over the cache's sink rows (position < ``sinks``), the block's
 rows [0, n_valid) and the reconstruction rows up to its own — else ``CONTINUATION``; a block row at a
 position < ``sinks`` scores 1. One row of logits at a time ([N + T] floats), never a [rows, n] matrix.
-score: the candidates' state, −inf past fill + n_valid. Sums run in another order than torch's, so the
+With ``aligned`` (``score=aligned``) every cache row enters the softmax and block row j takes only the
+reconstruction row that reproduces it. score: the candidates' state, −inf past fill + n_valid. Sums run in another order than torch's, so the
 scores agree to rounding and kept sets can differ only on near ties."""
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def reconstruct_kernel_params(policy, budget: int) -> dict:
     ``policy.kernel_params``): sinks, the step's extra rows, the tail and the repeat prompt's ids."""
     prompt = policy.repeat
     return {"sinks": int(policy.sinks), "extra": int(policy.max_extra_tokens), "tail": int(policy.tail),
-            "first": tuple(prompt.first), "later": tuple(prompt.later), "suffix": tuple(prompt.suffix)}
+            "first": tuple(prompt.first), "later": tuple(prompt.later), "suffix": tuple(prompt.suffix),
+            "aligned": int(getattr(policy, "score", "kvzip") == "aligned")}
 
 
 def _shape(num_kv_heads, block, extra, num_q_heads, head_dim, sm_scale):
@@ -42,7 +44,8 @@ def _shape(num_kv_heads, block, extra, num_q_heads, head_dim, sm_scale):
 
 
 def build_reconstruct_observe_kernel(num_kv_heads: int, budget: int, block: int, head_dim: int, dtype: str = "float32",
-                                     *, sinks: int, extra: int, num_q_heads: int, sm_scale: float, **_rows):
+                                     *, sinks: int, extra: int, num_q_heads: int, sm_scale: float, aligned: int = 0,
+                                     **_rows):
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..kernels.common import NEG_BIG, check_dtype
@@ -55,6 +58,11 @@ def build_reconstruct_observe_kernel(num_kv_heads: int, budget: int, block: int,
     KW = N + TR  # one row of logits: cache rows, then the real rows, then the reconstruction rows
     SINKS = int(sinks)
     PR = max(P, 1)
+    # score=aligned: every cache row is visible (not only the sinks), and block row j takes only the
+    # reconstruction row that reproduces it (row prompt − 1 + j, prompt = rows − n_valid; row 0 when
+    # there is no prompt)
+    ALIGNED = bool(aligned)
+    VISIBLE_BELOW = 2 ** 31 - 1 if ALIGNED else SINKS  # cache rows the softmax takes: positions below this
 
     @T.macro
     def observe(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, q, state, cand_state):
@@ -81,7 +89,7 @@ def build_reconstruct_observe_kernel(num_kv_heads: int, budget: int, block: int,
                         red[0] = T.float32(NEG_BIG)
                         for c in T.serial(N):
                             if c < nf:
-                                if pos_cache[h, c] < SINKS:
+                                if pos_cache[h, c] < VISIBLE_BELOW:
                                     red[2] = T.float32(0)
                                     for d in T.serial(D):
                                         red[2] = red[2] + q[0, h * G + g, BR + r, d] * k_cache[h, c, d]
@@ -97,16 +105,22 @@ def build_reconstruct_observe_kernel(num_kv_heads: int, budget: int, block: int,
                         red[1] = T.float32(0)
                         for c in T.serial(N):
                             if c < nf:
-                                if pos_cache[h, c] < SINKS:
+                                if pos_cache[h, c] < VISIBLE_BELOW:
                                     srow[c] = T.exp(srow[c] - red[0])
                                     red[1] = red[1] + srow[c]
                         for j in T.serial(TR):
                             if j < nv or (j >= BR and j <= BR + r):
                                 srow[N + j] = T.exp(srow[N + j] - red[0])
                                 red[1] = red[1] + srow[N + j]
-                        for j in T.serial(TR):
-                            if j < nv:
-                                best[j] = T.max(best[j], srow[N + j] / red[1])
+                        if ALIGNED:
+                            for j in T.serial(TR):
+                                if j < nv:
+                                    if r == T.max(rows[0] - nv - 1 + j, 0):
+                                        best[j] = T.max(best[j], srow[N + j] / red[1])
+                        else:
+                            for j in T.serial(TR):
+                                if j < nv:
+                                    best[j] = T.max(best[j], srow[N + j] / red[1])
                 for j in T.serial(NB):
                     if j < nf:
                         cand_state[0, h, j] = state[0, h, T.min(j, N - 1)]
