@@ -220,24 +220,13 @@ def _build_unigram(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
         raise UnsupportedTokenizer("the unigram model has no unknown token; the native runtime (as HF) needs one")
     added = _added_tokens(backend)
     n_ids = max(len(pieces), 1 + max((a["id"] for a in added), default=-1))
-    text: list[str | None] = [None] * n_ids
-    flags = [0] * n_ids
     for idx, (piece, _) in enumerate(pieces):
         if not piece:
             raise UnsupportedTokenizer(f"unigram piece {idx} is the empty string")
-        text[idx], flags[idx] = piece, VOCAB_PRESENT
-    for a in added:
-        text[a["id"]], flags[a["id"]] = a["content"], VOCAB_PRESENT | VOCAB_ADDED
-    specials = {a["content"] for a in added if a["special"]}
-    for idx, t in enumerate(text):
-        if t is not None and t in specials:
-            flags[idx] |= VOCAB_SPECIAL
-    token_bytes = [sentencepiece_bytes(t) if t is not None else b"" for t in text]
+    text, flags, token_bytes = _sentencepiece_vocab(((idx, piece) for idx, (piece, _) in enumerate(pieces)),
+                                                    n_ids, added)
     piece_ids = {piece: idx for idx, (piece, _) in enumerate(pieces)}  # the last id of a text, as HF
-    byte_ids = [piece_ids.get(f"<0x{b:02X}>", NO_ID) for b in range(256)]
-    for b, idx in enumerate(byte_ids):
-        if idx != NO_ID and token_bytes[idx] != bytes([b]):
-            raise UnsupportedTokenizer(f"byte-fallback token <0x{b:02X}> (id {idx}) does not decode to its byte")
+    byte_ids = _byte_fallback_ids(piece_ids, token_bytes)
     chat = chat_pieces(tokenizer)
     stop = _stop_ids(tokenizer, n_ids, piece_ids, chat)
     flags_u = (1 if model.get("byte_fallback") else 0) | 2  # HF's Unigram always fuses unknowns
@@ -274,21 +263,8 @@ def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dic
     vocab = _model_vocab(model)
     added = _added_tokens(backend)
     n_ids = 1 + max([*vocab.values(), *(a["id"] for a in added)], default=-1)
-    text: list[str | None] = [None] * n_ids
-    flags = [0] * n_ids
-    for token, idx in vocab.items():
-        text[idx], flags[idx] = token, VOCAB_PRESENT
-    for a in added:
-        text[a["id"]], flags[a["id"]] = a["content"], VOCAB_PRESENT | VOCAB_ADDED
-    specials = {a["content"] for a in added if a["special"]}
-    for idx, t in enumerate(text):
-        if t is not None and t in specials:
-            flags[idx] |= VOCAB_SPECIAL
-    token_bytes = [sentencepiece_bytes(t) if t is not None else b"" for t in text]
-    byte_ids = [vocab.get(f"<0x{b:02X}>", NO_ID) for b in range(256)]
-    for b, idx in enumerate(byte_ids):
-        if idx != NO_ID and token_bytes[idx] != bytes([b]):
-            raise UnsupportedTokenizer(f"byte-fallback token <0x{b:02X}> (id {idx}) does not decode to its byte")
+    text, flags, token_bytes = _sentencepiece_vocab(((idx, token) for token, idx in vocab.items()), n_ids, added)
+    byte_ids = _byte_fallback_ids(vocab, token_bytes)
     unk = model.get("unk_token")
     if unk is not None and unk not in vocab:
         raise UnsupportedTokenizer(f"the unknown token {unk!r} is not in the vocabulary")
@@ -330,6 +306,31 @@ def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dic
     if chat["prefix"] is None:
         info["chat_template_note"] = chat["reason"]
     return data, info
+
+
+def _sentencepiece_vocab(entries, n_ids: int, added: list[dict]):
+    """Text, flags and bytes per id of a SentencePiece-style vocabulary (Unigram pieces or the BPE
+    over characters): ``entries`` are (id, piece) pairs, then the added tokens over them."""
+    text: list[str | None] = [None] * n_ids
+    flags = [0] * n_ids
+    for idx, piece in entries:
+        text[idx], flags[idx] = piece, VOCAB_PRESENT
+    for a in added:
+        text[a["id"]], flags[a["id"]] = a["content"], VOCAB_PRESENT | VOCAB_ADDED
+    specials = {a["content"] for a in added if a["special"]}
+    for idx, t in enumerate(text):
+        if t is not None and t in specials:
+            flags[idx] |= VOCAB_SPECIAL
+    return text, flags, [sentencepiece_bytes(t) if t is not None else b"" for t in text]
+
+
+def _byte_fallback_ids(ids_by_text: dict[str, int], token_bytes: list[bytes]) -> list[int]:
+    """The id of each byte's <0xNN> token (NO_ID where there is none), each checked to decode to its byte."""
+    byte_ids = [ids_by_text.get(f"<0x{b:02X}>", NO_ID) for b in range(256)]
+    for b, idx in enumerate(byte_ids):
+        if idx != NO_ID and token_bytes[idx] != bytes([b]):
+            raise UnsupportedTokenizer(f"byte-fallback token <0x{b:02X}> (id {idx}) does not decode to its byte")
+    return byte_ids
 
 
 def sentencepiece_bytes(piece: str) -> bytes:
