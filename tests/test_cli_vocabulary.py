@@ -188,3 +188,12 @@ def test_export_onnx_to_a_file_is_refused(tiny_dir, tmp_path):
     f.write_text("x")
     r = runner.invoke(app, ["export-onnx", str(tiny_dir), "-o", str(f)])
     assert r.exit_code == 2 and "is a file" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_compile_refuses_an_unknown_target_before_loading_the_model(tmp_path):
+    """The target is judged first: the model path does not exist, so a refusal that names the
+    target (and not the missing model) shows nothing was loaded before it."""
+    r = runner.invoke(app, ["compile", str(tmp_path / "absent.gguf"), "--target", "cpu", "-o", str(tmp_path / "art")])
+    assert r.exit_code == 2, r.output
+    assert "unknown target 'cpu'" in r.output and "host" in r.output
+    assert "loading" not in r.output

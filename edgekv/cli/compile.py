@@ -55,6 +55,9 @@ def compile_cmd(
             policy = compress_policy(None if policy == DEFAULT_POLICY else policy, compress)
         pol = make_policy(policy, parse_policy_args(policy_arg, policy))
         limit = parse_mem_limit(mem_limit)
+        from ..compiler.backend.target import resolve_target
+
+        resolve_target(target)  # an unknown --target is refused before the model loads (a 1.5B loads for minutes)
         say(f"loading {model or 'smollm2-135m'}")
         loaded = load_compile_input(model, tokenizer)
         n = parse_budget(budget, loaded.config, block, kv_dtype=kv_dtype)
