@@ -87,6 +87,9 @@ def main(argv=None) -> int:
                     help="time by the process's CPU time (with --threads 1: robust to a shared machine)")
     ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
+    from edgekv.evaluation.report import provenance
+
+    prov = provenance([sys.executable, *sys.argv])  # captured before the run
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the runtime's thread pool, before TVM loads
     global CLOCK
     if args.cpu_time:
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     if args.cpu_time:
         note = "times are CPU seconds of the process (not wall): " + note
     result = {"threads": args.threads, "target": str(tgt), "rows_M": M, "commit": commit, "command": command,
-              "note": note, "rows": rows}
+              "note": note, "rows": rows, **prov}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"kquant_kernels_t{args.threads}" + ("_cpu" if args.cpu_time else "")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
