@@ -194,21 +194,8 @@ def build_tokenizer_file(tokenizer) -> tuple[bytes, dict]:
     if qwen2:
         sections.append((b"CONT", contractions_section(QWEN2_SPLIT_PATTERN)))
     minor = FORMAT_MINOR_KINDS if qwen2 else FORMAT_MINOR
-    data = pack_sections(sections, minor)
-    info = {
-        "kind": kind,
-        "format_version": f"{FORMAT_MAJOR}.{minor}",
-        "sections": {tag.decode(): len(body) for tag, body in sections},
-        "ids": len(token_bytes),
-        "merges": len(merges),
-        "added_tokens": len(added),
-        "chat_template": chat["prefix"] is not None,
-        "stop_ids": stop,
-        "unicode_ranges": {k: len(v) for k, v in classes.items()},
-    }
-    if chat["prefix"] is None:
-        info["chat_template_note"] = chat["reason"]
-    return data, info
+    return _packed(kind, minor, sections, len(token_bytes), {"merges": len(merges)}, added, chat, stop,
+                   unicode_ranges={k: len(v) for k, v in classes.items()})
 
 
 def _build_unigram(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
@@ -241,20 +228,7 @@ def _build_unigram(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
         (b"STOP", struct.pack(f"<I{len(stop)}I", len(stop), *stop)),
         (b"UNIG", unigram_section(pieces, piece_ids, unk, flags_u)),
     ]
-    data = pack_sections(sections, FORMAT_MINOR_KINDS)
-    info = {
-        "kind": KIND_UNIGRAM,
-        "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR_KINDS}",
-        "sections": {tag.decode(): len(body) for tag, body in sections},
-        "ids": n_ids,
-        "pieces": len(piece_ids),
-        "added_tokens": len(added),
-        "chat_template": chat["prefix"] is not None,
-        "stop_ids": stop,
-    }
-    if chat["prefix"] is None:
-        info["chat_template_note"] = chat["reason"]
-    return data, info
+    return _packed(KIND_UNIGRAM, FORMAT_MINOR_KINDS, sections, n_ids, {"pieces": len(piece_ids)}, added, chat, stop)
 
 
 def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dict]:
@@ -290,22 +264,20 @@ def _build_sentencepiece_bpe(tokenizer, backend, spec: dict) -> tuple[bytes, dic
         if bos not in vocab:
             raise UnsupportedTokenizer(f"the post-processor puts {bos!r} first, which is not in the vocabulary")
         sections.append((b"BOSP", struct.pack("<I", vocab[bos])))
-    data = pack_sections(sections, FORMAT_MINOR_SP_BPE)
-    info = {
-        "kind": KIND_SP_BPE,
-        "format_version": f"{FORMAT_MAJOR}.{FORMAT_MINOR_SP_BPE}",
-        "sections": {tag.decode(): len(body) for tag, body in sections},
-        "ids": n_ids,
-        "merges": len(merges),
-        "characters": len(chars),
-        "bos_prefix": None if bos is None else vocab[bos],
-        "added_tokens": len(added),
-        "chat_template": chat["prefix"] is not None,
-        "stop_ids": stop,
-    }
+    counts = {"merges": len(merges), "characters": len(chars), "bos_prefix": None if bos is None else vocab[bos]}
+    return _packed(KIND_SP_BPE, FORMAT_MINOR_SP_BPE, sections, n_ids, counts, added, chat, stop)
+
+
+def _packed(kind: str, minor: int, sections: list[tuple[bytes, bytes]], n_ids: int, counts: dict, added: list[dict],
+            chat: dict, stop: list[int], **extra) -> tuple[bytes, dict]:
+    """The file's bytes and what the manifest records of it, the same keys for every kind (``counts``:
+    the kind's own sizes)."""
+    info = {"kind": kind, "format_version": f"{FORMAT_MAJOR}.{minor}",
+            "sections": {tag.decode(): len(body) for tag, body in sections}, "ids": n_ids, **counts,
+            "added_tokens": len(added), "chat_template": chat["prefix"] is not None, "stop_ids": stop, **extra}
     if chat["prefix"] is None:
         info["chat_template_note"] = chat["reason"]
-    return data, info
+    return pack_sections(sections, minor), info
 
 
 def _sentencepiece_vocab(entries, n_ids: int, added: list[dict]):
