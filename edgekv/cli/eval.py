@@ -40,6 +40,7 @@ def eval_cmd(
     allow_beyond_context: Annotated[bool, typer.Option(help=HELP["beyond"])] = False,
     question: Annotated[bool, typer.Option("--question/--no-question", help="passkey tasks: read the document knowing its question, which query-aware policies score the blocks with (as `edgekv run --question`)")] = False,
     kv_dtype: Annotated[str, typer.Option(help=HELP["kv_dtype"] + "; the full-cache reference is always fp32")] = "fp32",
+    artifacts: Annotated[Optional[str], typer.Option("--artifacts", "--artifact", help="compiled artifacts (comma-separated folders from `edgekv compile`) run through the native runtime beside the policies, each at its own N and B and scored against the same full-cache reference; e.g. --policy full --artifacts build/kd1k,build/snapq1k")] = None,
     workers: Annotated[Optional[int], typer.Option(help="worker processes, one prompt at a time each (default: cores / --threads; 1 = this process)")] = None,
     ray: Annotated[Optional[str], typer.Option(help="run the prompts on Ray: 'auto' (the instance on this machine, started if none) or a cluster ADDRESS; nodes need edgekv and the model")] = None,
 ):
@@ -53,7 +54,7 @@ def eval_cmd(
         model = merge_model(model, model_opt, "eval")
         spec = build_spec(task, policies, budgets, block, one_block, lengths, depths, seeds, keys, haystack,
                           max_new_tokens, fidelity_lengths, fidelity_window, greedy_tokens, policy_arg, question,
-                          kv_dtype=parse_kv_dtype(kv_dtype))
+                          kv_dtype=parse_kv_dtype(kv_dtype), artifacts=artifacts)
         check_output_folder(output)
         setup_threads(threads)
         data = run_eval(spec, output, model_name=model, console=err, argv=["edgekv", *sys.argv[1:]],

@@ -103,8 +103,11 @@ def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], d
 def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bool, lengths: str, depths: str,
                seeds: str, keys: int, haystack: str, max_new_tokens: int, fidelity_lengths: str,
                fidelity_window: int, greedy_tokens: int, policy_arg: list[str] | None,
-               question: bool = False, kv_dtype: str | None = None) -> EvalSpec:
+               question: bool = False, kv_dtype: str | None = None, artifacts: str | None = None) -> EvalSpec:
     names, args = parse_policy_specs(policies, policy_arg)
+    from .native_runs import describe_artifacts
+
+    compiled = describe_artifacts(split_list(artifacts, "--artifacts")) if artifacts else {}
     try:
         seed_list = [int(s) for s in split_list(seeds, "--seeds")]
     except ValueError:
@@ -121,7 +124,8 @@ def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bo
                     depths=parse_depths(depths), seeds=seed_list, keys=keys, haystack=haystack,
                     max_new_tokens=max_new_tokens, fidelity_lengths=parse_lengths(fidelity_lengths, "--fidelity-lengths"),
                     fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args, question=question,
-                    kv_dtype=kv_dtype or "fp32")
+                    kv_dtype=kv_dtype or "fp32", artifacts=compiled)
+    spec.policies += list(compiled)
     if any(fl <= fidelity_window for fl in spec.fidelity_lengths) and "fidelity" in spec.tasks:
         raise InputError(f"--fidelity-window {fidelity_window} must be shorter than every --fidelity-lengths")
     if greedy_tokens < 1 or max_new_tokens < 1:
@@ -215,6 +219,9 @@ def run_eval(spec: EvalSpec, out_dir: Path, *, model_name: str | None = None, th
     model = load_model(model_name, console)
     if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
         raise InputError(f"model {model.model_id} has no tokenizer with a chat template; eval needs one")
+    from .native_runs import check_artifacts
+
+    check_artifacts(spec.artifacts, model.model_id, threads)
     prompts = build_prompts(spec, model.tokenizer)
     for p in prompts:
         check_context(model, p.tokens, spec.greedy_tokens if p.task == "fidelity" else spec.max_new_tokens,

@@ -6,6 +6,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -72,6 +73,17 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for k successes of n (95 % by default): what a cell of a few
+    prompts can and cannot tell apart."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def summarize(results: list[dict]) -> list[dict]:
     """Mean metrics per (task, mode, block, policy, budget); one-block runs group by mode only."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -85,6 +97,8 @@ def summarize(results: list[dict]) -> list[dict]:
              "errors": len(rows) - len(ok), "no_eviction_runs": sum(bool(r["no_eviction"]) for r in ok)}
         if task in PASSKEY_TASKS:
             s["accuracy"] = _mean([float(r["correct"]) for r in ok])
+            s["correct"] = sum(bool(r["correct"]) for r in ok)
+            s["accuracy_interval95"] = list(wilson(s["correct"], len(ok)))
             s["agreement_with_full"] = _mean([float(r["agrees_with_full"]) for r in ok])
             s["needle_retention"] = _mean([r.get("needle_retention") for r in ok])
             if task == "multikey":  # wrong answers that are a distractor needle's value
@@ -118,6 +132,14 @@ def _fmt(v, kind):
     return f"{v:.3f}"
 
 
+def _interval(cell: dict, metric: str) -> str:
+    """" k/n [lo–hi]" after an accuracy: the Wilson 95 % interval of the cell's prompts."""
+    if metric != "accuracy" or "accuracy_interval95" not in cell:
+        return ""
+    lo, hi = cell["accuracy_interval95"]
+    return f" {cell['correct']}/{cell['n']} [{100 * lo:.0f}–{100 * hi:.0f}]"
+
+
 def _table(summary, task, mode, block, metric, kind) -> list[str]:
     rows = [s for s in summary if s["task"] == task and s["mode"] == mode and s["block"] == block]
     if not rows:
@@ -129,7 +151,8 @@ def _table(summary, task, mode, block, metric, kind) -> list[str]:
              "|---|" + "---:|" * (len(budgets) + 1)]
     for p in policies:
         vals = [cell.get((p, b), {}).get(metric) for b in budgets]
-        lines.append(f"| {p} | " + " | ".join(_fmt(v, kind) for v in vals) + f" | {_fmt(_mean(vals), kind)} |")
+        shown = [_fmt(v, kind) + _interval(cell.get((p, b), {}), metric) for v, b in zip(vals, budgets)]
+        lines.append(f"| {p} | " + " | ".join(shown) + f" | {_fmt(_mean(vals), kind)} |")
     return lines
 
 

@@ -53,6 +53,9 @@ class EvalSpec:
     question: bool = False
     # how every run but the fp32 full-cache reference stores K and V (`--kv-dtype`, memory.KV_DTYPES)
     kv_dtype: str = "fp32"
+    # compiled artifacts run through the native runtime (`--artifacts`): label → native_runs.ArtifactRun
+    # as a dict; each label is also in ``policies`` and runs at the artifact's own N and B
+    artifacts: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,12 +137,28 @@ def read_and_answer(engine: BlockEngine, prompt: Prompt, tokenizer, split: int |
 
 def run_one(model: LoadedModel, prompt: Prompt, policy_name: str, policy_args: dict, budget: int, block: int,
             spec: EvalSpec, progress: Callable[[int], None] | None = None, kv_dtype: str = "fp32") -> Outcome:
+    if policy_name in spec.artifacts:  # a compiled artifact, through the native runtime
+        from .native_runs import NativeEngine
+
+        run = spec.artifacts[policy_name]
+        split = prompt.question_start if spec.question and run["question_rows"] and prompt.task != "fidelity" else None
+        engine = NativeEngine(run, torch.get_num_threads())
+        try:
+            return _run_engine(engine, model, prompt, split, spec, progress)
+        finally:
+            engine.close()
     policy = make_policy(policy_name, policy_args)
     context = prompt.eval_start if prompt.task == "fidelity" else prompt.tokens  # what prefill sees
     b = context if block == ONE_BLOCK else block
     split = prompt.question_start if spec.question and policy.uses_question and prompt.task != "fidelity" else None
     engine = BlockEngine(model, policy, budget, b, question_rows=prompt.tokens - split if split else 0,
                          kv_dtype=kv_dtype)
+    return _run_engine(engine, model, prompt, split, spec, progress)
+
+
+def _run_engine(engine, model: LoadedModel, prompt: Prompt, split: int | None, spec: EvalSpec,
+                progress: Callable[[int], None] | None) -> Outcome:
+    """One prompt through ``engine`` (a BlockEngine, or native_runs.NativeEngine): its Outcome."""
     t0 = time.perf_counter()
     if prompt.task == "fidelity":
         trace = run_trace(engine, prompt.ids, prompt.eval_start, spec.greedy_tokens, progress=progress)
@@ -191,6 +210,9 @@ class Runner:
                 if policy == "full":
                     runs.append(("full", prompt.tokens + output_tokens(spec, prompt), spec.blocks[0]))
                     continue
+                if policy in spec.artifacts:  # always run: other kernels, weights and runtime
+                    runs.append((policy, spec.artifacts[policy]["budget"], spec.artifacts[policy]["block"]))
+                    continue
                 for budget in spec.budgets:
                     if self.reuses_reference(prompt, budget):
                         continue  # no eviction: equals the reference
@@ -198,6 +220,18 @@ class Runner:
                         runs.append((policy, budget, block))
             plan.append((prompt, runs))
         return plan
+
+    def policy_params(self, policy: str) -> dict:
+        """What a row records of how its policy was set (an artifact: its manifest's policy)."""
+        if policy in self.spec.artifacts:
+            return self.spec.artifacts[policy]["params"]
+        return make_policy(policy, self.spec.policy_args.get(policy, {})).params()
+
+    def grid(self, policy: str) -> list[tuple[int, int]]:
+        """The (budget, block) cells a policy's rows fill: the sweep's grid, an artifact's own N and B."""
+        if policy in self.spec.artifacts:
+            return [(self.spec.artifacts[policy]["budget"], self.spec.artifacts[policy]["block"])]
+        return [(budget, block) for budget in self.spec.budgets for block in self.spec.blocks]
 
     def reuses_reference(self, prompt: Prompt, budget: int) -> bool:
         """A run that cannot differ from the reference: nothing evicted and K/V stored in fp32."""
@@ -219,15 +253,14 @@ class Runner:
         by_key = {(r["policy"], r["budget"], r["mode"]): r for r in rows}
         wanted = []
         for policy in self.spec.policies:
-            params = make_policy(policy, self.spec.policy_args.get(policy, {})).params()
-            for budget in self.spec.budgets:
-                for block in self.spec.blocks:
-                    row = by_key.get((policy, budget, "one_block" if block == ONE_BLOCK else "block"))
-                    if row is None or row["policy_params"] != json.loads(json.dumps(params)) or (
-                            block != ONE_BLOCK and row["block"] != block) or (
-                            row.get("kv_dtype", "fp32") != self.spec.kv_dtype):
-                        return None
-                    wanted.append(row)
+            params = self.policy_params(policy)
+            for budget, block in self.grid(policy):
+                row = by_key.get((policy, budget, "one_block" if block == ONE_BLOCK else "block"))
+                if row is None or row["policy_params"] != json.loads(json.dumps(params)) or (
+                        block != ONE_BLOCK and row["block"] != block) or (
+                        row.get("kv_dtype", "fp32") != self.spec.kv_dtype):
+                    return None
+                wanted.append(row)
         return prior["references"][prompt.id], wanted
 
     def run(self, prompts: list[Prompt], prior: dict | None = None, pool=None) -> dict:
@@ -321,35 +354,34 @@ class Runner:
         n_out = output_tokens(spec, prompt)
         full_run = done.get(("full", prompt.tokens + n_out, spec.blocks[0]))
         for policy in spec.policies:
-            params = make_policy(policy, spec.policy_args.get(policy, {})).params()
-            for budget in spec.budgets:
-                for block in spec.blocks:
-                    no_evict = budget >= prompt.tokens + n_out
-                    reuse = self.reuses_reference(prompt, budget)
-                    if partial and (full_run is None if policy == "full" else
-                                    not reuse and (policy, budget, block) not in done):
-                        continue
-                    if policy == "full":
-                        out, error = full_run
-                    elif reuse:
-                        out, error = ref, None
-                    else:
-                        out, error = done[(policy, budget, block)]
-                    row = {
-                        "task": prompt.task, "prompt_id": prompt.id, "seed": prompt.seed,
-                        "length_target": prompt.length_target, "prompt_tokens": prompt.tokens, "depth": prompt.depth,
-                        "policy": policy, "policy_params": params, "budget": budget,
-                        "block": (prompt.eval_start if prompt.task == "fidelity" else prompt.tokens)
-                        if block == ONE_BLOCK else block,
-                        "mode": "one_block" if block == ONE_BLOCK else "block",
-                        "no_eviction": bool(no_evict or policy == "full"),
-                        "reused_reference": bool(reuse and policy != "full"),
-                        "kv_dtype": spec.kv_dtype,
-                        "error": error,
-                    }
-                    if out is not None:
-                        row.update({"seconds": out.seconds, "prefill_seconds": out.prefill_seconds,
-                                    "eviction_events": out.eviction_events})
-                        row.update(score(prompt, ref, out))
-                    rows.append(row)
+            params = self.policy_params(policy)
+            for budget, block in self.grid(policy):
+                no_evict = budget >= prompt.tokens + n_out
+                reuse = self.reuses_reference(prompt, budget) and policy not in spec.artifacts
+                if partial and (full_run is None if policy == "full" else
+                                not reuse and (policy, budget, block) not in done):
+                    continue
+                if policy == "full":
+                    out, error = full_run
+                elif reuse:
+                    out, error = ref, None
+                else:
+                    out, error = done[(policy, budget, block)]
+                row = {
+                    "task": prompt.task, "prompt_id": prompt.id, "seed": prompt.seed,
+                    "length_target": prompt.length_target, "prompt_tokens": prompt.tokens, "depth": prompt.depth,
+                    "policy": policy, "policy_params": params, "budget": budget,
+                    "block": (prompt.eval_start if prompt.task == "fidelity" else prompt.tokens)
+                    if block == ONE_BLOCK else block,
+                    "mode": "one_block" if block == ONE_BLOCK else "block",
+                    "no_eviction": bool(no_evict or policy == "full"),
+                    "reused_reference": bool(reuse and policy != "full"),
+                    "kv_dtype": spec.kv_dtype,
+                    "error": error,
+                }
+                if out is not None:
+                    row.update({"seconds": out.seconds, "prefill_seconds": out.prefill_seconds,
+                                "eviction_events": out.eviction_events})
+                    row.update(score(prompt, ref, out))
+                rows.append(row)
         return rows

@@ -28,21 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from edgekv.evaluation.report import wilson
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def collect(src: Path, raw: Path) -> None:
