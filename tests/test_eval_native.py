@@ -110,6 +110,15 @@ def test_resume_reuses_the_artifact_rows(chat_tiny_dir, artifacts, tmp_path, mon
     assert json.dumps(again["results"], sort_keys=True) == json.dumps(first["results"], sort_keys=True)
 
 
+def test_policy_none_runs_only_the_artifacts(artifacts):
+    kd, _ = artifacts
+    spec = build_spec("passkey", "none", "64", "32", False, "1k", "0.5", "0", 2, "repeat", 4, "2k", 512, 4, None,
+                      artifacts=str(kd))
+    assert spec.policies == ["keydiff (fp32, native)"]
+    with pytest.raises(InputError, match="--policy none runs no policy"):
+        build_spec("passkey", "none", "64", "32", False, "1k", "0.5", "0", 2, "repeat", 4, "2k", 512, 4, None)
+
+
 def test_a_folder_that_is_no_artifact_is_refused_before_loading(tmp_path):
     with pytest.raises(InputError, match="--artifacts .*not a readable edgekv artifact"):
         _spec(str(tmp_path))

@@ -16,7 +16,7 @@ from .common import HELP, err, fail, merge_model, out, parse_kv_dtype, setup_thr
 def eval_cmd(
     model: Annotated[Optional[str], typer.Argument(help=HELP["model"])] = None,
     task: Annotated[str, typer.Option(help="passkey, multikey, fidelity or all (comma-separated)")] = "passkey",
-    policies: Annotated[str, typer.Option("--policy", "--policies", help="comma-separated policies, or 'all' (see `edgekv policies`); name#tag runs a variant beside the default, "
+    policies: Annotated[str, typer.Option("--policy", "--policies", help="comma-separated policies, 'all' (see `edgekv policies`), or 'none' (only --artifacts beside the full-cache reference); name#tag runs a variant beside the default, "
                   "set with --policy-arg name#tag:key=value")] = "full,keydiff,snapkv,tova,streaming,h2o",
     budgets: Annotated[str, typer.Option("--budget", "--budgets", help="comma-separated budgets N: 128,256,512,1k")] = "128,256,512,1k",
     block: Annotated[str, typer.Option(help="block size(s) B, comma-separated; 'one' = the whole prompt as one block")] = "128",

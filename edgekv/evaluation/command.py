@@ -90,6 +90,8 @@ def parse_policy_specs(text: str, pairs: list[str] | None) -> tuple[list[str], d
     from ..policies import make_policy, policy_arguments, policy_names
 
     names = split_list(text, "--policy")
+    if names == ["none"]:  # only --artifacts run beside the full-cache reference (a 1.5B's eager runs are minutes)
+        return [], {}
     if names == ["all"]:
         names = policy_names()
     for name in names:
@@ -126,6 +128,9 @@ def build_spec(task: str, policies: str, budgets: str, block: str, one_block: bo
                     fidelity_window=fidelity_window, greedy_tokens=greedy_tokens, policy_args=args, question=question,
                     kv_dtype=kv_dtype or "fp32", artifacts=compiled)
     spec.policies += list(compiled)
+    if not spec.policies:
+        raise InputError("--policy none runs no policy: give --artifacts DIR,... to run beside the full-cache "
+                         "reference, or name policies")
     if any(fl <= fidelity_window for fl in spec.fidelity_lengths) and "fidelity" in spec.tasks:
         raise InputError(f"--fidelity-window {fidelity_window} must be shorter than every --fidelity-lengths")
     if greedy_tokens < 1 or max_new_tokens < 1:
