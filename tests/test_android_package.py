@@ -44,7 +44,8 @@ from edgekv.artifact import package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_android_app import (  # noqa: E402  (shared build and helpers, not tests)
-    DOCUMENT, NEW_TOKENS, QUESTIONS, _byte_level_tokenizer, bionic_list, build_apk, dynamic, run)
+    DOCUMENT, NEW_TOKENS, QUESTIONS, _byte_level_tokenizer, android_test_module, bionic_list, build_apk, dynamic,
+    run)
 
 REPO = Path(__file__).resolve().parents[1]
 ANDROID = REPO / "android"
@@ -268,20 +269,11 @@ def test_import_checks_the_bundled_library(importer, tmp_path):
 
 # ---- honest platform constants ------------------------------------------------------------------
 
-def _check_stubs():
-    sys.path.insert(0, str(ANDROID / "test"))
-    try:
-        import check_stubs
-    finally:
-        sys.path.pop(0)
-    return check_stubs
-
-
 def test_stub_check_catches_an_inlined_runtime_field(tmp_path):
     """Build.VERSION.SDK_INT = 0 in a stub is a compile-time constant: javac copies 0 into the app
     and every phone reports API 0. The check refuses it (and a documented constant with a wrong
     value), and the stubs as they are pass."""
-    check_stubs = _check_stubs()
+    check_stubs = android_test_module("check_stubs")
     assert check_stubs.constant_problems(ANDROID / "stubs") == []
     planted = tmp_path / "stubs"
     shutil.copytree(ANDROID / "stubs", planted)
@@ -306,21 +298,12 @@ def apk(tmp_path_factory) -> Path:
 
 # ---- API levels against minSdk ------------------------------------------------------------------
 
-def _check_api_levels():
-    sys.path.insert(0, str(ANDROID / "test"))
-    try:
-        import check_api_levels
-    finally:
-        sys.path.pop(0)
-    return check_api_levels
-
-
 @pytest.fixture(scope="module")
 def api_declarations(tmp_path_factory) -> Path:
     """The API's classes and members with the level each appeared in: the merged API 21-37
     declarations of the npm package @nativescript/types-android, fetched once with `npm pack`
     into ~/.cache/edgekv-android (as android/build.sh fetches the dexer), SHA-256 checked."""
-    levels = _check_api_levels()
+    levels = android_test_module("check_api_levels")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgekv-android"
     tarball = cache / levels.TYPES_TARBALL
     if not tarball.is_file():
@@ -366,7 +349,7 @@ def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp
     most minSdk and have the API's values. A planted unguarded API 26 call, one under a guard for
     24 only, and String.join (a Java 8 method Android added in API 26) are each caught; the three
     guard forms javac emits are understood."""
-    levels = _check_api_levels()
+    levels = android_test_module("check_api_levels")
     classes = apk.parent / "classes"
     assert (classes / "com" / "edgekv" / "demo" / "WorkService.class").is_file()
     min_sdk = int(re.search(r"sdkVersion:'(\d+)'", run(["aapt", "dump", "badging", apk]).stdout).group(1))
