@@ -620,6 +620,34 @@ def test_apk_carries_a_model_library(apk_under_qemu, tiny_pair, importer, tmp_pa
         assert "lib/arm64-v8a/libedgekv_model.so" not in z.namelist()
 
 
+def test_qemu_tool_estimates_and_refuses_past_its_deadline(tmp_path):
+    """tools/experiments/check_android_qemu.py's arithmetic on a recorded run: each answer's decode
+    seconds per token from the harness's token timeline, the full README document's time at the
+    measured rates (the chat form's extra tokens as measured), and --deadline refusing, before
+    anything runs, a run that would end after it (and one with no rates recorded)."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from tools.experiments import check_android_qemu as tool
+
+    answers = tool.answer_timing([{"generated_ids": [1, 2, 3]}, {"generated_ids": [4, 5]}],
+                                 [(1, 10.0), (2, 14.0), (3, 18.0), (4, 30.0), (5, 35.0)])
+    assert [(a["generated_tokens"], a["decode_s_per_token"]) for a in answers] == [(3, 4.0), (2, 5.0)]
+    data = {"document": "opening", "document_token_counts": {"opening": 33, "readme": 1963},
+            "qemu": {"document_tokens": 57, "s_per_prefill_token": 4.0, "answers": answers}}
+    assert tool.estimate_s(data, "readme", 24) == 4.0 * (1963 + 24) + 2 * 30 * 5.0
+    out = tmp_path / "android_qemu"
+    now = dt.datetime(2026, 1, 1, 17, 0, tzinfo=dt.timezone.utc)
+    args = SimpleNamespace(deadline="18:50", out=out, document="readme", max_new_tokens=24)
+    assert "run --document opening first" in tool.deadline_refusal(args, now)
+    out.with_suffix(".json").write_text(json.dumps(data))
+    refusal = tool.deadline_refusal(args, now)
+    assert refusal.startswith("--document readme would take about 137 min") and "110 min are left" in refusal
+    assert tool.deadline_refusal(SimpleNamespace(**{**vars(args), "document": "opening"}), now) is None
+    assert "1963 tokens" in tool.not_run_note(data, 24) and "about 2.3 h" in tool.not_run_note(data, 24)
+    assert tool.not_run_note({**data, "document": "readme"}, 24) is None
+
+
 @pytest.mark.slow
 @pytest.mark.realmodel
 def test_smollm2_through_the_apk_libraries_under_qemu(apk_under_qemu, importer, tmp_path_factory, tmp_path):
