@@ -631,18 +631,21 @@ def test_qemu_tool_estimates_and_refuses_past_its_deadline(tmp_path):
     from tools.experiments import check_android_qemu as tool
 
     answers = tool.answer_timing([{"generated_ids": [1, 2, 3]}, {"generated_ids": [4, 5]}],
-                                 [(1, 10.0), (2, 14.0), (3, 18.0), (4, 30.0), (5, 35.0)])
-    assert [(a["generated_tokens"], a["decode_s_per_token"]) for a in answers] == [(3, 4.0), (2, 5.0)]
+                                 [(1, 10.0), (2, 14.0), (3, 18.0), (4, 30.0), (5, 35.0)], document_end_s=6.0)
+    assert [(a["generated_tokens"], a["to_first_token_s"], a["decode_s_per_token"]) for a in answers] == [
+        (3, 4.0, 4.0), (2, 12.0, 5.0)]
     data = {"document": "opening", "document_token_counts": {"opening": 33, "readme": 1963},
             "qemu": {"document_tokens": 57, "s_per_prefill_token": 4.0, "answers": answers}}
-    assert tool.estimate_s(data, "readme", 24) == 4.0 * (1963 + 24) + 2 * 30 * 5.0
+    # the document at 4 s a token (the chat form's 24 extra tokens as measured), then two answers,
+    # each after the longer measured wait for a first token and 23 more tokens at the slower rate
+    assert tool.estimate_s(data, "readme", 24) == 4.0 * (1963 + 24) + 2 * (12.0 + 23 * 5.0)
     out = tmp_path / "android_qemu"
     now = dt.datetime(2026, 1, 1, 17, 0, tzinfo=dt.timezone.utc)
     args = SimpleNamespace(deadline="18:50", out=out, document="readme", max_new_tokens=24)
     assert "run --document opening first" in tool.deadline_refusal(args, now)
     out.with_suffix(".json").write_text(json.dumps(data))
     refusal = tool.deadline_refusal(args, now)
-    assert refusal.startswith("--document readme would take about 137 min") and "110 min are left" in refusal
+    assert refusal.startswith("--document readme would take about 137 min") and "110 min are left" in refusal, refusal
     assert tool.deadline_refusal(SimpleNamespace(**{**vars(args), "document": "opening"}), now) is None
     assert "1963 tokens" in tool.not_run_note(data, 24) and "about 2.3 h" in tool.not_run_note(data, 24)
     assert tool.not_run_note({**data, "document": "readme"}, 24) is None

@@ -168,28 +168,35 @@ def rates(data: dict) -> dict | None:
 
 def estimate_s(data: dict, which: str, max_new: int) -> float | None:
     """How long a run of ``which`` would take under qemu at the rates ``data`` measured: its
-    document (plus the chat form's extra tokens as measured) and two answers of ``max_new``
-    tokens, each after a question prefill costed as a quarter of ``max_new`` tokens."""
+    document (plus the chat form's extra tokens as measured) at the document rate, then two
+    answers of ``max_new`` tokens, each after the time the measured run took to its first token
+    (the cache loaded, the question read; a quarter of ``max_new`` decode tokens where the run
+    has no such figure)."""
     r = rates(data)
     counts = data.get("document_token_counts")
     if r is None or not counts:
         return None
     extra = data["qemu"]["document_tokens"] - counts[data["document"]]
-    return (r["s_per_prefill_token"] * (counts[which] + extra)
-            + 2 * (max_new + max_new / 4) * r["s_per_decode_token"])
+    starts = [a.get("to_first_token_s") for a in data["qemu"]["answers"]]
+    start = max(starts) if starts and None not in starts else max_new / 4 * r["s_per_decode_token"]
+    return r["s_per_prefill_token"] * (counts[which] + extra) + 2 * (start + (max_new - 1) * r["s_per_decode_token"])
 
 
-def answer_timing(answers: list[dict], tokens: list[tuple[int, float]]) -> list[dict]:
+def answer_timing(answers: list[dict], tokens: list[tuple[int, float]], document_end_s: float | None = None) -> list[dict]:
     """Each answer's decode seconds per token from the harness's token timeline (the tokens of
-    the answers in order; the first one's clock starts at the end of the document)."""
-    out, at = [], 0
+    the answers in order), and the seconds to its first token from the end of the document (the
+    first answer) or of the answer before (the cache loaded, the question read)."""
+    out, at, before = [], 0, document_end_s
     for a in answers:
         n = len(a["generated_ids"])
         times = [t for _, t in tokens[at:at + n]]
         at += n
         a = dict(a, generated_tokens=n)
+        if times and before is not None:
+            a["to_first_token_s"] = times[0] - before
         if n > 1:
             a["decode_s_per_token"] = (times[-1] - times[0]) / (n - 1)
+        before = times[-1] if times else None
         out.append(a)
     return out
 
@@ -216,6 +223,8 @@ def render(data: dict) -> str:
              f"{h['wall_s']:.1f} |",
              f"| document seconds per token (open included) | {_num(q['s_per_prefill_token'])} | — |",
              f"| decode seconds per token | {', '.join(_num(a.get('decode_s_per_token')) for a in q['answers']) or '—'} | — |",
+             f"| seconds to each answer's first token | "
+             f"{', '.join(_num(a.get('to_first_token_s')) for a in q['answers']) or '—'} | — |",
              ""]
     if q["stopped"] and not q["s_per_prefill_token"]:
         lines += [f"**Stopped** after {q['wall_s']:.0f} s before the first block of the document was read.", ""]
@@ -266,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:  # the derived fields (estimates, what was not run) again from the recorded run, and the .md
         data = json.loads(args.out.with_suffix(".json").read_text())
+        q = data["qemu"]
+        if q.get("tokens") and q["blocks"] and not q["stopped"]:
+            q["answers"] = answer_timing(q["answers"], [tuple(t) for t in q["tokens"]], q["blocks"][-1][2])
         data["estimate_s"] = {w: estimate_s(data, w, data["max_new_tokens"]) for w in ("opening", "readme")}
         data["not_run"] = not_run_note(data, data["max_new_tokens"])
         args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
@@ -298,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token = (q["blocks"][-1][2] / q["blocks"][-1][0]) if q["blocks"] and q["blocks"][-1][0] else None
     answers = [{"generated_ids": a["generated_ids"], "text": "".join(utf16(t[1]) for t in a["tokens"]),
                 "prefillTokens": a.get("prefillTokens")} for a in res["answers"]] if res else []
-    answers = answer_timing(answers, q["tokens"])
+    answers = answer_timing(answers, q["tokens"], q["blocks"][-1][2] if res and q["blocks"] else None)
     host_rows = [{"generated_ids": a["generated_ids"], "text": a.get("text", "")} for a in host]
     host_cmd = ("edgekv-run HOST_ARTIFACT --prompt-file DOC --chat "
                 + " ".join(f"--question {json.dumps(x)}" for x in questions)
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "document_token_counts": document_token_counts(args.host),
             "qemu": {"document_tokens": total, "prefill_done": done, "stopped": q["stopped"], "wall_s": q["wall_s"],
                      "prefill_s": prefill_s, "s_per_prefill_token": per_token, "blocks": q["blocks"],
-                     "answers": answers},
+                     "tokens": q["tokens"], "answers": answers},
             "host": {"wall_s": host_wall, "document_tokens": host_doc_tokens, "answers": host_rows},
             "ids_equal": bool(res) and [a["generated_ids"] for a in answers] == [a["generated_ids"] for a in host_rows],
             "machine_shared": True}
