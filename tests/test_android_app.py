@@ -316,17 +316,23 @@ def api_signatures(tmp_path_factory) -> Path:
     return d / "android-stubs"
 
 
-def test_framework_stubs_match_the_android_api(api_signatures, tmp_path):
-    """Every class and member of android/stubs exists in the real API with the same parameter
-    and return types (the app binds to the framework by full signature on the phone), and the
-    check notices a wrong one."""
+def android_test_module(name: str):
+    """A checker module of android/test (check_stubs, check_api_levels), imported by its path."""
+    import importlib
     import sys
 
     sys.path.insert(0, str(ANDROID / "test"))
     try:
-        import check_stubs
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_framework_stubs_match_the_android_api(api_signatures, tmp_path):
+    """Every class and member of android/stubs exists in the real API with the same parameter
+    and return types (the app binds to the framework by full signature on the phone), and the
+    check notices a wrong one."""
+    check_stubs = android_test_module("check_stubs")
     assert check_stubs.check(ANDROID / "stubs", api_signatures) == []
     wrong = tmp_path / "stubs"
     shutil.copytree(ANDROID / "stubs", wrong)

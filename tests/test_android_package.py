@@ -44,7 +44,8 @@ from edgekv.artifact import package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_android_app import (  # noqa: E402  (shared build and helpers, not tests)
-    DOCUMENT, NEW_TOKENS, QUESTIONS, _byte_level_tokenizer, bionic_list, build_apk, dynamic, run)
+    DOCUMENT, NEW_TOKENS, QUESTIONS, _byte_level_tokenizer, android_test_module, bionic_list, build_apk, dynamic,
+    run)
 
 REPO = Path(__file__).resolve().parents[1]
 ANDROID = REPO / "android"
@@ -268,20 +269,11 @@ def test_import_checks_the_bundled_library(importer, tmp_path):
 
 # ---- honest platform constants ------------------------------------------------------------------
 
-def _check_stubs():
-    sys.path.insert(0, str(ANDROID / "test"))
-    try:
-        import check_stubs
-    finally:
-        sys.path.pop(0)
-    return check_stubs
-
-
 def test_stub_check_catches_an_inlined_runtime_field(tmp_path):
     """Build.VERSION.SDK_INT = 0 in a stub is a compile-time constant: javac copies 0 into the app
     and every phone reports API 0. The check refuses it (and a documented constant with a wrong
     value), and the stubs as they are pass."""
-    check_stubs = _check_stubs()
+    check_stubs = android_test_module("check_stubs")
     assert check_stubs.constant_problems(ANDROID / "stubs") == []
     planted = tmp_path / "stubs"
     shutil.copytree(ANDROID / "stubs", planted)
@@ -306,21 +298,12 @@ def apk(tmp_path_factory) -> Path:
 
 # ---- API levels against minSdk ------------------------------------------------------------------
 
-def _check_api_levels():
-    sys.path.insert(0, str(ANDROID / "test"))
-    try:
-        import check_api_levels
-    finally:
-        sys.path.pop(0)
-    return check_api_levels
-
-
 @pytest.fixture(scope="module")
 def api_declarations(tmp_path_factory) -> Path:
     """The API's classes and members with the level each appeared in: the merged API 21-37
     declarations of the npm package @nativescript/types-android, fetched once with `npm pack`
     into ~/.cache/edgekv-android (as android/build.sh fetches the dexer), SHA-256 checked."""
-    levels = _check_api_levels()
+    levels = android_test_module("check_api_levels")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgekv-android"
     tarball = cache / levels.TYPES_TARBALL
     if not tarball.is_file():
@@ -366,7 +349,7 @@ def test_every_used_api_is_at_most_min_sdk_or_guarded(apk, api_declarations, tmp
     most minSdk and have the API's values. A planted unguarded API 26 call, one under a guard for
     24 only, and String.join (a Java 8 method Android added in API 26) are each caught; the three
     guard forms javac emits are understood."""
-    levels = _check_api_levels()
+    levels = android_test_module("check_api_levels")
     classes = apk.parent / "classes"
     assert (classes / "com" / "edgekv" / "demo" / "WorkService.class").is_file()
     min_sdk = int(re.search(r"sdkVersion:'(\d+)'", run(["aapt", "dump", "badging", apk]).stdout).group(1))
@@ -635,6 +618,37 @@ def test_apk_carries_a_model_library(apk_under_qemu, tiny_pair, importer, tmp_pa
     assert [a["generated_ids"] for a in answers["answers"]] == [w["generated_ids"] for w in want]
     with zipfile.ZipFile(build_apk(tmp_path_factory)) as z:  # the plain APK carries none
         assert "lib/arm64-v8a/libedgekv_model.so" not in z.namelist()
+
+
+def test_qemu_tool_estimates_and_refuses_past_its_deadline(tmp_path):
+    """tools/experiments/check_android_qemu.py's arithmetic on a recorded run: each answer's decode
+    seconds per token from the harness's token timeline, the full README document's time at the
+    measured rates (the chat form's extra tokens as measured), and --deadline refusing, before
+    anything runs, a run that would end after it (and one with no rates recorded)."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from tools.experiments import check_android_qemu as tool
+
+    answers = tool.answer_timing([{"generated_ids": [1, 2, 3]}, {"generated_ids": [4, 5]}],
+                                 [(1, 10.0), (2, 14.0), (3, 18.0), (4, 30.0), (5, 35.0)], document_end_s=6.0)
+    assert [(a["generated_tokens"], a["to_first_token_s"], a["decode_s_per_token"]) for a in answers] == [
+        (3, 4.0, 4.0), (2, 12.0, 5.0)]
+    data = {"document": "opening", "document_token_counts": {"opening": 33, "readme": 1963},
+            "qemu": {"document_tokens": 57, "s_per_prefill_token": 4.0, "answers": answers}}
+    # the document at 4 s a token (the chat form's 24 extra tokens as measured), then two answers,
+    # each after the longer measured wait for a first token and 23 more tokens at the slower rate
+    assert tool.estimate_s(data, "readme", 24) == 4.0 * (1963 + 24) + 2 * (12.0 + 23 * 5.0)
+    out = tmp_path / "android_qemu"
+    now = dt.datetime(2026, 1, 1, 17, 0, tzinfo=dt.timezone.utc)
+    args = SimpleNamespace(deadline="18:50", out=out, document="readme", max_new_tokens=24)
+    assert "run --document opening first" in tool.deadline_refusal(args, now)
+    out.with_suffix(".json").write_text(json.dumps(data))
+    refusal = tool.deadline_refusal(args, now)
+    assert refusal.startswith("--document readme would take about 137 min") and "110 min are left" in refusal, refusal
+    assert tool.deadline_refusal(SimpleNamespace(**{**vars(args), "document": "opening"}), now) is None
+    assert "1963 tokens" in tool.not_run_note(data, 24) and "about 2.3 h" in tool.not_run_note(data, 24)
+    assert tool.not_run_note({**data, "document": "readme"}, 24) is None
 
 
 @pytest.mark.slow

@@ -474,12 +474,19 @@ def level_problems(classes_dir: Path, dts: Path | None, min_sdk: int, stubs: Pat
     return problems
 
 
-def constant_level_problems(stubs: Path, levels: Levels, min_sdk: int) -> list[str]:
+def _check_stubs():
+    """check_stubs.py, beside this file (imported by path: this module is loaded from
+    android/test by the tests and as a script)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
         import check_stubs
     finally:
         sys.path.pop(0)
+    return check_stubs
+
+
+def constant_level_problems(stubs: Path, levels: Levels, min_sdk: int) -> list[str]:
+    check_stubs = _check_stubs()
     problems = []
     for qual, _, value in check_stubs.inlined_constants(stubs):
         if qual.startswith("android.R."):
@@ -532,12 +539,8 @@ def main(argv: list[str]) -> int:
     if dts.suffix == ".tgz":
         dts = declarations_from(dts, Path(tempfile.mkdtemp()))
     min_sdk = int(argv[2]) if len(argv) > 2 else 24
-    stubs = Path(__file__).resolve().parents[1] / "stubs"
-    problems = level_problems(classes_dir, dts, min_sdk, stubs)
-    for p in problems:
-        print(p)
-    print(f"{len(problems)} problem(s)")
-    return 1 if problems else 0
+    check_stubs = _check_stubs()
+    return check_stubs.report(level_problems(classes_dir, dts, min_sdk, check_stubs.STUBS))
 
 
 if __name__ == "__main__":

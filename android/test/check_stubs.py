@@ -349,13 +349,20 @@ def check(stubs: Path, api_root: Path) -> list[str]:
     return problems
 
 
-def main(argv: list[str]) -> int:
-    stubs = Path(__file__).resolve().parents[1] / "stubs"
-    problems = check(stubs, Path(argv[0]))
+STUBS = Path(__file__).resolve().parents[1] / "stubs"  # android/stubs
+
+
+def report(problems: list[str]) -> int:
+    """Print each problem and their count: the command-line face of this check and of
+    check_api_levels.py. The exit status: 1 if there is any."""
     for p in problems:
         print(p)
     print(f"{len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def main(argv: list[str]) -> int:
+    return report(check(STUBS, Path(argv[0])))
 
 
 if __name__ == "__main__":

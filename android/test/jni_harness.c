@@ -11,6 +11,9 @@
  * edgekv-run --chat and the app's chat mode (tests/test_android_package.py, the README demo).
  * HARNESS_THREADS=N: the kernels' threads (default 2; 1 under an emulator on a busy machine, where
  * a thread waiting at a barrier costs as much as one working).
+ * HARNESS_ANSWERS_ONLY=1: stop after the two answers, without the cancelled prefill and the missing
+ * artifact (tools/experiments/check_android_qemu.py on a real model: under qemu the cancel check's
+ * second prefill of a one-block document costs minutes and shows nothing the tiny model's does not).
  *
  * Prints one JSON object. The JNIEnv implements only the functions the bridge calls (the others
  * are NULL: calling one crashes, which the test would see). Objects are tagged structs; strings
@@ -391,6 +394,13 @@ int main(int argc, char **argv) {
     OUT("\"tokens\": [%s]}", tokens->log);
   }
   OUT("], ");
+  if (getenv("HARNESS_ANSWERS_ONLY") != NULL && strcmp(getenv("HARNESS_ANSWERS_ONLY"), "1") == 0) {
+    ((handle_fn)fn("sessionFree"))(env, cls, session);
+    ((handle_fn)fn("modelClose"))(env, cls, model);
+    OUT("\"end\": 1}");
+    printf("%s\n", out_obj.log);
+    return 0;
+  }
 
   /* a prefill cancelled from its progress callback after two blocks */
   ((handle_fn)fn("sessionReset"))(env, cls, session);
