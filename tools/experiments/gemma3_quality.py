@@ -77,7 +77,8 @@ def collect(out_dir: Path) -> list[dict]:
             continue
         data = json.loads(path.read_text())
         prompts = {p["id"]: p for p in data.get("prompts", [])}
-        for ref in data.get("references", []):  # the full cache: the ceiling (passkey answers)
+        refs = data.get("references", {})
+        for ref in (refs.values() if isinstance(refs, dict) else refs):  # the full cache: the ceiling
             meta = prompts.get(ref.get("prompt_id"), {})
             if meta.get("task") == "passkey" and "correct" in ref:
                 cells.setdefault(("passkey", meta["length_target"], "full"), []).append(ref)
