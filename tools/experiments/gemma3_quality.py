@@ -160,7 +160,8 @@ def main() -> None:
     out = Path(args.out)
     done = [n for n in SWEEPS if (out / n / "results.json").exists()
             and json.loads((out / n / "results.json").read_text()).get("complete")]
-    result = {"command": " ".join(["python", "tools/experiments/gemma3_quality.py", *sys.argv[1:]]),
+    run_args = [a for a in sys.argv[1:] if a != "--report-only"]  # the command that runs (and resumes) the grid
+    result = {"command": " ".join(["python", "tools/experiments/gemma3_quality.py", *run_args]),
               "budget": args.budget, "block": args.block, "fidelity_window": args.fidelity_window,
               "sweeps": SWEEPS, "sweeps_done": done, "cells": collect(out), "provenance": prov}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
