@@ -209,12 +209,14 @@ WINDOW_CASES = [(4, 1, 16, 8, 32, 16, 8), (4, 1, 16, 8, 32, 9, 5), (4, 1, 16, 1,
 
 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=[str(c) for c in WINDOW_CASES])
-def test_window_attention_and_keep_newest_match_oracle(case):
-    """A local layer's step: attention over cache ⊕ block masked to the last W positions (the cache
-    holds the newest ``fill`` tokens in order), then the newest W candidates kept in place."""
+def test_window_attention_and_ring_write_match_oracle(case):
+    """A local layer's step: attention over cache ⊕ block masked to the last W positions (the cache is a
+    ring: token p in slot p mod W, a full one wrapped so that slot order is not position order), then the
+    block's valid rows written to their slots in place — nothing else moves."""
     from edgekv.compiler.kernels import build_attention, build_window
 
     Hq, H, W, Bc, Dc, nf, nv = case
+    start = nf if nf < W else 2 * W + 3  # the block's first position: a partial ring has never wrapped
     scale = 1 / np.sqrt(Dc)
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
     f = build_attention(Hq, H, W, Bc, Dc, scale, "float32", 0, 2, W).with_attr("global_symbol", "main")
@@ -222,19 +224,23 @@ def test_window_attention_and_keep_newest_match_oracle(case):
     rng = np.random.default_rng(sum(case))
     a = [rng.standard_normal(s).astype("float32") * 2 for s in
          [(1, Hq, Bc, Dc), (1, H, Bc, Dc), (1, H, Bc, Dc), (H, W, Dc), (H, W, Dc)]]
-    a[3][:, nf:] = np.nan
-    a += [np.array([nf], "int32"), np.array([nv], "int32"), np.full((1, Hq, Bc, Dc), 7, "float32")]
-    t = [tvm.runtime.tensor(x) for x in a]
+    a[3][:, nf:] = np.nan  # slots past fill are never read into a result
+    cached = np.arange(start - nf, start)  # the positions the ring holds, each in slot p mod W
+    pc = np.full((H, W), -1, "int32")
+    pc[:, cached % W] = cached
+    pb = np.arange(start, start + Bc, dtype="int32")
+    args = a[:5] + [pc, np.array([nf], "int32"), pb, np.array([nv], "int32"), np.full((1, Hq, Bc, Dc), 7, "float32")]
+    t = [tvm.runtime.tensor(x) for x in args]
     lib["main"](*t)
     q, kb, vb, kc, vc = a[:5]
     G = Hq // H
     ref = np.zeros(q.shape)
-    key_pos = np.arange(-nf, Bc)  # cache rows then block rows, positions relative to the block's first
+    key_pos = np.concatenate([pc[0, :nf], pb])  # cache slots [0, fill), then the block's rows
     for h in range(Hq):
         keys = np.concatenate([kc[h // G, :nf], kb[0, h // G]], 0).astype(np.float64)
         vals = np.concatenate([vc[h // G, :nf], vb[0, h // G]], 0).astype(np.float64)
         s = q[0, h].astype(np.float64) @ keys.T * scale
-        rows = np.arange(Bc)[:, None]
+        rows = pb[:, None]
         s[(key_pos[None, :] > rows) | (key_pos[None, :] <= rows - W)] = -np.inf
         p = np.exp(s - s.max(1, keepdims=True))
         ref[0, h] = (p / p.sum(1, keepdims=True)) @ vals
@@ -242,19 +248,20 @@ def test_window_attention_and_keep_newest_match_oracle(case):
     np.testing.assert_allclose(t[-1].numpy(), ref, rtol=2e-5, atol=2e-5)
 
     g = build_window(H, W, Bc, Dc).with_attr("global_symbol", "main")
-    keep = tvm.compile(tvm.IRModule({"main": g}), target=target)
+    ring = tvm.compile(tvm.IRModule({"main": g}), target=target)
     kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
-    pc = np.tile(np.arange(W, dtype="int32") - nf, (H, 1))
-    pb = np.arange(Bc, dtype="int32")
     c = [tvm.runtime.tensor(x) for x in (kc, vc, pc, np.array([nf], "int32"), kb, vb, pb, np.array([nv], "int32"))]
-    keep["main"](*c)
-    n = nf + nv
-    keep_n = min(n, W)
-    all_k = np.concatenate([kc[:, :nf], kb[0, :, :nv]], 1)[:, n - keep_n:]
-    all_p = np.concatenate([pc[:, :nf], np.tile(pb[:nv], (H, 1))], 1)[:, n - keep_n:]
-    assert int(c[3].numpy()[0]) == keep_n
-    np.testing.assert_array_equal(c[0].numpy()[:, :keep_n], all_k)
-    np.testing.assert_array_equal(c[2].numpy()[:, :keep_n], all_p)
+    ring["main"](*c)
+    want_k, want_p = kc.copy(), pc.copy()
+    for i in range(max(0, nv - W), nv):  # the block's rows at p mod W, the newest last
+        want_k[:, pb[i] % W] = kb[0, :, i]
+        want_p[:, pb[i] % W] = pb[i]
+    assert int(c[3].numpy()[0]) == min(nf + nv, W)
+    np.testing.assert_array_equal(c[0].numpy(), want_k)
+    np.testing.assert_array_equal(c[2].numpy(), want_p)
+    held = np.sort(c[2].numpy()[:, :min(nf + nv, W)], 1)  # the valid slots hold exactly the newest W
+    end = start + nv
+    np.testing.assert_array_equal(held, np.tile(np.arange(max(0, end - W), end), (H, 1)))
 
 
 def test_attention_row_tiles_split_evenly_over_the_cores():

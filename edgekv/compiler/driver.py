@@ -74,7 +74,7 @@ def check_local_layers(config: Any, policy: Any, budget: int, tgt: dict, kv_dtyp
         raise CompileError(str(exc)) from None
     what = f"this model's {len(local)} sliding-window layers (window {config.sliding_window})"
     if is_gpu_target(tgt):
-        raise CompileError(f"{what} have no GPU kernels yet: the window-masked attention and the keep-newest step "
+        raise CompileError(f"{what} have no GPU kernels yet: the window-masked attention and the ring write "
                            "(kernels/attention.py with window, kernels/window.py) are CPU kernels; compile it for a CPU "
                            "target (host, aarch64-linux, android-cpu)")
     if kv_dtype != "fp32":

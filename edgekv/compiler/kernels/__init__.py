@@ -1,5 +1,5 @@
 """The shared TIR library the compiler's passes place into the graph: top-N selection +
-compaction (``select``), a sliding-window layer's keep-newest step (``window``), block attention over cache ⊕ block (``attention``), the attention-row
+compaction (``select``), a sliding-window layer's ring write (``window``), block attention over cache ⊕ block (``attention``), the attention-row
 helpers of the query-based policies (``attention_scores``), the kernel signatures (``signature``)
 and conventions (``common``), the dense / quantised GEMMs (``dense``, ``quant_dense``) and the
 int8 cache's kernels (``kv_int8``).

@@ -35,7 +35,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .common import NEG_BIG, check_dtype
-from .signature import StepShapes, attention_kernel
+from .signature import StepShapes, attention_kernel, window_attention_kernel
 
 
 
@@ -111,11 +111,12 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     they see every valid cache row, the real rows [0, n_valid) and the pseudo rows up to their own
     (causal), and their output is kept; real rows never see them (they come last).
 
-    ``window`` > 0: a sliding-window ("local") layer. Its cache holds the newest ``fill`` tokens
-    before the block in order, positions contiguous (``kernels/window.py`` keeps it so), so the
-    window is a bound on indices: block row i sees cache row c iff c ≥ fill + i − window + 1 and
-    block row j ≤ i iff j ≥ i − window + 1 — its query sees the last ``window`` positions, itself
-    included, exactly the eager engine's ring mask."""
+    ``window`` > 0: a sliding-window ("local") layer (``window_attention_kernel``'s signature: the
+    cache's and the block's positions too). Its cache is a ring (``kernels/window.py``: token p in
+    slot p mod window), so slot order is not position order and the window is a bound on positions:
+    block row i sees a cache slot iff its position > pos_blk[i] − window, and block row j ≤ i iff
+    j ≥ i − window + 1 (the block's positions are contiguous) — its query sees the last ``window``
+    positions, itself included, exactly the eager engine's ring mask."""
     from tvm import tirx
 
     check_dtype(dtype)
@@ -127,15 +128,19 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
         raise ValueError(f"{W} pseudo rows do not fit a step of {B} rows")
     BR = B - W  # real rows
     WIN = int(window)
+    RING = WIN > 0  # a Python bool: TVMScript takes it as a static branch
     if WIN and W:
         raise ValueError("a sliding-window layer's attention takes no pseudo rows")
 
-    def tile_key_visible(j, lim, t, ncache, row, nv, nf):
+    def tile_key_visible(j, lim, t, ncache, row, nv, nf, kh=None, pos_cache=None, pos_blk=None):
         # j ≤ lim: the cache's fill or causality; with pseudo rows, a block key in the padding
         # [n_valid, BR) is hidden from them too (the cache tiles t < ncache have no padding)
-        if WIN:  # and the key no older than the window: an index bound (cache rows in order)
-            first = T.if_then_else(t < ncache, nf + row - WIN + 1 - t * KT, row - WIN + 1 - (t - ncache) * KT)
-            return tirx.all(j <= lim, j >= first)
+        if WIN:  # and the key no older than the window: a cache slot by its position (a ring),
+            # a block key by its index (the block's positions are contiguous)
+            in_window = T.if_then_else(t < ncache,
+                                       pos_cache[kh, T.min(t * KT + j, N - 1)] > pos_blk[row] - WIN,
+                                       j >= row - WIN + 1 - (t - ncache) * KT)
+            return tirx.all(j <= lim, in_window)
         if not W:
             return j <= lim
         key = (t - ncache) * KT + j
@@ -154,12 +159,17 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
     IN_HEAD = B % QT == 0
 
     @T.macro
-    def block_attention(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out):
+    def block_attention(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out, pos_cache, pos_blk):
         for task in T.parallel(H * NQT):
             with T.sblock("attn"):
                 # explicit regions: automatic inference would reference the block's own let vars
-                T.reads(q[0, 0:Hq, 0:B, 0:D], k_blk[0, 0:H, 0:B, 0:D], v_blk[0, 0:H, 0:B, 0:D],
-                        k_cache[0:H, 0:N, 0:D], v_cache[0:H, 0:N, 0:D], fill[0:1], n_valid[0:1])
+                if RING:
+                    T.reads(q[0, 0:Hq, 0:B, 0:D], k_blk[0, 0:H, 0:B, 0:D], v_blk[0, 0:H, 0:B, 0:D],
+                            k_cache[0:H, 0:N, 0:D], v_cache[0:H, 0:N, 0:D], fill[0:1], n_valid[0:1],
+                            pos_cache[0:H, 0:N], pos_blk[0:B])
+                else:
+                    T.reads(q[0, 0:Hq, 0:B, 0:D], k_blk[0, 0:H, 0:B, 0:D], v_blk[0, 0:H, 0:B, 0:D],
+                            k_cache[0:H, 0:N, 0:D], v_cache[0:H, 0:N, 0:D], fill[0:1], n_valid[0:1])
                 T.writes(out[0, 0:Hq, 0:B, 0:D])
                 qs = T.sblock_alloc_buffer((QT, D), "float32")
                 kt = T.sblock_alloc_buffer((D, KT), "float32")
@@ -218,7 +228,7 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                             part[l] = T.float32(NEG_BIG)
                         for j0 in T.serial(KT // KL):
                             for l in T.vectorized(KL):
-                                s[r, j0 * KL + l] = T.if_then_else(tile_key_visible(j0 * KL + l, lim, t, ncache, (r0 + r) % B, nv, nf), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
+                                s[r, j0 * KL + l] = T.if_then_else(tile_key_visible(j0 * KL + l, lim, t, ncache, (r0 + r) % B, nv, nf, kh, pos_cache, pos_blk), s[r, j0 * KL + l], T.float32(NEG_BIG) * T.float32(2))
                                 part[l] = T.max(part[l], s[r, j0 * KL + l])
                         # step w folds lanes [h, 2h) onto [0, h), h = KL >> (w + 1); the lanes it
                         # also writes past h are never read again for the result (part[0])
@@ -255,7 +265,14 @@ def build_block_attention_kernel(num_q_heads: int, num_kv_heads: int, budget: in
                     out[0, kh * G + (r0 + r) // B, (r0 + r) % B, c] = T.if_then_else(
                         T.Or((r0 + r) % B < nv, (r0 + r) % B >= BR), o[r, c] / lsum[r], T.float32(0))
 
-    return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), block_attention)
+    if WIN:
+        return window_attention_kernel(StepShapes(H, N, B, D, Hq=Hq), block_attention)
+
+    @T.macro
+    def plain_attention(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out):
+        block_attention(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out, None, None)
+
+    return attention_kernel(StepShapes(H, N, B, D, Hq=Hq), plain_attention)
 
 
 # ---- GPU version (same signature; swapped in by gpu_schedule.ReplaceKernels) ----------------------

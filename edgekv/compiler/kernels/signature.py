@@ -220,3 +220,29 @@ def attention_kernel(s: StepShapes, body, *, gpu: bool = False):
         body(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out)
 
     return block_attention
+
+
+def window_attention_kernel(s: StepShapes, body):
+    """``attention(q, k_blk, v_blk, k_cache, v_cache, pos_cache, fill, pos_blk, n_valid, out)``: a
+    sliding-window layer's block attention, which reads each cache slot's position (its cache is a
+    ring: slot order is not position order) and the block's positions. CPU only."""
+    H, N, B, D, Hq = s.H, s.N, s.B, s.D, s.Hq
+    attrs = kernel_attrs(False)
+
+    @T.prim_func(private=True, s_tir=True)
+    def window_attention(
+        q: T.Buffer((1, Hq, B, D), "float32"),
+        k_blk: T.Buffer((1, H, B, D), "float32"),
+        v_blk: T.Buffer((1, H, B, D), "float32"),
+        k_cache: T.Buffer((H, N, D), "float32"),
+        v_cache: T.Buffer((H, N, D), "float32"),
+        pos_cache: T.Buffer((H, N), "int32"),
+        fill: T.Buffer((1,), "int32"),
+        pos_blk: T.Buffer((B,), "int32"),
+        n_valid: T.Buffer((1,), "int32"),
+        out: T.Buffer((1, Hq, B, D), "float32"),
+    ):
+        T.func_attr(attrs)
+        body(q, k_blk, v_blk, k_cache, v_cache, fill, n_valid, out, pos_cache, pos_blk)
+
+    return window_attention

@@ -310,21 +310,22 @@ def rewrite_function(mod: tvm.IRModule, src: str, dst: str, spec: BlockCacheSpec
 
 def _local_site(bb, kernel, site: AttentionSite, spec: BlockCacheSpec, var, window: int, T: int, W: int, caches,
                 q, kb, vb, pos32, nv, vmap) -> list:
-    """A sliding-window layer's step: attention over cache ⊕ block masked to the window, then the
-    newest ``window`` rows kept in place (``kernels/window.py``). Returns the layer's new caches."""
+    """A sliding-window layer's step: attention over cache ⊕ block masked to the window (a cache slot
+    by the position it holds), then the block's rows written into the ring at position mod window, in
+    place (``kernels/window.py``). Returns the layer's new caches."""
     H, Hq, D = site.num_kv_heads, site.num_q_heads, site.head_dim
     if W:
         raise AttentionMatchError(f"attention site {site.index} is a sliding-window layer: its step takes no pseudo "
                                   "or question rows")
     kc, vc, pc, fc = caches[:4]
-    attn_gv = kernel(attention_kernel_key(Hq, H, D, 0) + f"_w{window}",
+    attn_gv = kernel(attention_kernel_key(Hq, H, D, 0) + f"_ring{window}",
                      lambda: build_attention(Hq, H, window, T, D, site.sm_scale, spec.dtype, 0, spec.cores, window))
-    out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, fc, nv], relax.TensorType((1, Hq, T, D), spec.dtype)),
-                  f"attn_{site.index}")
+    out = bb.emit(relax.call_tir(attn_gv, [q, kb, vb, kc, vc, pc, fc, pos32, nv],
+                                 relax.TensorType((1, Hq, T, D), spec.dtype)), f"attn_{site.index}")
     if site.output_layout == "bthd":
         out = bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
     vmap[var] = bb.emit(relax.op.reshape(out, shape_of(var)), var.name)
-    keep_gv = kernel(f"window_h{H}_d{D}_w{window}", lambda: build_window(H, window, T, D, spec.dtype))
+    keep_gv = kernel(f"ring_h{H}_d{D}_w{window}", lambda: build_window(H, window, T, D, spec.dtype))
     types = [relax.TensorType(shape, dt) for _, shape, dt in
              cache_layout(H, D, window, "full", spec.dtype)[:4]]
     upd = bb.emit(relax.call_tir_inplace(keep_gv, [kc, vc, pc, fc, kb, vb, pos32, nv], [0, 1, 2, 3], types),
