@@ -1,0 +1,240 @@
+"""Decode GEMVs over 8-bit activations (``--decode-activations int8``): x is quantised once per
+call to int8 per block of 32 (scale dx = max|x| / 127, q = round(x / dx), llama.cpp's Q8_0 rule),
+and each weight block's dot product is an exact integer sum Σ q_x·q_w, scaled once per block:
+
+    Q4_1   Σ x·(d·q + m)          ≈ d·(dx·Σ q_x·q) + m·Σx
+    Q4_K   Σ x·((d·sc)·q − dmin·m) ≈ (d·sc)·(dx·Σ q_x·q) − (dmin·m)·Σx
+    Q6_K   Σ x·((d·sc)·(q − 32))   ≈ (d·sc)·(dx·Σ q_x·(q − 32))   (per sub-block of 16)
+    Q8_0   Σ x·(d·q)               ≈ d·(dx·Σ q_x·q)                 (the tied LM head's rows)
+
+Σx is x's own fp32 sum (not dx·Σq_x): the minimum terms stay exact. Only x's rounding changes the
+result (≤ dx/2 per element), as in llama.cpp's Q8_0 / Q8_K activations; the fp32-activation
+kernels (``quant_dense.py``, ``kquant_dense.py``) stay the default and the reference.
+
+Why: the fp32 GEMV is compute-bound (a nibble extract, a widening, a conversion and an FMA per
+weight: docs/COMPILER.md). Two integer paths, the same integer sums (so the same bits):
+
+* ``avx2`` (x86 with AVX2): ``vpmaddubsw`` multiplies 32 unsigned weight bytes by 32 signed x bytes
+  and adds adjacent pairs into 16 int16 lanes. The weight panels hold one column per byte lane, two
+  k per byte (Q4's low / high nibble: quants i and i + 16), so rows i and i + 1 of a panel are
+  interleaved byte by byte (a ``Shuffle``: ``vpunpck[lh]bw``) to put a column's two consecutive-k
+  quants side by side, against the pair (x_i, x_i+1) broadcast to every lane. Signed weights (Q6_K's
+  q − 32, Q8_0) take llama.cpp's sign trick: |x| as the unsigned side, the weight with x's sign
+  (``vpsignb``). int16 partial sums are widened to int32 before they can overflow (each pair is at
+  most 2·15·127 for 4-bit, 2·32·127 for Q6_K's signed 6-bit, 2·127·127 for Q8_0).
+* ``generic`` (every other target, aarch64 included): the same sums as plain TIR integer
+  arithmetic (int16 products, int32 widening), which LLVM vectorises for the target.
+
+``int8_isa(target)`` picks the path from the TVM target; the kernels are built per call site by
+``passes/quantize_weights.py`` when the build asks for int8 decode activations.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..kquant_formats import KFormat, kpanel_shapes
+from ..quant_formats import GROUP, WeightFormat, padded
+from .quant_dense import CACHE_LINE, PREFETCH_AHEAD, _check_rows, _weight_geometry, prefetch
+
+ISAS = ("avx2", "generic")
+QMAX = 127  # |q_x| ≤ 127: symmetric, so −q_x is an int8 too (the sign trick)
+
+
+def int8_isa(target) -> str:
+    """``avx2`` for an llvm target whose CPU has AVX2, else ``generic`` (TVM target or dict)."""
+    import tvm
+    from tvm.target import codegen
+
+    tgt = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if str(tgt.kind.name) != "llvm":
+        return "generic"
+    triple = str(tgt.attrs.get("mtriple", "") or "")
+    if triple and not triple.startswith(("x86_64", "i686", "i386")):
+        return "generic"
+    try:
+        return "avx2" if codegen.target_has_features("avx2", tgt) else "generic"
+    except Exception:  # an LLVM that cannot answer for this target: the portable path
+        return "generic"
+
+
+def check_isa(isa: str) -> str:
+    if isa not in ISAS:
+        raise ValueError(f"int8 GEMV path {isa!r}: one of {', '.join(ISAS)}")
+    return isa
+
+
+# ---- x → int8 blocks ---------------------------------------------------------------------------
+
+def quantize_x(K: int, KP: int):
+    """Macro ``quantize(A, XQ, XP, XA, DX, XS, AM)``: per 32-block kb of x (zeros past K), DX[kb] =
+    max|x| / 127, XQ = round(x · 127 / max|x|) (int8; 0 for an all-zero block), XS[kb] = Σx (fp32,
+    in order), XP[p] = the int16 whose bytes are XQ[2p], XQ[2p + 1] (a pair to broadcast), XA = |XQ|."""
+    KB = KP // GROUP
+
+    @T.macro
+    def quantize(A, XQ, XP, XA, DX, XS, AM):
+        for kb in T.serial(KB):
+            AM[0] = T.float32(0)
+            XS[kb] = T.float32(0)
+            for i in T.serial(GROUP):
+                AM[0] = T.max(AM[0], T.fabs(T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0))))
+                XS[kb] = XS[kb] + T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0))
+            DX[kb] = AM[0] / T.float32(QMAX)
+            AM[1] = T.if_then_else(AM[0] > T.float32(0), T.float32(QMAX) / T.max(AM[0], T.float32(1e-30)), T.float32(0))
+            for i in T.serial(GROUP):
+                XQ[kb * GROUP + i] = T.Cast("int8", T.round(
+                    T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0)) * AM[1]))
+        for p in T.serial(KP // 2):
+            XP[p] = T.Cast("int16", T.bitwise_or(T.bitwise_and(T.Cast("int32", XQ[2 * p]), 255),
+                                                 T.shift_left(T.Cast("int32", XQ[2 * p + 1]), 8)))
+        for k in T.serial(KP):
+            XA[k] = T.Cast("int8", T.abs(T.Cast("int32", XQ[k])))
+
+    return quantize
+
+
+# ---- byte-lane helpers (the avx2 path) ----------------------------------------------------------
+
+def _interleave(n: int, half: str):
+    """Shuffle indices interleaving two n-byte vectors a, b byte by byte: n = 16 → all 32 bytes
+    (a0 b0 a1 b1 … a15 b15); n = 32 → AVX2's in-lane unpack, ``half`` "lo" (bytes 0–7 and 16–23 of
+    each) or "hi" (8–15 and 24–31)."""
+    if n == 16:
+        return [v for t in range(16) for v in (t, 16 + t)]
+    base = 0 if half == "lo" else 8
+    return [v for lane in (0, 16) for t in range(8) for v in (lane + base + t, 32 + lane + base + t)]
+
+
+def _octets(n: int) -> list[int]:
+    """Column octet of each 8-lane slice of the int16 sums: the in-lane unpack puts columns
+    0–7, 16–23 in the first 16 lanes and 8–15, 24–31 in the second."""
+    return [0, 2, 1, 3] if n == 32 else [0, 1]
+
+
+def _pmaddubsw(u, s):
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u, s)
+
+
+def _psignb(a, b):
+    return T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", a, b)
+
+
+def _pair(XP, p):
+    """x's int8 pair p broadcast to 32 bytes (the signed side of ``vpmaddubsw``)."""
+    return T.reinterpret("int8x32", T.broadcast(XP[p], 16))
+
+
+def _nibbles(QL, jo, row, c0, n: int, h):
+    """Nibble h (0: low, 1: high) of n bytes of panel row ``row`` from column c0, as uint8 lanes."""
+    return T.bitwise_and(T.shift_right(QL[jo, row, T.ramp(c0, 1, n)], T.broadcast(T.Cast("uint8", 4 * h), n)),
+                         T.broadcast(T.uint8(15), n))
+
+
+def _chunk(NR: int) -> int:
+    return 32 if NR % 32 == 0 else 16
+
+
+# ---- Q4 panels: Q4_1 (quant_formats) and Q4_K (kquant_formats) ----------------------------------
+
+def _q4_panel_sums(NR: int, isa: str):
+    """Macro ``sums(QL, XQ, XP, a16, isum, jo, kb, s)``: isum[c] = Σ_k q_x[k]·q[k, c] over 32-block
+    kb for the NS columns of chunk s of panel jo (unsigned nibbles, quants i and i + 16 of the block
+    in byte i): two int16 sums (low / high nibble, 8 row pairs each, ≤ 8·2·15·127 < 2¹⁵), widened."""
+    NS = _chunk(NR)
+    NV = NS // 16  # int16 vectors per nibble
+    AVX2 = check_isa(isa) == "avx2"
+    LO, HI = _interleave(NS, "lo"), _interleave(NS, "hi")
+
+    @T.macro
+    def sums(QL, XQ, XP, a16, isum, jo, kb, s):
+        for h in T.unroll(2):
+            for l in T.vectorized(NS):
+                a16[h, l] = T.int16(0)
+        for ip in T.serial(8):
+            for h in T.unroll(2):
+                if AVX2:
+                    if NV == 2:
+                        a16[h, T.ramp(0, 1, 16)] = a16[h, T.ramp(0, 1, 16)] + _pmaddubsw(
+                            T.Shuffle([_nibbles(QL, jo, kb * 16 + 2 * ip, s * NS, NS, h), _nibbles(QL, jo, kb * 16 + 2 * ip + 1, s * NS, NS, h)], LO),
+                            _pair(XP, kb * 16 + h * 8 + ip))
+                        a16[h, T.ramp(16, 1, 16)] = a16[h, T.ramp(16, 1, 16)] + _pmaddubsw(
+                            T.Shuffle([_nibbles(QL, jo, kb * 16 + 2 * ip, s * NS, NS, h), _nibbles(QL, jo, kb * 16 + 2 * ip + 1, s * NS, NS, h)], HI),
+                            _pair(XP, kb * 16 + h * 8 + ip))
+                    else:
+                        a16[h, T.ramp(0, 1, 16)] = a16[h, T.ramp(0, 1, 16)] + _pmaddubsw(
+                            T.Shuffle([_nibbles(QL, jo, kb * 16 + 2 * ip, s * NS, NS, h), _nibbles(QL, jo, kb * 16 + 2 * ip + 1, s * NS, NS, h)], LO),
+                            _pair(XP, kb * 16 + h * 8 + ip))
+                else:
+                    for l in T.vectorized(NS):
+                        a16[h, l] = (a16[h, l]
+                                     + T.Cast("int16", T.bitwise_and(T.shift_right(QL[jo, kb * 16 + 2 * ip, s * NS + l], T.uint8(4 * h)), T.uint8(15)))
+                                     * T.Cast("int16", XQ[kb * GROUP + h * 16 + 2 * ip])
+                                     + T.Cast("int16", T.bitwise_and(T.shift_right(QL[jo, kb * 16 + 2 * ip + 1, s * NS + l], T.uint8(4 * h)), T.uint8(15)))
+                                     * T.Cast("int16", XQ[kb * GROUP + h * 16 + 2 * ip + 1]))
+        if AVX2:
+            for o in T.unroll(NS // 8):
+                isum[T.ramp(((o % 2) * 2 + o // 2 if NS == 32 else o) * 8, 1, 8)] = (T.Cast("int32x8", a16[0, T.ramp(o * 8, 1, 8)])
+                                                  + T.Cast("int32x8", a16[1, T.ramp(o * 8, 1, 8)]))
+        else:
+            for l in T.vectorized(NS):
+                isum[l] = T.Cast("int32", a16[0, l]) + T.Cast("int32", a16[1, l])
+
+    return sums
+
+
+def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int, NR: int, isa: str):
+    """``C[(1,) 1, N] ≈ x · dequant(W)`` over Q4_1 panels (``quant_formats.panel_arrays``) with x as
+    int8 blocks: the same arguments as ``quant_dense.build_quant_gemv_kernel``."""
+    M, K2 = _check_rows(a_shape, c_shape, N)
+    if M != 1 or K2 != K:
+        raise ValueError(f"not a GEMV: {a_shape} with K = {K}")
+    if fmt.bits != 4 or not fmt.has_min:
+        raise ValueError(f"int8 activations: Q4_1 panels only, not {fmt.name}")
+    KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
+    NS = _chunk(NR)
+    TAIL = N % NR != 0
+    sums = _q4_panel_sums(NR, isa)
+    quantize = quantize_x(K, KP)
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_q4_x8(a: T.handle, q: T.handle, d: T.handle, mn: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        Q = T.match_buffer(q, (NJ, QK, NR), "uint8")
+        D = T.match_buffer(d, (NJ, KB, NR), "float16")
+        MN = T.match_buffer(mn, (NJ, KB, NR), "float16")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((K,), "float32", data=A0.data)
+        C = T.decl_buffer((N,), "float32", data=C0.data)
+        XQ = T.alloc_buffer((KP,), "int8")
+        XP = T.alloc_buffer((KP // 2,), "int16")
+        XA = T.alloc_buffer((KP,), "int8")
+        DX = T.alloc_buffer((KB,), "float32")
+        XS = T.alloc_buffer((KB,), "float32")
+        AM = T.alloc_buffer((2,), "float32")
+        quantize(A, XQ, XP, XA, DX, XS, AM)
+        for jo in T.parallel(NJ):
+            with T.sblock("gemv_q4_x8"):
+                acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
+                a16 = T.sblock_alloc_buffer((2, NS), "int16", scope="local")
+                isum = T.sblock_alloc_buffer((NS,), "int32", scope="local")
+                for j in T.vectorized(NR):
+                    acc[j] = T.float32(0)
+                for kb in T.serial(KB):
+                    for s in T.unroll(NR // NS):
+                        sums(Q, XQ, XP, a16, isum, jo, kb, s)
+                        for l in T.vectorized(NS):
+                            acc[s * NS + l] = (acc[s * NS + l]
+                                               + T.Cast("float32", D[jo, kb, s * NS + l]) * (DX[kb] * T.Cast("float32", isum[l]))
+                                               + T.Cast("float32", MN[jo, kb, s * NS + l]) * XS[kb])
+                if TAIL:
+                    for j in T.serial(NR):
+                        if jo * NR + j < N:
+                            C[jo * NR + j] = acc[j]
+                else:
+                    for j in T.vectorized(NR):
+                        C[jo * NR + j] = acc[j]
+
+    return gemv_q4_x8
