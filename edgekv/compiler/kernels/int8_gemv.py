@@ -69,7 +69,7 @@ def check_isa(isa: str) -> str:
 def quantize_x(K: int, KP: int):
     """Macro ``quantize(A, XQ, XP, XA, DX, XS, AM)``: per 32-block kb of x (zeros past K), DX[kb] =
     max|x| / 127, XQ = round(x · 127 / max|x|) (int8; 0 for an all-zero block), XS[kb] = Σx (fp32,
-    in order), XP[p] = the int16 whose bytes are XQ[2p], XQ[2p + 1] (a pair to broadcast), XA = |XQ|."""
+    in order), XP[p] = the int16 whose bytes are XQ[2p], XQ[2p + 1] (a pair to broadcast), XA[p] the same of |XQ|."""
     KB = KP // GROUP
 
     @T.macro
@@ -88,8 +88,9 @@ def quantize_x(K: int, KP: int):
         for p in T.serial(KP // 2):
             XP[p] = T.Cast("int16", T.bitwise_or(T.bitwise_and(T.Cast("int32", XQ[2 * p]), 255),
                                                  T.shift_left(T.Cast("int32", XQ[2 * p + 1]), 8)))
-        for k in T.serial(KP):
-            XA[k] = T.Cast("int8", T.abs(T.Cast("int32", XQ[k])))
+        for p in T.serial(KP // 2):
+            XA[p] = T.Cast("int16", T.bitwise_or(T.abs(T.Cast("int32", XQ[2 * p])),
+                                                 T.shift_left(T.abs(T.Cast("int32", XQ[2 * p + 1])), 8)))
 
     return quantize
 
@@ -138,7 +139,7 @@ def _chunk(NR: int) -> int:
 # ---- Q4 panels: Q4_1 (quant_formats) and Q4_K (kquant_formats) ----------------------------------
 
 def _q4_panel_sums(NR: int, isa: str):
-    """Macro ``sums(QL, XQ, XP, a16, isum, jo, kb, s)``: isum[c] = Σ_k q_x[k]·q[k, c] over 32-block
+    """Macro ``sums(QL, XQ, XP, a16, isum, jo, kb, s)``: isum[0, c] = Σ_k q_x[k]·q[k, c] over 32-block
     kb for the NS columns of chunk s of panel jo (unsigned nibbles, quants i and i + 16 of the block
     in byte i): two int16 sums (low / high nibble, 8 row pairs each, ≤ 8·2·15·127 < 2¹⁵), widened."""
     NS = _chunk(NR)
@@ -174,11 +175,11 @@ def _q4_panel_sums(NR: int, isa: str):
                                      * T.Cast("int16", XQ[kb * GROUP + h * 16 + 2 * ip + 1]))
         if AVX2:
             for o in T.unroll(NS // 8):
-                isum[T.ramp(((o % 2) * 2 + o // 2 if NS == 32 else o) * 8, 1, 8)] = (T.Cast("int32x8", a16[0, T.ramp(o * 8, 1, 8)])
+                isum[0, T.ramp(((o % 2) * 2 + o // 2 if NS == 32 else o) * 8, 1, 8)] = (T.Cast("int32x8", a16[0, T.ramp(o * 8, 1, 8)])
                                                   + T.Cast("int32x8", a16[1, T.ramp(o * 8, 1, 8)]))
         else:
             for l in T.vectorized(NS):
-                isum[l] = T.Cast("int32", a16[0, l]) + T.Cast("int32", a16[1, l])
+                isum[0, l] = T.Cast("int32", a16[0, l]) + T.Cast("int32", a16[1, l])
 
     return sums
 
@@ -210,7 +211,7 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
         C = T.decl_buffer((N,), "float32", data=C0.data)
         XQ = T.alloc_buffer((KP,), "int8")
         XP = T.alloc_buffer((KP // 2,), "int16")
-        XA = T.alloc_buffer((KP,), "int8")
+        XA = T.alloc_buffer((KP // 2,), "int16")
         DX = T.alloc_buffer((KB,), "float32")
         XS = T.alloc_buffer((KB,), "float32")
         AM = T.alloc_buffer((2,), "float32")
@@ -219,7 +220,7 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
             with T.sblock("gemv_q4_x8"):
                 acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
                 a16 = T.sblock_alloc_buffer((2, NS), "int16", scope="local")
-                isum = T.sblock_alloc_buffer((NS,), "int32", scope="local")
+                isum = T.sblock_alloc_buffer((2, NS), "int32", scope="local")
                 for j in T.vectorized(NR):
                     acc[j] = T.float32(0)
                 for kb in T.serial(KB):
@@ -227,7 +228,7 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
                         sums(Q, XQ, XP, a16, isum, jo, kb, s)
                         for l in T.vectorized(NS):
                             acc[s * NS + l] = (acc[s * NS + l]
-                                               + T.Cast("float32", D[jo, kb, s * NS + l]) * (DX[kb] * T.Cast("float32", isum[l]))
+                                               + T.Cast("float32", D[jo, kb, s * NS + l]) * (DX[kb] * T.Cast("float32", isum[0, l]))
                                                + T.Cast("float32", MN[jo, kb, s * NS + l]) * XS[kb])
                 if TAIL:
                     for j in T.serial(NR):
@@ -238,3 +239,134 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
                         C[jo * NR + j] = acc[j]
 
     return gemv_q4_x8
+
+
+# ---- K-quant panels (kquant_formats): Q4_K and Q6_K --------------------------------------------
+
+def _q6(QL, QH, jo, g, h, i2, i1, c0, n: int):
+    """Q6_K's signed quant q − 32 (int8 lanes) of quant h·16 + i2·8 + i1 of 32-group g, n columns
+    from c0: the low nibble from ``ql`` and 2 high bits from ``qh`` (``kquant_formats`` layout)."""
+    lo = _nibbles(QL, jo, g * 16 + i2 * 8 + i1, c0, n, h)
+    hi = T.bitwise_and(T.shift_right(QH[jo, g * 8 + i1, T.ramp(c0, 1, n)], T.broadcast(T.Cast("uint8", (h * 2 + i2) * 2), n)),
+                       T.broadcast(T.uint8(3), n))
+    u = T.bitwise_or(lo, T.shift_left(hi, T.broadcast(T.uint8(4), n)))
+    return T.reinterpret(f"int8x{n}", u) - T.broadcast(T.int8(32), n)
+
+
+def _q6_scalar(QL, QH, jo, g, h, i2, i1, c):
+    lo = T.bitwise_and(T.shift_right(QL[jo, g * 16 + i2 * 8 + i1, c], T.Cast("uint8", 4 * h)), T.uint8(15))
+    hi = T.bitwise_and(T.shift_right(QH[jo, g * 8 + i1, c], T.Cast("uint8", (h * 2 + i2) * 2)), T.uint8(3))
+    return T.Cast("int16", T.bitwise_or(lo, T.shift_left(hi, T.uint8(4)))) - T.int16(32)
+
+
+def _q6_panel_sums(NR: int, isa: str):
+    """Macro ``sums(QL, QH, XQ, XP, XA, a16, isum, jo, g, s)``: isum[h, c] = Σ q_x·(q − 32) over
+    sub-block 2g + h (16 quants) of chunk s of panel jo. Signed weights: |x| against the weight
+    with x's sign (``vpsignb``); int16 sums over 4 row pairs (≤ 4·2·32·127 < 2¹⁵), widened per i2."""
+    NS = _chunk(NR)
+    NV = NS // 16
+    AVX2 = check_isa(isa) == "avx2"
+    LO, HI = _interleave(NS, "lo"), _interleave(NS, "hi")
+
+    @T.macro
+    def sums(QL, QH, XQ, XP, XA, a16, isum, jo, g, s):
+        for h in T.unroll(2):
+            for l in T.vectorized(NS):
+                isum[h, l] = 0
+        for h in T.unroll(2):
+            for i2 in T.unroll(2):
+                for l in T.vectorized(NS):
+                    a16[h, l] = T.int16(0)
+                for ip in T.serial(4):
+                    if AVX2:
+                        a16[h, T.ramp(0, 1, 16)] = a16[h, T.ramp(0, 1, 16)] + _pmaddubsw(
+                            T.reinterpret("int8x32", T.broadcast(XA[g * 16 + h * 8 + i2 * 4 + ip], 16)),
+                            _psignb(T.Shuffle([_q6(QL, QH, jo, g, h, i2, 2 * ip, s * NS, NS), _q6(QL, QH, jo, g, h, i2, 2 * ip + 1, s * NS, NS)], LO),
+                                    _pair(XP, g * 16 + h * 8 + i2 * 4 + ip)))
+                        if NV == 2:
+                            a16[h, T.ramp(16, 1, 16)] = a16[h, T.ramp(16, 1, 16)] + _pmaddubsw(
+                                T.reinterpret("int8x32", T.broadcast(XA[g * 16 + h * 8 + i2 * 4 + ip], 16)),
+                                _psignb(T.Shuffle([_q6(QL, QH, jo, g, h, i2, 2 * ip, s * NS, NS), _q6(QL, QH, jo, g, h, i2, 2 * ip + 1, s * NS, NS)], HI),
+                                        _pair(XP, g * 16 + h * 8 + i2 * 4 + ip)))
+                    else:
+                        for l in T.vectorized(NS):
+                            a16[h, l] = (a16[h, l]
+                                         + _q6_scalar(QL, QH, jo, g, h, i2, 2 * ip, s * NS + l) * T.Cast("int16", XQ[g * 32 + h * 16 + i2 * 8 + 2 * ip])
+                                         + _q6_scalar(QL, QH, jo, g, h, i2, 2 * ip + 1, s * NS + l) * T.Cast("int16", XQ[g * 32 + h * 16 + i2 * 8 + 2 * ip + 1]))
+                if AVX2:
+                    for o in T.unroll(NS // 8):
+                        isum[h, T.ramp(((o % 2) * 2 + o // 2 if NS == 32 else o) * 8, 1, 8)] = (
+                            isum[h, T.ramp(((o % 2) * 2 + o // 2 if NS == 32 else o) * 8, 1, 8)] + T.Cast("int32x8", a16[h, T.ramp(o * 8, 1, 8)]))
+                else:
+                    for l in T.vectorized(NS):
+                        isum[h, l] = isum[h, l] + T.Cast("int32", a16[h, l])
+
+    return sums
+
+
+def build_kquant_int8_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR: int, isa: str):
+    """``C[(1,) 1, N] ≈ x · dequant(W)`` over Q4_K or Q6_K panels (``kquant_formats.kpanel_arrays``)
+    with x as int8 blocks: the arguments of ``kquant_dense.build_kquant_gemv_kernel``."""
+    from .kquant_dense import _geometry, _signature
+
+    M, K2 = _check_rows(a_shape, c_shape, N)
+    if M != 1 or K2 != K:
+        raise ValueError(f"not a GEMV: {a_shape} with K = {K}")
+    if fmt.ggml not in INT8_KFORMATS:
+        raise ValueError(f"int8 activations: {', '.join(INT8_KFORMATS)} panels only, not {fmt.ggml}")
+    NJ, G, _ = _geometry(fmt, K, N, NR)
+    NS = _chunk(NR)
+    TAIL = N % NR != 0
+    Q6 = fmt.ggml == "Q6_K"
+    SB = fmt.superblock // 32  # 32-groups per super-block
+    sums4 = _q4_panel_sums(NR, isa)
+    sums6 = _q6_panel_sums(NR, isa)
+    quantize = quantize_x(K, K)
+
+    @T.macro
+    def body(A, QL, QH, SC, MN, D, DM, C):
+        XQ = T.alloc_buffer((K,), "int8")
+        XP = T.alloc_buffer((K // 2,), "int16")
+        XA = T.alloc_buffer((K // 2,), "int16")
+        DX = T.alloc_buffer((G,), "float32")
+        XS = T.alloc_buffer((G,), "float32")
+        AM = T.alloc_buffer((2,), "float32")
+        quantize(A, XQ, XP, XA, DX, XS, AM)
+        for jo in T.parallel(NJ):
+            with T.sblock("gemv_kq_x8"):
+                acc = T.sblock_alloc_buffer((NR,), "float32", scope="local")
+                a16 = T.sblock_alloc_buffer((2, NS), "int16", scope="local")
+                isum = T.sblock_alloc_buffer((2, NS), "int32", scope="local")
+                for j in T.vectorized(NR):
+                    acc[j] = T.float32(0)
+                for g in T.serial(G):
+                    for s in T.unroll(NR // NS):
+                        if Q6:
+                            sums6(QL, QH, XQ, XP, XA, a16, isum, jo, g, s)
+                            for l in T.vectorized(NS):
+                                acc[s * NS + l] = (
+                                    acc[s * NS + l]
+                                    + T.Cast("float32", D[jo, g // SB, s * NS + l]) * T.Cast("float32", SC[jo, 2 * g, s * NS + l])
+                                    * (DX[g] * T.Cast("float32", isum[0, l]))
+                                    + T.Cast("float32", D[jo, g // SB, s * NS + l]) * T.Cast("float32", SC[jo, 2 * g + 1, s * NS + l])
+                                    * (DX[g] * T.Cast("float32", isum[1, l])))
+                        else:
+                            sums4(QL, XQ, XP, a16, isum, jo, g, s)
+                            for l in T.vectorized(NS):
+                                acc[s * NS + l] = (
+                                    acc[s * NS + l]
+                                    + T.Cast("float32", D[jo, g // SB, s * NS + l]) * T.Cast("float32", SC[jo, g, s * NS + l])
+                                    * (DX[g] * T.Cast("float32", isum[0, l]))
+                                    - T.Cast("float32", DM[jo, g // SB, s * NS + l]) * T.Cast("float32", MN[jo, g, s * NS + l]) * XS[g])
+                if TAIL:
+                    for j in T.serial(NR):
+                        if jo * NR + j < N:
+                            C[jo * NR + j] = acc[j]
+                else:
+                    for j in T.vectorized(NR):
+                        C[jo * NR + j] = acc[j]
+
+    return _signature(fmt, body, tuple(a_shape), tuple(c_shape), K, N, kpanel_shapes(fmt, K, N, NR))
+
+
+INT8_KFORMATS = ("Q4_K", "Q6_K")
