@@ -370,3 +370,74 @@ def build_kquant_int8_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int
 
 
 INT8_KFORMATS = ("Q4_K", "Q6_K")
+
+
+# ---- the tied LM head: Q8_0 rows [V, K] (quant_dense.build_q8_gemv_nt_kernel's arrays) ----------
+
+def _pmaddwd(a, b):
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+
+
+def build_q8_int8_gemv_nt_kernel(a_shape, c_shape, V: int, K: int, isa: str):
+    """``C[(1,) 1, V] ≈ x · dequant(table)ᵀ`` over the Q8_0 rows with x as int8 blocks. Per row and
+    32-block, 8 int32 lanes each hold Σ q_x·q over 4 consecutive k (``vpmaddubsw`` with the sign
+    trick, then ``vpmaddwd`` by ones; the generic path the same sums as plain TIR), added as
+    (d·dx)·lane into 8 fp32 partial sums, folded in order at the end (generic: 16 lanes of k and
+k + 16). Parallel over blocks of 4
+    rows, each task prefetching the rows of the task ``PREFETCH_AHEAD`` on (as the fp32 head)."""
+    M, K2 = _check_rows(a_shape, c_shape, V)
+    if M != 1 or K2 != K or K % GROUP or V % 4:
+        raise ValueError(f"an NT GEMV needs M = 1, K a whole number of blocks and V a multiple of 4: {a_shape}, V = {V}")
+    JB, KB = 4, K // GROUP
+    AVX2 = check_isa(isa) == "avx2"
+    L = 8 if AVX2 else 16  # fp32 partial sums per row
+    A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
+    AHEAD, LINES = PREFETCH_AHEAD, -(-JB * K // CACHE_LINE)
+    quantize = quantize_x(K, K)
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv_nt_q8_x8(a: T.handle, q: T.handle, d: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A0 = T.match_buffer(a, A_SHAPE, "float32")
+        Q = T.match_buffer(q, (V, K), "int8")
+        D = T.match_buffer(d, (V, KB), "float16")
+        C0 = T.match_buffer(c, C_SHAPE, "float32")
+        A = T.decl_buffer((K,), "float32", data=A0.data)
+        C = T.decl_buffer((V,), "float32", data=C0.data)
+        QF = T.decl_buffer((V * K,), "int8", data=Q.data)
+        XQ = T.alloc_buffer((K,), "int8")
+        XP = T.alloc_buffer((K // 2,), "int16")
+        XA = T.alloc_buffer((K // 2,), "int16")
+        DX = T.alloc_buffer((KB,), "float32")
+        XS = T.alloc_buffer((KB,), "float32")
+        AM = T.alloc_buffer((2,), "float32")
+        quantize(A, XQ, XP, XA, DX, XS, AM)
+        for jo in T.parallel(V // JB):
+            with T.sblock("gemv_nt_q8_x8"):
+                part = T.sblock_alloc_buffer((JB, L), "float32", scope="local")
+                if jo + AHEAD < V // JB:  # the rows AHEAD tasks on, requested now (quant_dense.PREFETCH_AHEAD)
+                    for line in T.serial(LINES):
+                        prefetch(QF, (jo + AHEAD) * JB * K + line * CACHE_LINE)
+                for r in T.unroll(JB):
+                    for l in T.vectorized(L):
+                        part[r, l] = T.float32(0)
+                for kb in T.serial(KB):
+                    for r in T.unroll(JB):
+                        if AVX2:
+                            part[r, T.ramp(0, 1, L)] = part[r, T.ramp(0, 1, L)] + T.broadcast(
+                                T.Cast("float32", D[jo * JB + r, kb]) * DX[kb], L) * T.Cast("float32x8", _pmaddwd(
+                                    _pmaddubsw(T.reinterpret("int8x32", XA[T.ramp(kb * 16, 1, 16)]),
+                                               _psignb(Q[jo * JB + r, T.ramp(kb * GROUP, 1, GROUP)],
+                                                       T.reinterpret("int8x32", XP[T.ramp(kb * 16, 1, 16)]))),
+                                    T.broadcast(T.int16(1), 16)))
+                        else:  # 16 lanes of 2 products each (k and k + 16), contiguous loads
+                            for l in T.vectorized(16):
+                                part[r, l] = part[r, l] + T.Cast("float32", D[jo * JB + r, kb]) * DX[kb] * T.Cast("float32", (
+                                    T.Cast("int32", T.Cast("int16", Q[jo * JB + r, kb * GROUP + l]) * T.Cast("int16", XQ[kb * GROUP + l]))
+                                    + T.Cast("int32", T.Cast("int16", Q[jo * JB + r, kb * GROUP + 16 + l]) * T.Cast("int16", XQ[kb * GROUP + 16 + l]))))
+                for r in T.unroll(JB):
+                    C[jo * JB + r] = T.float32(0)
+                    for l in T.serial(L):
+                        C[jo * JB + r] = C[jo * JB + r] + part[r, l]
+
+    return gemv_nt_q8_x8
