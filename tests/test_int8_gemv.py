@@ -208,3 +208,27 @@ def test_int8_decode_activations_refused_where_no_kernels(tied):
         compile_model(tied, pol, 24, 8, TARGET, weights="fp32", decode_activations="int8")
     with pytest.raises(CompileError, match="not an activation format"):
         compile_model(tied, pol, 24, 8, TARGET, weights="q4", decode_activations="int4")
+
+
+def test_generic_path_compiles_for_aarch64():
+    """The android-cpu kind of target (no AVX2): the plain-integer path, which LLVM turns into NEON
+    widening multiply-accumulates (``smlal``), not per-lane scalar code."""
+    import re
+
+    tgt = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-android", "mattr": ["+neon"], "num-cores": 4})
+    assert ig.int8_isa(tgt) == "generic"
+    f = ig.build_q4_int8_gemv_kernel((1, 1, 64), (1, 1, 64), qf.Q4_1, 64, 64, 64, "generic")
+    lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=tgt)
+    asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
+    assert re.search(r"\bsmlal2?\b", asm)
+
+
+@pytest.mark.skipif(HOST_ISA != "avx2", reason="needs an AVX2 CPU (the avx2 path's instructions)")
+def test_avx2_path_uses_integer_dot_products():
+    import re
+
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 2})
+    f = ig.build_q4_int8_gemv_kernel((1, 1, 64), (1, 1, 64), qf.Q4_1, 64, 64, 64, "avx2")
+    lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=tgt)
+    asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
+    assert re.search(r"\bvpmaddubsw\b", asm) and re.search(r"\bvpunpcklbw\b", asm)
