@@ -37,7 +37,7 @@ def run_kernel(func, args, mcpu: str | None = None):
 
 
 def quantized_x(x: np.ndarray):
-    """The scheme in numpy: per 32-block (zeros past K) q (int64), dx, and Σx in order (fp32)."""
+    """The scheme in numpy: per 32-block (zeros past K) q (int64), dx, and dx·Σq (fp32: the minimum terms' sum)."""
     kp = -(-x.size // 32) * 32
     b = np.zeros(kp, np.float32)
     b[:x.size] = x
@@ -45,10 +45,8 @@ def quantized_x(x: np.ndarray):
     am = np.abs(b).max(1)
     inv = np.where(am > 0, np.float32(127) / np.maximum(am, np.float32(1e-30)), np.float32(0)).astype(np.float32)
     q = np.rint(b * inv[:, None]).astype(np.int64)
-    xs = np.zeros(len(b), np.float32)
-    for i in range(32):
-        xs = (xs + b[:, i]).astype(np.float32)
-    return q, (am / np.float32(127)).astype(np.float32), xs
+    dx = (am / np.float32(127)).astype(np.float32)
+    return q, dx, (dx * q.sum(1).astype(np.float32)).astype(np.float32)
 
 
 def rounding_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -2,13 +2,16 @@
 call to int8 per block of 32 (scale dx = max|x| / 127, q = round(x / dx), llama.cpp's Q8_0 rule),
 and each weight block's dot product is an exact integer sum Σ q_x·q_w, scaled once per block:
 
-    Q4_1   Σ x·(d·q + m)          ≈ d·(dx·Σ q_x·q) + m·Σx
-    Q4_K   Σ x·((d·sc)·q − dmin·m) ≈ (d·sc)·(dx·Σ q_x·q) − (dmin·m)·Σx
+    Q4_1   Σ x·(d·q + m)          ≈ d·(dx·Σ q_x·q) + m·(dx·Σ q_x)
+    Q4_K   Σ x·((d·sc)·q − dmin·m) ≈ (d·sc)·(dx·Σ q_x·q) − (dmin·m)·(dx·Σ q_x)
     Q6_K   Σ x·((d·sc)·(q − 32))   ≈ (d·sc)·(dx·Σ q_x·(q − 32))   (per sub-block of 16)
     Q8_0   Σ x·(d·q)               ≈ d·(dx·Σ q_x·q)                 (the tied LM head's rows)
 
-Σx is x's own fp32 sum (not dx·Σq_x): the minimum terms stay exact. Only x's rounding changes the
-result (≤ dx/2 per element), as in llama.cpp's Q8_0 / Q8_K activations; the fp32-activation
+The minimum term uses the quantised x's sum dx·Σq_x (llama.cpp's Q8_1 ``s``), not x's exact sum, so
+the result is exactly x̂·w for x̂ = dx·q_x: its error Σ(x̂ − x)·w has coefficients w = d·q + m
+centred near zero, where the exact sum's would be d·q ∈ [0, 15d] (about 4× the error variance on
+Q4_1; the two measured on SmolLM2 in docs/COMPILER.md). Only x's
+rounding changes the result (≤ dx/2 per element), as in llama.cpp's Q8_0 / Q8_1 / Q8_K activations; the fp32-activation
 kernels (``quant_dense.py``, ``kquant_dense.py``) stay the default and the reference.
 
 Why: the fp32 GEMV is compute-bound (a nibble extract, a widening, a conversion and an FMA per
@@ -68,8 +71,8 @@ def check_isa(isa: str) -> str:
 
 def quantize_x(K: int, KP: int):
     """Macro ``quantize(A, XQ, XP, XA, DX, XS, AM)``: per 32-block kb of x (zeros past K), DX[kb] =
-    max|x| / 127, XQ = round(x · 127 / max|x|) (int8; 0 for an all-zero block), XS[kb] = Σx (fp32,
-    in order), XP[p] = the int16 whose bytes are XQ[2p], XQ[2p + 1] (a pair to broadcast), XA[p] the same of |XQ|."""
+    max|x| / 127, XQ = round(x · 127 / max|x|) (int8; 0 for an all-zero block), XS[kb] = DX[kb]·Σ XQ
+    (the quantised block's sum), XP[p] = the int16 whose bytes are XQ[2p], XQ[2p + 1] (a pair to broadcast), XA[p] the same of |XQ|."""
     KB = KP // GROUP
 
     @T.macro
@@ -79,12 +82,13 @@ def quantize_x(K: int, KP: int):
             XS[kb] = T.float32(0)
             for i in T.serial(GROUP):
                 AM[0] = T.max(AM[0], T.fabs(T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0))))
-                XS[kb] = XS[kb] + T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0))
             DX[kb] = AM[0] / T.float32(QMAX)
             AM[1] = T.if_then_else(AM[0] > T.float32(0), T.float32(QMAX) / T.max(AM[0], T.float32(1e-30)), T.float32(0))
             for i in T.serial(GROUP):
                 XQ[kb * GROUP + i] = T.Cast("int8", T.round(
                     T.if_then_else(kb * GROUP + i < K, A[T.min(kb * GROUP + i, K - 1)], T.float32(0)) * AM[1]))
+                XS[kb] = XS[kb] + T.Cast("float32", XQ[kb * GROUP + i])
+            XS[kb] = DX[kb] * XS[kb]  # dx·Σq: the quantised x's own sum (see the module docstring)
         for p in T.serial(KP // 2):
             XP[p] = T.Cast("int16", T.bitwise_or(T.bitwise_and(T.Cast("int32", XQ[2 * p]), 255),
                                                  T.shift_left(T.Cast("int32", XQ[2 * p + 1]), 8)))
