@@ -230,3 +230,13 @@ def test_avx2_path_uses_integer_dot_products():
     lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=tgt)
     asm = (lib.mod if hasattr(lib, "mod") else lib).inspect_source("asm")
     assert re.search(r"\bvpmaddubsw\b", asm) and re.search(r"\bvpunpcklbw\b", asm)
+
+
+def test_cli_refuses_an_unknown_activation_format_before_loading(tmp_path):
+    from typer.testing import CliRunner
+
+    from edgekv.cli import app
+
+    res = CliRunner().invoke(app, ["compile", str(tmp_path / "no-such-model.gguf"), "--decode-activations", "int4",
+                                   "-o", str(tmp_path / "out")])
+    assert res.exit_code != 0 and "--decode-activations 'int4': use one of fp32, int8" in res.output
