@@ -113,7 +113,8 @@ def tied():
 @pytest.fixture(scope="module")
 def tied_q4(tied, tmp_path_factory):
     out = tmp_path_factory.mktemp("tied-q4") / "cpu"
-    return compile_model(tied, make_policy("keydiff"), 24, 8, TARGET, out_dir=out, weights="q4")
+    # fp32 decode activations: these tests compare with fp32 arithmetic (int8 ones: test_int8_gemv.py)
+    return compile_model(tied, make_policy("keydiff"), 24, 8, TARGET, out_dir=out, weights="q4", decode_activations="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_quantised_artifact_equals_fp32_of_dequantised_model(weights, tie, tied,
     pol = make_policy("keydiff")
     ids = np.random.default_rng(4).integers(0, 256, 70)
     q = (request.getfixturevalue("tied_q4") if (tie, weights) == (True, "q4")
-         else compile_model(model, pol, 24, 8, TARGET, weights=weights))
+         else compile_model(model, pol, 24, 8, TARGET, weights=weights, decode_activations="fp32"))
     f = compile_model(dequantized(model, weights), pol, 24, 8, TARGET, weights="fp32")
     rq, rf = (HostRuntime.from_executable(r.executable, r.manifest, r.params) for r in (q, f))
     a, b = rq.prefill(ids), rf.prefill(ids)

@@ -140,6 +140,7 @@ class Keys:
         BLOCKS_FROM_SOURCE = "blocks_from_source"
         QUANTIZED_HERE = "quantized_here"
         BYTES = "bytes"
+        DECODE_ACTIVATIONS = "decode_activations"
 
     class Device:
         KIND = "kind"
@@ -349,6 +350,8 @@ SCHEMA: dict[type, tuple[Field, ...]] = {
         Field(K.Weights.BLOCKS_FROM_SOURCE, INT, "tensors whose blocks come from the source GGUF as they are"),
         Field(K.Weights.QUANTIZED_HERE, INT, "tensors quantised here from fp32"),
         Field(K.Weights.BYTES, INT, "the stored weights' bytes"),
+        Field(K.Weights.DECODE_ACTIVATIONS, STR, "the decode GEMVs' activations: fp32, or int8 (x quantised per 32, "
+              "integer dot products; --decode-activations), with the kernels' path: int8/avx2, int8/generic"),
     ),
     K.Device: (
         Field(K.Device.KIND, STR, "the device kind (the TVM target kind)"),

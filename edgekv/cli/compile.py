@@ -37,6 +37,11 @@ def compile_cmd(
                                                     "policies snapkv, snapkv++, tova, h2o, dapq; CPU targets; 0: none)")] = 0,
     compress: Annotated[Optional[str], typer.Option(help="document compression compiled in: reconstruct (KVzip's "
                                                          "reconstruction score, block-wise; replaces --policy) or none")] = None,
+    decode_activations: Annotated[Optional[str], typer.Option(help="the decode GEMVs' activations: int8 (x quantised "
+                                                                   "per 32 to 8 bits and integer dot products, as "
+                                                                   "llama.cpp's Q8_0 / Q8_K: faster, results move "
+                                                                   "slightly) or fp32; quantised weights on a CPU "
+                                                                   "target; default: docs/COMPILER.md")] = None,
 ):
     """Compile a model with block-wise prefill and in-graph eviction into an artifact directory (TVM)."""
     import time
@@ -47,6 +52,12 @@ def compile_cmd(
 
     try:
         kv_dtype = parse_kv_dtype(kv_dtype)
+        if decode_activations is not None:  # the vocabulary, before the model loads
+            from ..compiler.passes.quantize_weights import DECODE_ACTIVATIONS
+
+            decode_activations = decode_activations.strip().lower()
+            if decode_activations not in DECODE_ACTIVATIONS:
+                fail(f"--decode-activations {decode_activations!r}: use one of {', '.join(DECODE_ACTIVATIONS)}")
         check_output_dir(output)
         check_block(block)
         if compress not in (None, "none"):  # the mode's policy reads the document (a chosen other one is refused)
@@ -76,7 +87,8 @@ def compile_cmd(
                         say(msg.replace(str(tmp), str(output)))
 
                 result = compile_model(loaded, pol, n, block, target, tmp, mem_limit=limit, progress=progress,
-                                       weights=weights, kv_dtype=kv_dtype, question_rows=question_rows)
+                                       weights=weights, kv_dtype=kv_dtype, question_rows=question_rows,
+                                       decode_activations=decode_activations)
             replace_dir(tmp, output)
         finally:
             if tmp.exists():
@@ -118,7 +130,8 @@ def weights_summary(manifest: Manifest) -> str:
     w = manifest.weights or {W.FORMAT: "fp32"}
     parts = ", ".join(f"{k} × {v}" for k, v in (w.get(W.TENSORS) or {}).items())
     size = f"; {human_bytes(w[W.BYTES])}" if W.BYTES in w else ""
-    return f"{w[W.FORMAT]} ({parts}{size})" if parts else w[W.FORMAT]
+    act = f"; {w[W.DECODE_ACTIVATIONS]} decode activations" if str(w.get(W.DECODE_ACTIVATIONS, "fp32")).startswith("int8") else ""
+    return f"{w[W.FORMAT]} ({parts}{size}{act})" if parts else w[W.FORMAT]
 
 
 def check_static_cache(cfg, budget: int, block: int) -> None:

@@ -132,6 +132,29 @@ def resolve_weights(model: Any, weights: str | None, layout: str | None) -> str:
 TVM_BUILD_BYTES = 1 << 30  # TVM's own working set while it schedules and builds (measured: docs/COMPILER.md)
 
 
+def resolve_decode_activations(activations: str | None, weights: str, layout: str | None) -> str:
+    """The decode GEMVs' activations (``--decode-activations``): int8 (x quantised per 32, integer dot
+    products: ``kernels/int8_gemv.py``) or fp32. None: ``DEFAULT_DECODE_ACTIVATIONS`` where the build
+    has int8 kernels (quantised weights on a CPU), else fp32; int8 asked for elsewhere is refused."""
+    from .passes.quantize_weights import DECODE_ACTIVATIONS
+
+    if activations is not None and activations not in DECODE_ACTIVATIONS:
+        raise CompileError(f"--decode-activations {activations!r} is not an activation format; use one of "
+                           f"{', '.join(DECODE_ACTIVATIONS)}")
+    has_int8 = weights != "fp32" and layout in ("host", "cpu")
+    if activations is None:
+        return DEFAULT_DECODE_ACTIVATIONS if has_int8 else "fp32"
+    if activations == "int8" and not has_int8:
+        raise CompileError("--decode-activations int8 has kernels for quantised weights on a CPU target only "
+                           f"(this build: --weights {weights}, {layout or 'no quantised'} layout); compile with "
+                           "--weights q4 on a CPU target, or with --decode-activations fp32")
+    return activations
+
+
+# fp32 or int8: chosen from measurements (docs/COMPILER.md, "int8 decode activations")
+DEFAULT_DECODE_ACTIVATIONS = "fp32"
+
+
 def compile_memory_need(model: Any, weights: str) -> dict[str, int]:
     """The memory a compile still allocates on top of the loaded model, by what takes it: the
     laid-out params (q4 / q8 blocks, or fp32 panels), the largest weight once more (a transposed /
@@ -165,7 +188,7 @@ def check_compile_memory(model: Any, weights: str) -> None:
 def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target: str | dict = "host",
                   out_dir: str | Path | None = None, *, mem_limit: int | None = None,
                   progress=None, imported=None, weights: str | None = None, kv_dtype: str = "fp32",
-                  question_rows: int = 0) -> BuildResult:
+                  question_rows: int = 0, decode_activations: str | None = None) -> BuildResult:
     """Compile ``model`` (a ``LoadedModel``, or an ``onnx_model.OnnxModel`` whose graph and weights come
     from an ONNX file) with ``policy`` (a ``Policy`` instance) at budget N and block B for
     ``target`` (a profile name, a path to a profile .json, a profile dict, or a TVM target dict);
@@ -175,7 +198,8 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
     can be compiled from one export. ``weights``: q4 | q8 | fp32 (``resolve_weights``; None: the
     model's default). ``kv_dtype``: how the caches store K and V, fp32 or int8
     (``memory.KV_DTYPES``; int8: CPU targets). ``question_rows``: room for a document's question of
-    that many tokens to score the blocks (query-aware policies, CPU targets).
+    that many tokens to score the blocks (query-aware policies, CPU targets). ``decode_activations``:
+    the decode GEMVs' x, fp32 or int8 (``resolve_decode_activations``; None: the default).
 
     A device build's manifest has a ``device`` section: where each function runs, the generated
     code sizes and ``toolchain.status``: ``complete`` when the artifact loads as is on the device
@@ -212,11 +236,12 @@ def compile_model(model: Any, policy: Any, budget: int, block: int = 128, target
         say("importing the ONNX graph")
         imported = model.import_graph(block)
     weights = resolve_weights(model, weights, tgt.weight_layout)
+    decode_activations = resolve_decode_activations(decode_activations, weights, tgt.weight_layout)
     if imported is None:
         check_compile_memory(model, weights)
 
     built = compile_pipeline(model, policy, budget, block, tgt, weights=weights, kv_dtype=kv_dtype,
-                             question_rows=question_rows, imported=imported, mem_limit=mem_limit, say=say)
+                             question_rows=question_rows, decode_activations=decode_activations, imported=imported, mem_limit=mem_limit, say=say)
 
     lowered = built.lowered
     if tgt.is_host:

@@ -142,17 +142,20 @@ def lower(model: Any, spec: BlockCacheSpec, block: int, imported=None) -> Lowere
     return Lowered(mod=mod, params=param_layout(params, transposed), sites=sites, timings=timings)
 
 
-def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None) -> dict[str, Any]:
+def lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None,
+                    activations: str = "fp32", isa: str = "generic") -> dict[str, Any]:
     """Step 5: the weights as the target's kernels read them (``layout``: ``target.weight_layout``)
     — fp32 column panels on this CPU (``pack_weights.py``; elsewhere fp32 stays as TVM lays it
     out) or quantised blocks (``quantize_weights.py``) — rewriting ``lowered.mod`` and
-    ``lowered.params`` in place. Returns the manifest's ``weights`` entry."""
-    info = _lay_out_weights(lowered, model, weights, cores, layout)
+    ``lowered.params`` in place. Returns the manifest's ``weights`` entry. ``activations``: the
+    decode GEMVs' x (fp32, or int8 on the ``isa`` path: ``kernels/int8_gemv.py``)."""
+    info = _lay_out_weights(lowered, model, weights, cores, layout, activations, isa)
     contiguous_params(lowered.params)
     return info
 
 
-def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None) -> dict[str, Any]:
+def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, layout: str | None,
+                     activations: str, isa: str) -> dict[str, Any]:
     W = Keys.Weights
     if weights == "fp32":  # every weight is read as fp32: take those still in their file now
         from .frontend.weight_arrays import materialize
@@ -171,7 +174,8 @@ def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, lay
     from .quant_formats import GROUP, open_source_blocks
 
     source = open_source_blocks(model)
-    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu", source=source)
+    quantizer = QuantizeWeights(list(FUNCTIONS), cores, weights, gpu=layout == "gpu", source=source,
+                                activations=activations, isa=isa)
     lowered.mod = quantizer(lowered.mod)
     lowered.params, origin = quantize_params(lowered.params, quantizer.plan, source)
     kinds: dict[str, int] = {}
@@ -182,7 +186,8 @@ def _lay_out_weights(lowered: Lowered, model: Any, weights: str, cores: int, lay
             W.LAYOUT: "rows" if layout == "gpu" else "panels", W.TENSORS: kinds,
             # blocks taken from the source GGUF as they are, and tensors quantised here from fp32
             W.BLOCKS_FROM_SOURCE: origin["gguf"], W.QUANTIZED_HERE: origin["quantized"],
-            W.BYTES: int(sum(int(a.nbytes) for _, a in lowered.params))}
+            W.BYTES: int(sum(int(a.nbytes) for _, a in lowered.params)),
+            W.DECODE_ACTIVATIONS: f"int8/{isa}" if activations == "int8" else "fp32"}
 
 
 def combine_projections(lowered: Lowered) -> None:
@@ -197,7 +202,8 @@ def combine_projections(lowered: Lowered) -> None:
 
 
 def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *, weights: str,
-                     kv_dtype: str = "fp32", question_rows: int = 0, imported=None, mem_limit: int | None = None,
+                     kv_dtype: str = "fp32", question_rows: int = 0, decode_activations: str = "fp32",
+                     imported=None, mem_limit: int | None = None,
                      say: Callable[[str], None] = lambda msg: None) -> Compiled:
     """Steps 0–8 for a resolved ``target`` (``backend.target.CompileTarget``) and weight format;
     the driver (``driver.py``) has checked the request."""
@@ -213,7 +219,12 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
 
     # 5: weight layout
     say(f"laying out the weights ({weights})")
-    weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
+    isa = "generic"
+    if decode_activations == "int8":
+        from .kernels.int8_gemv import int8_isa
+
+        isa = int8_isa(target.tvm)
+    weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout, decode_activations, isa)
     if target.is_gpu:  # GPUs: sibling projections as one matmul (one launch) over the stored arrays
         combine_projections(lowered)
 

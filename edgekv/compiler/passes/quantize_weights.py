@@ -12,6 +12,11 @@ lookup and an NT GEMV. Weights it cannot take stay fp32 (recorded in ``plan``).
 ``plan`` maps each replaced weight input to (kind, format, K, N, NR); ``quantize_params`` lays
 the stored arrays out to match, taking the blocks from the source GGUF where it has them.
 
+``activations="int8"`` (``--decode-activations int8``, CPU builds): the decode GEMVs that have an
+int8-activation kernel (``kernels/int8_gemv.py``: Q4_1, Q4_K and Q6_K panels, the Q8_0 tied head)
+quantise x per 32 and multiply integers, on the ``isa`` path (``int8_gemv.int8_isa``); the prefill
+GEMMs and every other GEMV (Q8_0 / Q5_0 panels) keep fp32 activations.
+
 GPU builds (``gpu=True``) keep the blocks row by row with float32 scales and call unscheduled
 dequantise + matmul / gather definitions that dlight schedules (``quant_dense.build_gpu_*``).
 """
@@ -26,6 +31,8 @@ import tvm
 from tvm import relax
 
 from .attention_sites import _arg_vars, op_name, shape_of
+from ..kernels.int8_gemv import (INT8_KFORMATS, build_kquant_int8_gemv_kernel, build_q4_int8_gemv_kernel,
+                                 build_q8_int8_gemv_nt_kernel)
 from ..kernels.kquant_dense import build_kquant_gemm_kernel, build_kquant_gemv_kernel
 from ..kernels.quant_dense import (build_gpu_quant_matmul, build_gpu_quant_take, build_q8_gemv_nt_kernel,
                                   build_q8_take_kernel, build_quant_gemm_kernel, build_quant_gemv_kernel,
@@ -37,6 +44,9 @@ from ..kquant_formats import KFormat, kpanel_arrays, kpanel_shapes
 from ..quant_formats import (EMBEDDING_FORMAT, GROUP, LINEAR_FORMAT, Q4_1, WeightFormat, panel_arrays, panel_shapes,
                             row_arrays, weight_blocks)
 from ..relax_util import SKIP, rebuild_function
+
+
+DECODE_ACTIVATIONS = ("fp32", "int8")  # --decode-activations
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,17 @@ def plan(mod: tvm.IRModule, functions: list[str], cores: int, weights: str, gpu:
     return out
 
 
-def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantized]) -> tvm.IRModule:
+def int8_decode_kernel(q: Quantized) -> bool:
+    """Whether a GEMV over ``q`` has an int8-activation kernel (``kernels/int8_gemv.py``)."""
+    if q.gpu:
+        return False
+    if isinstance(q.fmt, KFormat):
+        return q.fmt.ggml in INT8_KFORMATS
+    return q.fmt is Q4_1 if q.kind == "linear" else q.fmt.ggml == "Q8_0"
+
+
+def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantized], activations: str = "fp32",
+                      isa: str = "generic") -> tvm.IRModule:
     func = mod[name]
     num_input = int(func.attrs["num_input"])
     params, parts = list(func.params[:num_input]), {}
@@ -180,16 +200,23 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
             table = transposed[v.args[1]]
             q = quantized[table.name]
             cs = xs[:-1] + (q.n,)
+            x8 = activations == "int8" and xs[-2] == 1 and int8_decode_kernel(q)
             build = ((lambda: build_gpu_quant_matmul(xs, q.fmt, q.k, q.n)) if q.gpu else
+                     (lambda: build_q8_int8_gemv_nt_kernel(xs, cs, q.n, q.k, isa)) if x8 else
                      (lambda: build_q8_gemv_nt_kernel(xs, cs, q.n, q.k)))
-            f = kernel(bb, ("nt", xs, q), build, f"matmul_nt_q8_m{xs[-2]}_k{q.k}_n{q.n}", q)
+            f = kernel(bb, ("nt", xs, q, x8), build, f"matmul_nt_q8_m{xs[-2]}_k{q.k}_n{q.n}" + ("_x8" if x8 else ""), q)
             return relax.call_tir(f, [x, *parts[table]], relax.TensorType(cs, "float32"))
         w = v.args[1]
         q = quantized[w.name]
         xs, _ = _matmul_use(v, w)
         cs = xs[:-1] + (q.n,)
         gemv = xs[-2] == 1
-        if isinstance(q.fmt, KFormat):
+        x8 = gemv and activations == "int8" and int8_decode_kernel(q)
+        if x8 and isinstance(q.fmt, KFormat):
+            build = lambda: build_kquant_int8_gemv_kernel(xs, cs, q.fmt, q.k, q.n, q.nr, isa)  # noqa: E731
+        elif x8:
+            build = lambda: build_q4_int8_gemv_kernel(xs, cs, q.fmt, q.k, q.n, q.nr, isa)  # noqa: E731
+        elif isinstance(q.fmt, KFormat):
             build = ((lambda: build_kquant_gemv_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)) if gemv else  # noqa: E731
                      (lambda: build_kquant_gemm_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)))
         elif q.gpu:
@@ -200,7 +227,7 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
             build = lambda: build_quant_gemm_kernel(xs, cs, q.fmt, q.k, q.n, q.nr)  # noqa: E731
         tag = "gemv" if gemv else "gemm"
         # "matmul" in the name: benchmarks and profiles class it with the GEMMs
-        f = kernel(bb, (tag, xs, q), build, f"matmul_{q.fmt.name}_{tag}_m{xs[-2]}_k{q.k}_n{q.n}", q)
+        f = kernel(bb, (tag, xs, q, x8), build, f"matmul_{q.fmt.name}_{tag}_m{xs[-2]}_k{q.k}_n{q.n}" + ("_x8" if x8 else ""), q)
         return relax.call_tir(f, [x, *parts[w]], relax.TensorType(cs, "float32"))
 
     return rebuild_function(mod, name, params, rewrite)
@@ -208,9 +235,14 @@ def quantize_function(mod: tvm.IRModule, name: str, quantized: dict[str, Quantiz
 
 @tvm.ir.transform.module_pass(opt_level=0, name="edgekv.QuantizeWeights")
 class QuantizeWeights:
-    def __init__(self, functions: list[str], cores: int, weights: str, gpu: bool = False, source=None):
+    def __init__(self, functions: list[str], cores: int, weights: str, gpu: bool = False, source=None,
+                 activations: str = "fp32", isa: str = "generic"):
         if weights not in LINEAR_FORMAT:
             raise ValueError(f"unknown weight format {weights!r}")
+        if activations not in DECODE_ACTIVATIONS:
+            raise ValueError(f"unknown decode activations {activations!r}: one of {', '.join(DECODE_ACTIVATIONS)}")
+        self.activations = activations  # the decode GEMVs' x: fp32, or int8 blocks (kernels/int8_gemv.py)
+        self.isa = isa  # int8_gemv.int8_isa of the target
         self.functions = list(functions)
         self.cores = max(1, int(cores))
         self.weights = weights
@@ -221,7 +253,7 @@ class QuantizeWeights:
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         self.plan = plan(mod, self.functions, self.cores, self.weights, self.gpu, self.source)
         for name in self.functions if self.plan else ():
-            mod = quantize_function(mod, name, self.plan)
+            mod = quantize_function(mod, name, self.plan, self.activations, self.isa)
         return mod
 
 

@@ -251,6 +251,8 @@ public final class ManifestKeys {
         public static final String QUANTIZED_HERE = "quantized_here";
         /** the stored weights' bytes */
         public static final String BYTES = "bytes";
+        /** the decode GEMVs' activations: fp32, or int8 (x quantised per 32, integer dot products; --decode-activations), with the kernels' path: int8/avx2, int8/generic */
+        public static final String DECODE_ACTIVATIONS = "decode_activations";
     }
 
     public static final class Device {
