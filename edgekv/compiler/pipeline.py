@@ -213,7 +213,8 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
 
     # 5: weight layout
     say(f"laying out the weights ({weights})")
-    weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
+    with target.tvm_target():  # the CPU kernels' register tiles are sized for it (kernels/register_tile.py)
+        weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout)
     if target.is_gpu:  # GPUs: sibling projections as one matmul (one launch) over the stored arrays
         combine_projections(lowered)
 
