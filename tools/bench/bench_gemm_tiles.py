@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     from edgekv.compiler import quant_formats as qf
     from edgekv.compiler.kernels import dense, quant_dense
-    from edgekv.compiler.kernels.register_tile import subpanel_cols, vector_registers
+    from edgekv.compiler.kernels.register_tile import subpanel_cols, tile_rows, vector_registers
     from tools.bench.bench_weight_kernels import build, random_block_arrays, target
 
     tgt = target(args.threads)
@@ -150,8 +150,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['model']} | {r['proj']} | {r['K']} × {r['N']} | {r['NR']} | {r['format']} | "
                      f"{r['baseline_ms']:.2f} | {r['ms']:.2f} | {r['baseline_GFLOPs']:.1f} | {r['GFLOPs']:.1f} | "
                      f"{r['speedup']:.2f}× | {same} |")
-    lines += ["", f"Tile on this CPU: MR × NS = rows × {subpanel_cols(64, regs)} columns (`register_tile.py`); "
-              "the baseline's: MR × NR (4 × 64 at NR = 64)."]
+    ns = subpanel_cols(64, regs)
+    lines += ["", f"Tile on this CPU at M = {M}: MR × NS = {tile_rows(M, ns, regs)} × {ns} (`register_tile.py`); "
+              "the baseline's: MR × NR, 4 × 64 at NR = 64, 8 × 32 at NR = 32: 32 accumulators (ymm on AVX2, twice the register file)."]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
