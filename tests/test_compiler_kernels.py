@@ -324,14 +324,17 @@ def test_scheduled_gemm_equals_unscheduled(case):
                                           (128, 576, 576, 4), (128, 576, 576, 1), (64, 96, 96, 2)])
 def test_dense_tiles_split_panels_evenly_over_the_cores(M, K, N, cores):
     """The parallel loop runs over N / NR panels: the tile keeps every core busy to the end
-    (a panel count that divides evenly, or ≥ 4 per core), and its accumulators fit the registers."""
-    from edgekv.compiler.kernels.dense import VEC, dense_tiles
+    (a panel count that divides evenly, or ≥ 4 per core), and its MR × NS accumulators fit the
+    registers this CPU's tile may use (``register_tile``)."""
+    from edgekv.compiler.kernels.dense import dense_tiles
+    from edgekv.compiler.kernels.register_tile import subpanel_cols, vector_registers
 
     mr, nr = dense_tiles(M, K, N, cores)
     panels = N // nr
     assert N % nr == 0 and M % mr == 0
     assert panels % cores == 0 or panels >= 4 * cores, (mr, nr)
-    assert mr * nr // VEC <= 24
+    regs = vector_registers()
+    assert mr * subpanel_cols(nr) // regs.lanes <= regs.accumulators
 
 
 # (lead dims, M, K, N, NR): SmolLM2's prefill GEMMs and decode GEMVs on packed panels, odd M / K

@@ -105,3 +105,23 @@ def test_bench_tables_from_runs():
                                  "kernels": [{"name": "decode_attention", "calls_per_token": 30, "seconds": 0.01}]}}
     md = b.markdown(result)
     assert "machine was shared" in md and "0.80×" in md and "decode_attention" in md
+
+
+def test_bench_tables_with_one_flash_attention_setting():
+    """``--flash-attn off``: only the off runs exist; the tables show the other setting as absent
+    and say which one ran."""
+    from tools.bench import bench_llama_cpp as b
+
+    runs = {"pp_fa0": {"tok_s": 300.0, "peak_rss": 160 << 20, "flash_attn": False},
+            "tg_fa0": {"tok_s": 80.0, "peak_rss": 160 << 20, "flash_attn": False}}
+    raw = {"edgekv": {1024: [{"prefill_tok_s": 600.0, "decode_tok_s": 70.0, "peak_rss": 150 << 20, "plan_bytes": 120 << 20}]},
+           "llama.cpp": {1024: [{"prefill_tok_s": 300.0, "decode_tok_s": 80.0, "peak_rss": 160 << 20, "runs": runs}]}}
+    rows = b.summarize(raw, [1024])
+    assert rows[0]["ratio"]["prefill_tok_s"] == pytest.approx(2.0)
+    assert "prefill_tok_s_fa1" not in rows[0]["llama.cpp"]
+    result = {"meta": {"command": "x", "machine": {"cores": 2, "cpu": "cpu"}, "load_before": "1", "load_after": "1",
+                       "commit": "c"}, "llama_cpp_build": {}, "threads": 2, "gguf": "/m.gguf", "model": "smollm2-135m",
+              "artifact_summary": "a", "decode_tokens": 32, "rounds": 1, "rows": rows, "wall_seconds": 1.0,
+              "flash_attn": "off"}
+    md = b.markdown(result)
+    assert "flash attention **off** only" in md and "300.0 / —" in md and "2.00×" in md

@@ -224,7 +224,9 @@ def compile_pipeline(model: Any, policy: Any, budget: int, block: int, target, *
         from .kernels.int8_gemv import int8_isa
 
         isa = int8_isa(target.tvm)
-    weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout, decode_activations, isa)
+    with target.tvm_target():  # the CPU kernels' register tiles are sized for it (kernels/register_tile.py)
+        weight_info = lay_out_weights(lowered, model, weights, target.cores, target.weight_layout, decode_activations,
+                                      isa)
     if target.is_gpu:  # GPUs: sibling projections as one matmul (one launch) over the stored arrays
         combine_projections(lowered)
 

@@ -9,7 +9,8 @@ prefill tok/s, decode tok/s at the prompt's depth, and peak RSS of each.
 
 * llama.cpp: `llama-bench` built by tools/bench/build_llama_cpp.py (the sources llama-cpp-python's
   sdist vendors, GGML_NATIVE=ON, Release): pp<L>, and tg<T> at depth L (`-d L`), each with flash
-  attention off and on; the better one is the peer's figure and both are recorded. Peak RSS: the
+  attention off and on (`--flash-attn off|on`: one of them); the better one is the peer's figure and all
+  are recorded. Peak RSS: the
   llama-bench process of the tg run (its context holds L + T tokens), from `wait4`.
 * edgekv: `edgekv-run ARTIFACT --prompt-ids @FILE --max-new-tokens T+1 --warmup --ignore-eos --report`
   (the first new token comes from the prefill; T decode steps are timed); peak RSS from its report.
@@ -67,15 +68,18 @@ def run_edgekv(exe: Path, artifact: Path, ids: list[int], threads: int, decode_t
             "plan_bytes": r["memory"]["plan"]["total_bytes"], "threads": r.get("threads", threads)}
 
 
-def run_llama(gguf: Path, length: int, threads: int, decode_tokens: int) -> dict:
+FLASH_ATTN = {"both": (False, True), "off": (False,), "on": (True,)}
+
+
+def run_llama(gguf: Path, length: int, threads: int, decode_tokens: int, flash_attn=(False, True)) -> dict:
     from edgekv.bench.llama_cpp import llama_bench
 
     runs = {}
-    for fa in (False, True):
+    for fa in flash_attn:
         runs[f"pp_fa{int(fa)}"] = llama_bench(gguf, threads, prompt=length, flash_attn=fa)
         runs[f"tg_fa{int(fa)}"] = llama_bench(gguf, threads, generate=decode_tokens, depth=length, flash_attn=fa)
-    pp = max(runs["pp_fa0"], runs["pp_fa1"], key=lambda r: r["tok_s"])
-    tg = max(runs["tg_fa0"], runs["tg_fa1"], key=lambda r: r["tok_s"])
+    pp = max((r for k, r in runs.items() if k.startswith("pp_")), key=lambda r: r["tok_s"])
+    tg = max((r for k, r in runs.items() if k.startswith("tg_")), key=lambda r: r["tok_s"])
     return {"prefill_tok_s": pp["tok_s"], "decode_tok_s": tg["tok_s"], "peak_rss": tg["peak_rss"],
             "prefill_flash_attn": pp["flash_attn"], "decode_flash_attn": tg["flash_attn"], "runs": runs}
 
@@ -93,6 +97,8 @@ def summarize(raw: dict[str, dict[int, list[dict]]], lengths: list[int]) -> list
         for name, runs in (("edgekv", e), ("llama.cpp", llm)):
             row[name] = {k: median_of(runs, k) for k in ("prefill_tok_s", "decode_tok_s", "peak_rss")}
         for fa in (0, 1):
+            if any(f"pp_fa{fa}" not in r["runs"] for r in llm):
+                continue  # a setting not run (--flash-attn)
             row["llama.cpp"][f"prefill_tok_s_fa{fa}"] = statistics.median(r["runs"][f"pp_fa{fa}"]["tok_s"] for r in llm)
             row["llama.cpp"][f"decode_tok_s_fa{fa}"] = statistics.median(r["runs"][f"tg_fa{fa}"]["tok_s"] for r in llm)
             row["llama.cpp"][f"peak_rss_fa{fa}"] = statistics.median(r["runs"][f"tg_fa{fa}"]["peak_rss"] for r in llm)
@@ -115,8 +121,11 @@ def markdown(result: dict) -> str:
          f"({b.get('version', '?').splitlines()[0] if b.get('version') else '?'}), "
          f"{' '.join(f for f in b.get('cmake_flags', []) if 'NATIVE' in f or 'BUILD_TYPE' in f)}; its KV cache F16, full.", "",
          f"Decode: {result['decode_tokens']} tokens after the prompt (llama-bench `tg{result['decode_tokens']} -d L`); "
-         f"medians of {result['rounds']} interleaved rounds. llama.cpp's figure is the better of flash attention "
-         "off / on (both in the second table).", "",
+         f"medians of {result['rounds']} interleaved rounds. "
+         + ("llama.cpp's figure is the better of flash attention off / on (both in the second table)."
+            if result.get("flash_attn", "both") == "both" else
+            f"llama.cpp ran with flash attention **{result['flash_attn']}** only (`--flash-attn {result['flash_attn']}`: "
+            "off was the better setting in every row of the previous run with both)."), "",
          "| prompt | edgekv prefill tok/s | llama.cpp prefill tok/s | × | edgekv decode tok/s | llama.cpp decode tok/s "
          "| × | edgekv peak RSS | llama.cpp peak RSS | × |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -127,12 +136,14 @@ def markdown(result: dict) -> str:
     L += ["", "× = edgekv / llama.cpp (speed: above 1 is edgekv faster; RSS: below 1 is edgekv smaller).", "",
           "| prompt | llama.cpp pp, FA off / on | tg at depth, FA off / on | peak RSS (tg run), FA off / on | edgekv plan |",
           "|---:|---:|---:|---:|---:|"]
+    def pair(p, key, scale=1.0, unit=""):
+        return " / ".join(f"{p[f'{key}_fa{fa}'] / scale:.{0 if unit else 1}f}" if f"{key}_fa{fa}" in p else "—"
+                          for fa in (0, 1)) + unit
+
     for r in result["rows"]:
         p = r["llama.cpp"]
-        L.append(f"| {r['length']} | {p['prefill_tok_s_fa0']:.1f} / {p['prefill_tok_s_fa1']:.1f} "
-                 f"| {p['decode_tok_s_fa0']:.1f} / {p['decode_tok_s_fa1']:.1f} "
-                 f"| {p['peak_rss_fa0'] / MIB:.0f} / {p['peak_rss_fa1'] / MIB:.0f} MiB "
-                 f"| {r['edgekv']['plan_bytes'] / MIB:.0f} MiB |")
+        L.append(f"| {r['length']} | {pair(p, 'prefill_tok_s')} | {pair(p, 'decode_tok_s')} "
+                 f"| {pair(p, 'peak_rss', MIB, ' MiB')} | {r['edgekv']['plan_bytes'] / MIB:.0f} MiB |")
     prof = result.get("decode_profile")
     if prof:
         L += ["", f"Where an edgekv decode token goes at depth {prof['depth']} (`python -m tools.bench.profile_decode "
@@ -184,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians over them)")
+    ap.add_argument("--flash-attn", choices=sorted(FLASH_ATTN), default="both",
+                    help="llama.cpp's flash-attention settings to run: both (its figure is the better one), off or on "
+                         "(half the llama-bench time)")
     ap.add_argument("--profile-depth", type=int, default=1024,
                     help="also profile one edgekv decode token of the first artifact after this many prompt tokens, "
                          "per kernel, in CPU time on one thread (tools/bench/profile_decode.py); 0: skip")
@@ -243,7 +257,8 @@ def main(argv=None) -> int:
                     for name in order:
                         progress.update(task, description=f"round {rnd + 1}: {s['model']}: {name} @ {n} tokens")
                         r = (run_edgekv(exe, s["artifact"], s["ids"][n], args.threads, args.decode_tokens)
-                             if name == "edgekv" else run_llama(s["gguf"], n, args.threads, args.decode_tokens))
+                             if name == "edgekv" else run_llama(s["gguf"], n, args.threads, args.decode_tokens,
+                                                                FLASH_ATTN[args.flash_attn]))
                         r["round"] = rnd
                         s["raw"][name][n].append(r)
                         progress.advance(task)
@@ -265,6 +280,7 @@ def main(argv=None) -> int:
             "artifact_summary": ", ".join(f"{k} {manifest[k]}" for k in ("policy", "budget", "block", "weights")
                                           if k in manifest) or str(s["artifact"]),
             "threads": args.threads, "decode_tokens": args.decode_tokens, "rounds": args.rounds, "lengths": lengths,
+            "flash_attn": args.flash_attn,
             "llama_cpp_build": json.loads(build_json.read_text()) if build_json.exists() else {},
             "wall_seconds": wall, "machine_shared": True, "interleaved_with": [m for m in models if m != s["model"]],
             "rows": summarize(s["raw"], lengths), "decode_profile": decode_profile if i == 0 else None,

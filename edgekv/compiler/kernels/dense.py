@@ -7,9 +7,9 @@ as [K, N] (``passes/pretranspose_weights.py``). This kernel replaces TVM's legal
 * parallel over column panels of NR columns (``jo``); per panel, the row blocks ``io`` run in
   sequence, so the K × NR weight panel (≤ 150 KB for SmolLM2) stays in L2 while all M rows use
   it — the weight streams from memory once per call (decode: M = 1, a GEMV that reads W once);
-* an MR × NR accumulator tile in registers (a small local buffer LLVM keeps in zmm registers:
-  MR·NR/16 of them), per k one broadcast of A[i, k] per row and NR/16 vector loads of W[k, :];
-* results are written once per tile.
+* the panel in MR × NS register tiles sized from the target's vector registers, over K blocks
+  that stay in L1 (``register_tile.py``, shared with the quantised GEMMs): per k one broadcast
+  of A[i, k] per row and NS / lanes vector loads of W[k, :].
 
 Summation over k is sequential, as in TVM's unscheduled matmul, so results are identical to it
 up to FMA contraction.
@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-VEC = 16  # fp32 lanes of one AVX-512 register
+from .register_tile import PANEL_LANES, panel_gemm, subpanel_cols, tile_rows
+
+VEC = PANEL_LANES  # the vector unit of panel widths and of the NT / GEMV kernels' partial sums
 
 
 def dense_tiles(M: int, K: int, N: int, cores: int = 1) -> tuple[int, int] | None:
-    """(MR, NR) for this shape on ``cores`` threads, or None when no tile fits (then the generic
+    """(MR, NR) for this shape on ``cores`` threads (MR: the register tile's rows, ``register_tile``),
+    or None when no tile fits (then the generic
     rule applies). The parallel loop runs over the N / NR column panels, so NR is the widest of
     64 / 32 / 16 whose panel count splits evenly over the cores or is at least 4 per core: 3
     panels of 64 on 2 cores (SmolLM2's k/v projections) leave one core idle for a third of the
@@ -35,13 +38,7 @@ def dense_tiles(M: int, K: int, N: int, cores: int = 1) -> tuple[int, int] | Non
         nr = next((c for c in (64, 32, 16) if N % c == 0), None)
     if nr is None:
         return None
-    return register_rows(M, nr), nr
-
-
-def register_rows(M: int, NR: int) -> int:
-    """MR: the rows of A that share each loaded W vector, as many as the zmm accumulators allow."""
-    budget_regs = 24  # accumulators, leaving registers for the W vectors and the broadcast
-    return next((c for c in (8, 6, 4, 3, 2, 1) if M % c == 0 and c * NR // VEC <= budget_regs), 1)
+    return tile_rows(M, subpanel_cols(nr)), nr
 
 
 def packed_shape(K: int, N: int, NR: int) -> tuple[int, int, int]:
@@ -81,7 +78,7 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
     if packed_nr:
         if N % packed_nr or packed_nr % VEC:
             raise ValueError(f"N = {N} is not a whole number of {packed_nr}-wide panels")
-        tiles = (register_rows(M, packed_nr), packed_nr)
+        tiles = (tile_rows(M, subpanel_cols(packed_nr)), packed_nr)
     else:
         tiles = dense_tiles(M, K, N, cores)
     if tiles is None:
@@ -92,7 +89,8 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     W_SHAPE = packed_shape(K, N, NR) if PACKED else (K, N)
 
-    tile = gemm_tile(M, K, N, MR, NR)
+    NS = subpanel_cols(NR)
+    tile = panel_gemm(M, K, N, NR, NS, MR)
 
     @T.prim_func(private=True, s_tir=True)
     def dense(a: T.handle, w: T.handle, c: T.handle):
@@ -107,46 +105,13 @@ def build_dense_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_sha
             with T.sblock("dense"):
                 T.reads(A[0:M * K], W[0:K * N])
                 T.writes(C[0:M * N])
-                acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                acc = T.sblock_alloc_buffer((MR, NS), "float32", scope="local")
                 if PACKED:  # panel jo: K rows of NR, contiguous ([N / NR, K, NR])
-                    tile(A, W, C, acc, jo, jo * K * NR, NR)
+                    tile(A, W, C, acc, jo, jo * K * NR, NS, NR)
                 else:  # row k, columns of panel jo: [K, N]
-                    tile(A, W, C, acc, jo, jo * NR, N)
+                    tile(A, W, C, acc, jo, jo * NR, NS, N)
 
     return dense
-
-
-def gemm_tile(M: int, K: int, N: int, MR: int, NR: int):
-    """The register-blocked body shared by the fp32 and the quantised GEMMs, as a macro
-    ``tile(A, W, C, acc, jo, w_base, w_stride)``: for column panel ``jo``, every MR-row block of
-    A [M·K] times the K × NR panel read at ``W[w_base + k · w_stride + j]`` (a packed panel, a
-    column slice of [K, N], or a dequantised panel), into C [M·N] (a last panel past N writes its
-    first N mod NR columns only). ``acc`` is the [MR, NR] register tile."""
-    NI = M // MR
-    LAST = N - (-(-N // NR) - 1) * NR  # columns of the last panel
-    TAIL = LAST != NR
-
-    @T.macro
-    def tile(A, W, C, acc, jo, w_base, w_stride):
-        for io in T.serial(NI):
-            for r in T.unroll(MR):
-                for j in T.vectorized(NR):
-                    acc[r, j] = T.float32(0)
-            for k in T.serial(K):
-                for r in T.unroll(MR):
-                    for j in T.vectorized(NR):
-                        acc[r, j] = acc[r, j] + A[(io * MR + r) * K + k] * W[w_base + k * w_stride + j]
-            if TAIL:
-                for r in T.unroll(MR):
-                    for j in T.serial(NR):
-                        if jo * NR + j < N:
-                            C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
-            else:
-                for r in T.unroll(MR):
-                    for j in T.vectorized(NR):
-                        C[(io * MR + r) * N + jo * NR + j] = acc[r, j]
-
-    return tile
 
 
 def build_packed_gemv_kernel(a_shape: tuple[int, ...], w_shape: tuple[int, int], c_shape: tuple[int, ...],

@@ -3,10 +3,9 @@ column panels), the dequantisation fused in:
 
 * **GEMM** (prefill): per NR-wide panel (one parallel task each), the panel dequantised into an
   fp32 buffer (``weight`` below: gguf's operations in gguf's order, so each weight equals
-  ``gguf.quants.dequantize`` bit for bit) laid out as NR / 16 sub-panels of K × 16, then MR × 16
-  register tiles (``TILE_ROWS`` × ``TILE_COLS``: 12 ymm accumulators on AVX2, no spills) over K
-  blocks of 256 that stay in L1 while every row block of A uses them. The sum over k runs in
-  order (carried through C between K blocks), as ``dense.gemm_tile``'s.
+  ``gguf.quants.dequantize`` bit for bit) laid out as NR / NS sub-panels of K × NS, then the
+  target's MR × NS register tile over K blocks (``register_tile.py``: 6 × 16 on AVX2, 12 ymm
+  accumulators, no spills). The sum over k runs in order, as the fp32 GEMM's.
 * **GEMV** (decode): per 32-group and 16 columns at a time, lanes accumulate Σ x·(q − offset)
   for each half (16 weights), then acc += S·that (− M·Σx for Q4_K): S = d·sc per sub-block
   (exact in fp32: an fp16 times a byte), one FMA and one conversion per weight (compute-bound:
@@ -25,6 +24,7 @@ from ..kquant_formats import KFormat, kpanel_shapes
 from ..quant_formats import padded
 from .dense import VEC
 from .quant_dense import _check_rows
+from .register_tile import panel_gemm, subpanel_cols, tile_rows
 
 
 def _geometry(fmt: KFormat, K: int, N: int, NR: int):
@@ -140,74 +140,6 @@ def _dequantize_panel(fmt: KFormat, K: int, HB: int, NS: int = 0):
     return dequant
 
 
-# The GEMM's register tile: the NR-wide dequantised panel is multiplied in sub-panels of TILE_COLS
-# columns by TILE_ROWS rows of A, TILE_ROWS · TILE_COLS / 8 accumulators — 12 of AVX2's 16 ymm
-# registers (6 of AVX-512's 32 zmm), so no accumulator spills (``dense.gemm_tile``'s MR × NR tile
-# assumes 32 zmm registers: on an AVX2 CPU, 4 × 64 lanes are 32 ymm, twice the register file).
-TILE_COLS = 16
-TILE_ROWS = 6
-
-
-def subpanel_cols(NR: int) -> int:
-    """NS: the GEMM's sub-panel width, the columns of each K × NS block of its dequantised panel."""
-    return TILE_COLS if NR % TILE_COLS == 0 else NR
-
-
-def _tile_rows(M: int, cap: int) -> int:
-    return next(c for c in range(min(cap, M), 0, -1) if M % c == 0)
-
-
-def _k_block(K: int) -> int:
-    return next((c for c in (256, 128, 64, 32) if K % c == 0), K)
-
-
-def _panel_gemm(M: int, K: int, N: int, NR: int, NS: int, MR: int):
-    """Macro ``tile(A, W, C, acc, jo)``: C[:, panel jo] = A · W (W: the panel as NR / NS
-    sub-panels, each K × NS contiguous), in MR × NS register tiles over K blocks of KC (a KC × NS
-    slice of W stays in L1 while every row block of A uses it). Each tile's sum over k runs in
-    order, carried through C from one K block to the next (an exact fp32 store and load), so the
-    results equal ``dense.gemm_tile``'s sequential sum."""
-    NI, NSUB, KC = M // MR, NR // NS, _k_block(K)
-    KB = K // KC
-    LAST = N - (-(-N // NR) - 1) * NR
-    TAIL = LAST != NR
-
-    @T.macro
-    def tile(A, W, C, acc, jo):
-        for s in T.serial(NSUB):
-            for kb in T.serial(KB):
-                for io in T.serial(NI):
-                    if kb == 0:
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NS):
-                                acc[r, j] = T.float32(0)
-                    elif TAIL:
-                        for r in T.unroll(MR):
-                            for j in T.serial(NS):
-                                acc[r, j] = T.if_then_else(jo * NR + s * NS + j < N,
-                                                           C[(io * MR + r) * N + T.min(jo * NR + s * NS + j, N - 1)],
-                                                           T.float32(0))
-                    else:
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NS):
-                                acc[r, j] = C[(io * MR + r) * N + jo * NR + s * NS + j]
-                    for k in T.serial(KC):
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NS):
-                                acc[r, j] = acc[r, j] + A[(io * MR + r) * K + kb * KC + k] * W[(s * K + kb * KC + k) * NS + j]
-                    if TAIL:
-                        for r in T.unroll(MR):
-                            for j in T.serial(NS):
-                                if jo * NR + s * NS + j < N:
-                                    C[(io * MR + r) * N + jo * NR + s * NS + j] = acc[r, j]
-                    else:
-                        for r in T.unroll(MR):
-                            for j in T.vectorized(NS):
-                                C[(io * MR + r) * N + jo * NR + s * NS + j] = acc[r, j]
-
-    return tile
-
-
 def build_kquant_gemm_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR: int):
     """``C[(1,) M, N] = A[(1,) M, K] · dequant(W)`` with W as ``kquant_formats.kpanel_arrays``."""
     M, K2 = _check_rows(a_shape, c_shape, N)
@@ -215,8 +147,8 @@ def build_kquant_gemm_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
         raise ValueError(f"A has K = {K2}, the weight {K}")
     NJ, _, HB = _geometry(fmt, K, N, NR)
     NS = subpanel_cols(NR)
-    MR = _tile_rows(M, TILE_ROWS)
-    tile = _panel_gemm(M, K, N, NR, NS, MR)
+    MR = tile_rows(M, NS)
+    tile = panel_gemm(M, K, N, NR, NS, MR)
     dequant = _dequantize_panel(fmt, K, HB, NS)
 
     @T.macro
@@ -226,7 +158,7 @@ def build_kquant_gemm_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
                 W = T.sblock_alloc_buffer((K * NR,), "float32")  # the dequantised panel
                 acc = T.sblock_alloc_buffer((MR, NS), "float32", scope="local")
                 dequant(QL, QH, SC, MN, D, DM, W, 0, jo, NR)
-                tile(A, W, C, acc, jo)
+                tile(A, W, C, acc, jo, 0, K * NS, NS)
 
     return _signature(fmt, body, tuple(a_shape), tuple(c_shape), M * K, M * N, kpanel_shapes(fmt, K, N, NR))
 

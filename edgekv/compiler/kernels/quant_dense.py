@@ -2,10 +2,10 @@
 along K), the dequantisation fused in: scheduled kernels for CPUs (the host, and cross-compiled
 aarch64 / Android), and at the end of the file the GPU definitions that dlight schedules.
 
-* **GEMM** (the prefill step): the same register-blocked kernel as the fp32 one (``dense.py``'s
-  ``gemm_tile`` body, one task per NR-wide column panel), with the panel dequantised into a
-  K × NR fp32 buffer first (L2-resident: ≤ 96 KB at NR = 16, 384 KB at NR = 64 for SmolLM2's
-  K = 1536); all M rows then use it, so dequantising costs 1/M of the FMAs and the weight is
+* **GEMM** (the prefill step): the same register-blocked kernel as the fp32 one (``register_tile``'s
+  ``panel_gemm``, one task per NR-wide column panel), with the panel dequantised into a
+  K × NR fp32 buffer first, as NR / NS sub-panels of K × NS, the tile's width (L2-resident:
+  ≤ 96 KB at NR = 16, 384 KB at NR = 64 for SmolLM2's K = 1536); all M rows then use it, so dequantising costs 1/M of the FMAs and the weight is
   read from memory as 4- or 8-bit quants once per call. Summation over k is sequential:
   results equal the fp32 kernel's over the dequantised weight up to FMA contraction.
 * **GEMV** (decode, memory-bound: reads every weight byte once per token): per panel and block,
@@ -25,7 +25,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..quant_formats import GROUP, WeightFormat, padded
-from .dense import VEC, gemm_tile, nt_row_block, register_rows
+from .dense import VEC, nt_row_block
+from .register_tile import panel_gemm, subpanel_cols, tile_rows
 
 
 CACHE_LINE = 64
@@ -91,31 +92,34 @@ def build_quant_gemm_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int,
     if K2 != K:
         raise ValueError(f"A has K = {K2}, the weight {K}")
     KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
-    MR = register_rows(M, NR)
+    NS = subpanel_cols(NR)
+    MR = tile_rows(M, NS)
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     Q4, HAS_MIN, QDT = fmt.bits == 4, fmt.has_min, fmt.quant_dtype
-    tile = gemm_tile(M, K, N, MR, NR)
+    tile = panel_gemm(M, K, N, NR, NS, MR)
 
     @T.macro
     def body(A, Q, D, MN, C):
         for jo in T.parallel(NJ):
             with T.sblock("gemm_q"):
-                W = T.sblock_alloc_buffer((KP * NR,), "float32")  # the dequantised panel
-                acc = T.sblock_alloc_buffer((MR, NR), "float32", scope="local")
+                W = T.sblock_alloc_buffer((KP * NR,), "float32")  # the dequantised panel: NR / NS sub-panels of KP × NS
+                acc = T.sblock_alloc_buffer((MR, NS), "float32", scope="local")
                 for kb in T.serial(KB):
                     for i in T.serial(GROUP // 2 if Q4 else GROUP):
-                        for j in T.vectorized(NR):
-                            if Q4:  # byte i of the block: quant i (low nibble), quant i + 16 (high)
-                                W[(kb * GROUP + i) * NR + j] = (
-                                    T.Cast("float32", T.bitwise_and(Q[jo, kb * 16 + i, j], T.uint8(15)))
-                                    * T.Cast("float32", D[jo, kb, j]) + T.Cast("float32", MN[jo, kb, j]))
-                                W[(kb * GROUP + i + 16) * NR + j] = (
-                                    T.Cast("float32", T.shift_right(Q[jo, kb * 16 + i, j], T.uint8(4)))
-                                    * T.Cast("float32", D[jo, kb, j]) + T.Cast("float32", MN[jo, kb, j]))
-                            else:
-                                W[(kb * GROUP + i) * NR + j] = (T.Cast("float32", Q[jo, kb * GROUP + i, j])
-                                                                * T.Cast("float32", D[jo, kb, j]))
-                tile(A, W, C, acc, jo, 0, NR)
+                        for s in T.unroll(NR // NS):
+                            for jj in T.vectorized(NS):
+                                if Q4:  # byte i of the block: quant i (low nibble), quant i + 16 (high)
+                                    W[(s * KP + kb * GROUP + i) * NS + jj] = (
+                                        T.Cast("float32", T.bitwise_and(Q[jo, kb * 16 + i, s * NS + jj], T.uint8(15)))
+                                        * T.Cast("float32", D[jo, kb, s * NS + jj]) + T.Cast("float32", MN[jo, kb, s * NS + jj]))
+                                    W[(s * KP + kb * GROUP + i + 16) * NS + jj] = (
+                                        T.Cast("float32", T.shift_right(Q[jo, kb * 16 + i, s * NS + jj], T.uint8(4)))
+                                        * T.Cast("float32", D[jo, kb, s * NS + jj]) + T.Cast("float32", MN[jo, kb, s * NS + jj]))
+                                else:
+                                    W[(s * KP + kb * GROUP + i) * NS + jj] = (
+                                        T.Cast("float32", Q[jo, kb * GROUP + i, s * NS + jj])
+                                        * T.Cast("float32", D[jo, kb, s * NS + jj]))
+                tile(A, W, C, acc, jo, 0, KP * NS, NS)
 
     return _signature(body, A_SHAPE, C_SHAPE, M * K, M * N, (NJ, QK, NR), QDT, (NJ, KB, NR), HAS_MIN)
 

@@ -26,6 +26,7 @@ from tvm import relax
 from .attention_sites import _arg_vars, op_name, shape_of
 from ..relax_util import rebuild_function, swap_weight_params
 from ..kernels.dense import VEC, build_dense_kernel, build_packed_gemv_kernel, dense_tiles, pack_weight, packed_shape
+from ..kernels.register_tile import vector_registers
 
 
 def packed_name(name: str, nr: int) -> str:
@@ -79,8 +80,10 @@ def plan(mod: tvm.IRModule, functions: list[str], cores: int) -> dict[str, int]:
 # Kernels are immutable PrimFuncs and TVMScript parsing costs ~0.1–0.3 s each (as kernels/__init__'s
 # builders): each distinct packed GEMM / GEMV, keyed by every argument of its builder, once per process.
 @functools.lru_cache(maxsize=256)
-def packed_kernel(xs: tuple[int, ...], ws: tuple[int, int], nr: int, cores: int):
-    """The scheduled packed kernel of ``matmul(x [xs], W [ws])`` with W in panels of ``nr``."""
+def packed_kernel(xs: tuple[int, ...], ws: tuple[int, int], nr: int, cores: int, regs=None):
+    """The scheduled packed kernel of ``matmul(x [xs], W [ws])`` with W in panels of ``nr``. Its
+    register tile is sized for the current target; ``regs`` (``register_tile.vector_registers()``)
+    keys the memo by it."""
     cs = xs[:-1] + (ws[1],)
     f = (build_packed_gemv_kernel(xs, ws, cs, nr) if xs[-2] == 1
          else build_dense_kernel(xs, ws, cs, cores, packed_nr=nr))
@@ -103,7 +106,7 @@ def pack_function(mod: tvm.IRModule, name: str, packed: dict[str, int], cores: i
         if key not in kernels:
             tag = "gemv" if xs[-2] == 1 else "gemm"
             # "matmul" in the name: benchmarks and profiles class it with the GEMMs
-            kernels[key] = bb.add_func(packed_kernel(xs, ws, nr, cores),
+            kernels[key] = bb.add_func(packed_kernel(xs, ws, nr, cores, vector_registers()),
                                        f"matmul_packed_{tag}_m{xs[-2]}_k{ws[0]}_n{ws[1]}")
         return kernels[key]
 
