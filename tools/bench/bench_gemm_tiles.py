@@ -15,74 +15,31 @@ command).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start, time_warm  # noqa: E402
+
 # (model, projection, K, N)
 SHAPES = [("SmolLM2", "q/o", 576, 576), ("SmolLM2", "k/v", 576, 192), ("SmolLM2", "gate/up", 576, 1536),
           ("SmolLM2", "down", 1536, 576), ("Qwen2.5-1.5B", "q/o", 1536, 1536), ("Qwen2.5-1.5B", "k/v", 1536, 256),
           ("Qwen2.5-1.5B", "gate/up", 1536, 8960), ("Qwen2.5-1.5B", "down", 8960, 1536)]
-CLOCK = time.perf_counter
-
-
-def baseline_modules(ref: str):
-    """``dense.py`` and ``quant_dense.py`` as they are at git ``ref``, imported beside the current
-    ones (quant_dense's ``from .dense import`` pointed at the baseline dense)."""
-    tmp = Path(tempfile.mkdtemp(prefix="gemm_baseline_"))
-    mods = {}
-    for stem in ("dense", "quant_dense"):
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:edgekv/compiler/kernels/{stem}.py"],
-                             check=True, capture_output=True, text=True).stdout
-        src = src.replace("from .dense import", "from ._dense_baseline import")
-        path = tmp / f"_{stem}_baseline.py"
-        path.write_text(src)  # TVMScript reads a macro's source from its file
-        name = f"edgekv.compiler.kernels._{stem}_baseline"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        mod.__package__ = "edgekv.compiler.kernels"
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        mods[stem] = mod
-    return mods
-
-
-def time_warm(f, args, reps: int = 5) -> float:
-    f(*args)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = CLOCK()
-        f(*args)
-        best = min(best, CLOCK() - t0)
-    return best
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
+    add_timing_args(ap, threads=1)
     ap.add_argument("--rows", type=int, default=128, help="M of the prefill GEMM (the block)")
     ap.add_argument("--baseline-ref", default="main", help="git ref whose dense.py / quant_dense.py are timed too")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time by the process's CPU time (with --threads 1: robust to a shared machine)")
-    ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
-    from edgekv.evaluation.report import provenance
-
-    prov = provenance([sys.executable, *sys.argv])  # captured before the run
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the runtime's thread pool, before TVM loads
-    global CLOCK
-    if args.cpu_time:
-        CLOCK = time.process_time
+    prov = start(args)
+    timer = clock(args)
 
     import tvm
 
@@ -92,7 +49,7 @@ def main(argv=None) -> int:
     from tools.bench.bench_weight_kernels import build, random_block_arrays, target
 
     tgt = target(args.threads)
-    base = baseline_modules(args.baseline_ref)
+    base = kernels_at(args.baseline_ref, ("dense", "quant_dense"))
     ref = args.baseline_ref
     M = args.rows
     rng = np.random.default_rng(0)
@@ -113,7 +70,7 @@ def main(argv=None) -> int:
         times = {key: [] for key in variants}
         for _ in range(args.reps):  # interleaved: each round times every variant once
             for key, (f, w) in variants.items():
-                times[key].append(time_warm(f, [x, *w, outs[key]]))
+                times[key].append(time_warm(f, [x, *w, outs[key]], timer))
         for fmt in ("fp32", "Q4_1"):
             new, old = outs[(fmt, "this")].numpy(), outs[(fmt, ref)].numpy()
             t_new, t_old = min(times[(fmt, "this")]), min(times[(fmt, ref)])

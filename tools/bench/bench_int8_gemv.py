@@ -18,13 +18,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from tools.bench.kernel_timing import add_timing_args, clock, start, time_cold  # noqa: E402
+
 
 # (model, weight, GGUF type, K, N, NR, calls per token)
 SHAPES = [
@@ -41,18 +42,6 @@ SHAPES = [
     ("smollm2-135m", "down proj", "Q4_1", 1536, 576, 64, 30),
     ("smollm2-135m", "tied LM head", "Q8_0", 576, 49152, 0, 1),
 ]
-CLOCK = time.perf_counter
-
-
-def time_cold(f, copies, x, out) -> float:
-    for args in copies[:2]:
-        f(x, *args, out)
-    t0 = CLOCK()
-    for args in copies:
-        f(x, *args, out)
-    return (CLOCK() - t0) / len(copies)
-
-
 def kernels(ggml: str, K: int, N: int, NR: int, isa: str):
     """(fp32-activation kernel, int8 kernel on ``isa``) PrimFuncs for one shape."""
     from edgekv.compiler import kquant_formats as kq
@@ -96,20 +85,12 @@ def weights(ggml: str, K: int, N: int, NR: int, rng):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    add_timing_args(ap, threads=2)
     ap.add_argument("--mcpu", default="znver3")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cpu-time", action="store_true", help="time by the process's CPU time (with --threads 1)")
     ap.add_argument("--only", default=None, help="run the shapes of this model only (qwen2.5-1.5b | smollm2-135m)")
-    ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
-    from edgekv.evaluation.report import provenance
-
-    prov = provenance([sys.executable, *sys.argv])
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    global CLOCK
-    if args.cpu_time:
-        CLOCK = time.process_time
+    prov = start(args)
+    timer = clock(args)
     import tvm
 
     from edgekv.compiler.kernels.int8_gemv import int8_isa
@@ -131,8 +112,8 @@ def main(argv=None) -> int:
         copies = weight_copies(arrays)
         times = {"fp32": [], "int8": []}
         for _ in range(args.reps):  # interleaved
-            times["fp32"].append(time_cold(f32, copies, x, out))
-            times["int8"].append(time_cold(i8, copies, x, out))
+            times["fp32"].append(time_cold(f32, copies, x, out, timer))
+            times["int8"].append(time_cold(i8, copies, x, out, timer))
         got = {}
         for name, f in (("fp32", f32), ("int8", i8), ("generic", gen)):
             if f is not None:

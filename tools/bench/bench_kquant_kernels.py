@@ -15,59 +15,19 @@ other jobs disturb least; the wall-clock figures at 2 threads are the ones the r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start, time_cold, time_warm  # noqa: E402
+
 SHAPES = [(1536, 8960), (1536, 1536), (8960, 1536)]
 NR = 64
-
-
-def baseline_module(ref: str):
-    """``kquant_dense.py`` as it is at git ``ref``, imported beside the current one."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:edgekv/compiler/kernels/kquant_dense.py"],
-                         check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="kquant_baseline_")) / "kquant_dense_baseline.py"
-    path.write_text(src)  # TVMScript reads a macro's source from its file
-    name = "edgekv.compiler.kernels._kquant_dense_baseline"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "edgekv.compiler.kernels"
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-CLOCK = time.perf_counter
-
-
-def time_warm(f, args, reps: int = 5) -> float:
-    f(*args)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = CLOCK()
-        f(*args)
-        best = min(best, CLOCK() - t0)
-    return best
-
-
-def time_cold(f, copies: list[list], x, out) -> float:
-    """Seconds per call, cycling through the weight copies (each cold when its turn comes)."""
-    for args in copies[:2]:
-        f(x, *args, out)
-    t0 = CLOCK()
-    for args in copies:
-        f(x, *args, out)
-    return (CLOCK() - t0) / len(copies)
 
 
 def same_text(same) -> str:
@@ -78,22 +38,13 @@ def same_text(same) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    add_timing_args(ap, threads=2)
     ap.add_argument("--mcpu", default="znver3")
     ap.add_argument("--rows", type=int, default=128, help="M of the prefill GEMM")
     ap.add_argument("--baseline-ref", default=None, help="git ref whose kquant_dense.py is timed too")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time by the process's CPU time (with --threads 1: robust to a shared machine)")
-    ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
     args = ap.parse_args(argv)
-    from edgekv.evaluation.report import provenance
-
-    prov = provenance([sys.executable, *sys.argv])  # captured before the run
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the runtime's thread pool, before TVM loads
-    global CLOCK
-    if args.cpu_time:
-        CLOCK = time.process_time
+    prov = start(args)
+    timer = clock(args)
 
     import tvm
 
@@ -106,7 +57,7 @@ def main(argv=None) -> int:
     tgt = tvm.target.Target({"kind": "llvm", "mcpu": args.mcpu, "num-cores": args.threads})
     variants = [("Q4_1", None), ("Q4_K", kquant_dense), ("Q6_K", kquant_dense)]
     if args.baseline_ref:
-        base = baseline_module(args.baseline_ref)
+        base = kernels_at(args.baseline_ref, ("kquant_dense",))["kquant_dense"]
         variants[1:1] = [("Q4_K@" + args.baseline_ref, base)]
         variants.append(("Q6_K@" + args.baseline_ref, base))
     rng = np.random.default_rng(0)
@@ -135,9 +86,9 @@ def main(argv=None) -> int:
             for label, _ in variants:
                 gemv, gemm = built[label]
                 c = copies[label.split("@")[0]]
-                times[label]["gemv"].append(time_cold(gemv, c, x1, o1))
-                times[label]["gemv_warm"].append(time_warm(gemv, [x1, *c[0], o1]))
-                times[label]["gemm"].append(time_warm(gemm, [xm, *c[0], om]))
+                times[label]["gemv"].append(time_cold(gemv, c, x1, o1, timer))
+                times[label]["gemv_warm"].append(time_warm(gemv, [x1, *c[0], o1], timer))
+                times[label]["gemm"].append(time_warm(gemm, [xm, *c[0], om], timer))
         outputs = {}
         for label, _ in variants:  # the results, to compare each kernel with its baseline's
             gemv, gemm = built[label]
