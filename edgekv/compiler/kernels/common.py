@@ -56,3 +56,23 @@ def lane_tree_sum(lanes: int):
                 part[l] = part[l] + part[l + (lanes >> (w + 1))]
 
     return lane_sum
+
+
+def panel_store(NR: int, N: int):
+    """A TIR macro ``store(C, acc, jo)``: a panel GEMV's ``NR`` accumulators of panel ``jo`` into
+    ``C[jo * NR : jo * NR + NR]`` — one vector store, or, when ``N`` is not a whole number of
+    panels, lane by lane with the columns past ``N`` (the last panel's padding) left unwritten."""
+    from tvm.script import tirx as T
+
+    if N % NR:
+        @T.macro
+        def store(C, acc, jo):
+            for j in T.serial(NR):
+                if jo * NR + j < N:
+                    C[jo * NR + j] = acc[j]
+    else:
+        @T.macro
+        def store(C, acc, jo):
+            for j in T.vectorized(NR):
+                C[jo * NR + j] = acc[j]
+    return store

@@ -38,6 +38,7 @@ from tvm.script import tirx as T
 
 from ..kquant_formats import KFormat, kpanel_shapes
 from ..quant_formats import GROUP, WeightFormat, padded
+from .common import panel_store
 from .quant_dense import CACHE_LINE, PREFETCH_AHEAD, _check_rows, _weight_geometry, prefetch
 
 ISAS = ("avx2", "generic")
@@ -198,7 +199,7 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
         raise ValueError(f"int8 activations: Q4_1 panels only, not {fmt.name}")
     KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
     NS = _chunk(NR)
-    TAIL = N % NR != 0
+    store = panel_store(NR, N)
     sums = _q4_panel_sums(NR, isa)
     quantize = quantize_x(K, KP)
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
@@ -234,13 +235,7 @@ def build_q4_int8_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: in
                             acc[s * NS + l] = (acc[s * NS + l]
                                                + T.Cast("float32", D[jo, kb, s * NS + l]) * (DX[kb] * T.Cast("float32", isum[0, l]))
                                                + T.Cast("float32", MN[jo, kb, s * NS + l]) * XS[kb])
-                if TAIL:
-                    for j in T.serial(NR):
-                        if jo * NR + j < N:
-                            C[jo * NR + j] = acc[j]
-                else:
-                    for j in T.vectorized(NR):
-                        C[jo * NR + j] = acc[j]
+                store(C, acc, jo)
 
     return gemv_q4_x8
 
@@ -320,7 +315,7 @@ def build_kquant_int8_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int
         raise ValueError(f"int8 activations: {', '.join(INT8_KFORMATS)} panels only, not {fmt.ggml}")
     NJ, G, _ = _geometry(fmt, K, N, NR)
     NS = _chunk(NR)
-    TAIL = N % NR != 0
+    store = panel_store(NR, N)
     Q6 = fmt.ggml == "Q6_K"
     SB = fmt.superblock // 32  # 32-groups per super-block
     sums4 = _q4_panel_sums(NR, isa)
@@ -362,13 +357,7 @@ def build_kquant_int8_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int
                                     + T.Cast("float32", D[jo, g // SB, s * NS + l]) * T.Cast("float32", SC[jo, g, s * NS + l])
                                     * (DX[g] * T.Cast("float32", isum[0, l]))
                                     - T.Cast("float32", DM[jo, g // SB, s * NS + l]) * T.Cast("float32", MN[jo, g, s * NS + l]) * XS[g])
-                if TAIL:
-                    for j in T.serial(NR):
-                        if jo * NR + j < N:
-                            C[jo * NR + j] = acc[j]
-                else:
-                    for j in T.vectorized(NR):
-                        C[jo * NR + j] = acc[j]
+                store(C, acc, jo)
 
     return _signature(fmt, body, tuple(a_shape), tuple(c_shape), K, N, kpanel_shapes(fmt, K, N, NR))
 

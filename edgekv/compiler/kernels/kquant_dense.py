@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 
 from ..kquant_formats import KFormat, kpanel_shapes
 from ..quant_formats import padded
+from .common import panel_store
 from .dense import VEC
 from .quant_dense import _check_rows
 from .register_tile import panel_gemm, subpanel_cols, tile_rows
@@ -183,7 +184,7 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
     if M != 1 or K2 != K:
         raise ValueError(f"not a GEMV: {a_shape} with K = {K}")
     NJ, G, HB = _geometry(fmt, K, N, NR)
-    TAIL = N % NR != 0
+    store = panel_store(NR, N)
     SUB16 = fmt.sub == 16
     NS = subpanel_cols(NR)
 
@@ -224,12 +225,6 @@ def build_kquant_gemv_kernel(a_shape, c_shape, fmt: KFormat, K: int, N: int, NR:
                             else:
                                 acc[s * NS + jj] = (
                                     acc[s * NS + jj] + _scale(fmt, SC, D, jo, g, g * 32, s * NS + jj) * (blk[0, jj] + blk[1, jj]))
-                if TAIL:
-                    for j in T.serial(NR):
-                        if jo * NR + j < N:
-                            C[jo * NR + j] = acc[j]
-                else:
-                    for j in T.vectorized(NR):
-                        C[jo * NR + j] = acc[j]
+                store(C, acc, jo)
 
     return _signature(fmt, body, tuple(a_shape), tuple(c_shape), K, N, kpanel_shapes(fmt, K, N, NR))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..quant_formats import GROUP, WeightFormat, padded
+from .common import panel_store
 from .dense import VEC, nt_row_block
 from .register_tile import panel_gemm, subpanel_cols, tile_rows
 
@@ -132,7 +133,7 @@ def build_quant_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int,
     KP, NJ, KB, QK = _weight_geometry(fmt, K, N, NR)
     A_SHAPE, C_SHAPE = tuple(a_shape), tuple(c_shape)
     Q4, HAS_MIN, QDT = fmt.bits == 4, fmt.has_min, fmt.quant_dtype
-    TAIL = N % NR != 0
+    store = panel_store(NR, N)
 
     @T.macro
     def body(A, Q, D, MN, C):
@@ -168,13 +169,7 @@ def build_quant_gemv_kernel(a_shape, c_shape, fmt: WeightFormat, K: int, N: int,
                                       + T.Cast("float32", MN[jo, kb, j]) * XS[kb])
                         else:
                             acc[j] = acc[j] + T.Cast("float32", D[jo, kb, j]) * blk[j]
-                if TAIL:
-                    for j in T.serial(NR):
-                        if jo * NR + j < N:
-                            C[jo * NR + j] = acc[j]
-                else:
-                    for j in T.vectorized(NR):
-                        C[jo * NR + j] = acc[j]
+                store(C, acc, jo)
 
     return _signature(body, A_SHAPE, C_SHAPE, K, N, (NJ, QK, NR), QDT, (NJ, KB, NR), HAS_MIN)
 
