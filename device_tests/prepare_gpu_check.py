@@ -1,7 +1,8 @@
 """Prepare the inputs of `device_tests/gpu_check.sh`: everything a machine with an NVIDIA GPU and
 nothing else installed (no Python packages, no network, no compiler) needs to check the GPU path.
 
-    python device_tests/prepare_gpu_check.py OUT [--max-part-mib 56] [--no-smollm2 | --no-tiny] [--targets opencl-host,cuda-host]
+    python device_tests/prepare_gpu_check.py OUT [--max-part-mib 56] [--no-smollm2 | --no-tiny] [--no-unfused] [--row-tiled]
+                                                 [--targets opencl-host,cuda-host]
 
 Writes under OUT:
 - `full/`: `bin/edgekv-run` (built from runtime/ here: the OpenCL and CUDA devices are loaded with
@@ -126,7 +127,18 @@ def unfused_profile(target: str) -> dict:
     return profile
 
 
-def smollm2_cases(full: Path, work: Path, run: Path, targets: list[str]) -> list[dict]:
+def row_tiled_profile(target: str) -> dict:
+    """``target``'s profile with the block step's attention row-tiled (gpu_schedule.block_attention)."""
+    from edgekv.profiles import profile_dir
+
+    profile = json.loads((profile_dir("targets") / f"{target}.json").read_text())
+    profile["name"] = f"{profile.get('name', target)}-rt"
+    profile.setdefault("gpu_schedule", {})["block_attention"] = "row-tiled"
+    return profile
+
+
+def smollm2_cases(full: Path, work: Path, run: Path, targets: list[str], unfused: bool = True,
+                  row_tiled: bool = False) -> list[dict]:
     from edgekv.compiler import compile_model
     from edgekv.corpus import natural_token_ids
     from edgekv.models import load_model
@@ -151,9 +163,12 @@ def smollm2_cases(full: Path, work: Path, run: Path, targets: list[str]) -> list
         expected = run_cpu(run, cpu, [*here, *gen], work / "smollm2" / f"cpu-{label}.json")
         print(f"smollm2 cpu {label}: {expected['prefill_tok_s']:.0f} / {expected['decode_tok_s']:.1f} tok/s", flush=True)
         for target in targets:
-            # each target as its profile ships it, and with the decode-launch fusions off: whether
-            # they pay (fewer launches, hand-scheduled GEMVs) is for the GPU to say
-            for variant, profile in ((target, target), (f"{target}-unfused", unfused_profile(target))):
+            # each target as its profile ships it, with the decode-launch fusions off (whether they
+            # pay: fewer launches, hand-scheduled GEMVs) and with the row-tiled block-step attention:
+            # which is faster is for the GPU to say
+            variants = [(target, target)] + ([(f"{target}-unfused", unfused_profile(target))] if unfused else []) + (
+                [(f"{target}-rt", row_tiled_profile(target))] if row_tiled else [])
+            for variant, profile in variants:
                 rel = f"smollm2/keydiff-{variant}"
                 why = compile_gpu(loaded, "keydiff", {}, SMOL_BUDGET, SMOL_BLOCK, profile, full / rel)
                 cases.append({"name": f"smollm2 keydiff {variant} {label}", "artifact": rel, "args": [*pargs, *gen],
@@ -213,6 +228,10 @@ def main() -> None:
     ap.add_argument("--targets", default="opencl-host,cuda-host")
     ap.add_argument("--no-smollm2", action="store_true", help="tiny models only (one small part)")
     ap.add_argument("--no-tiny", action="store_true", help="SmolLM2 only (a recheck of its speed)")
+    ap.add_argument("--row-tiled", action="store_true",
+                    help="SmolLM2 also with the row-tiled block-step attention (gpu_schedule.block_attention)")
+    ap.add_argument("--no-unfused", action="store_true",
+                    help="SmolLM2 only as each target's profile ships it (not also with the decode-launch fusions off)")
     args = ap.parse_args()
     out = args.out.resolve()
     full, work = out / "full", out / "work"
@@ -223,7 +242,7 @@ def main() -> None:
     targets = [t for t in args.targets.split(",") if t]
     cases = [] if args.no_tiny else tiny_cases(full, work, run, targets)
     if not args.no_smollm2:
-        cases += smollm2_cases(full, work, run, targets)
+        cases += smollm2_cases(full, work, run, targets, unfused=not args.no_unfused, row_tiled=args.row_tiled)
     (full / "cases.json").write_text(json.dumps({"made_on": cpu_name(), "cases": cases}, indent=1))
     parts = pack(full, out, int(args.max_part_mib * (1 << 20)))
     for p in parts:

@@ -5,6 +5,8 @@ values stay those of the original function (run on the host)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -80,6 +82,28 @@ def test_fusion_leaves_a_matmul_whose_output_has_other_uses():
     fusion = FuseForGPU(["decode"])
     fusion(bb.get())
     assert fusion.folded == {"matmul_reshapes": 0, "rms_norms": 0}
+
+
+def test_block_attention_is_the_profiles_choice():
+    """``gpu_schedule.block_attention`` picks a block step's attention kernel (key-parallel by default:
+    256 threads a work-group splitting the keys; or row-tiled); decode is key-parallel either way;
+    an unknown choice is refused naming the known ones."""
+    from edgekv.compiler.backend.gpu_schedule import BLOCK_ATTENTION, GPUKernelError, block_attention_of, gpu_kernel_for
+    from edgekv.compiler.kernels.attention import build_block_attention_kernel
+
+    assert block_attention_of({"name": "p"}) == "key-parallel"
+    assert block_attention_of({"gpu_schedule": {"block_attention": "row-tiled"}}) == "row-tiled"
+    with pytest.raises(GPUKernelError, match="key-parallel, row-tiled"):
+        block_attention_of({"name": "p", "gpu_schedule": {"block_attention": "fastest"}})
+
+    def threads(B, choice):
+        cpu = build_block_attention_kernel(4, 2, 24, B, 16, 0.25)
+        gpu = gpu_kernel_for("step_attention_h4_2_d16", cpu, "keydiff", {}, {(4, 2, 16): 0.25}, choice)
+        return re.findall(r'T\.thread_binding\((\d+), thread="threadIdx\.x"\)', gpu.script())
+
+    assert set(BLOCK_ATTENTION) == {"row-tiled", "key-parallel"}
+    assert threads(8, "key-parallel") == ["256"] and threads(8, "row-tiled") != ["256"]
+    assert threads(1, "row-tiled") == threads(1, "key-parallel") == ["256"]
 
 
 def test_gemv_schedule_is_the_profiles_choice():

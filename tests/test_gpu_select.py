@@ -1,5 +1,5 @@
 """The GPU select + compaction kernel (``kernels/select.py``, ``build_select_compact_kernel_gpu``:
-one work-group, radix select of the order-preserving key, tie cut by prefix sum, chunked in-place
+a work-group per KV head, radix select of the order-preserving key, tie cut by prefix sum, chunked in-place
 compaction) on PoCL, held against the eviction rule itself (``topk_keep``: the N highest scores,
 ties keeping the lower index, survivors in candidate order) and against the CPU kernel it replaces,
 with hypothesis: random scores, heavy ties, every candidate equal, −0.0 beside +0.0, N + B not a
@@ -58,7 +58,7 @@ def _gpu_program(shape, options):
     H, N, B, D, S = shape
     func = build_select_compact_kernel_gpu(H, N, B, D, "float32", True, S)
     program, kernels, launches = opencl_program(func, _context(), options)
-    assert len(kernels) == len(launches) == 1, (kernels, launches)  # one launch: fill updated inside
+    assert len(kernels) == len(launches) == 2, (kernels, launches)  # evict per head, then append + fill
     return program, kernels, launches
 
 
@@ -204,8 +204,10 @@ def test_gpu_select_edge_cases(options, kind):
             check(shape, nf, nv, kind, nf * 31 + nv, options)
 
 
-def test_gpu_select_one_launch_of_many_work_items():
-    """One launch per step, and not of a single work-item (the fill update rides in it)."""
+def test_gpu_select_launches_a_work_group_per_head():
+    """Two launches per step, neither of a single work-item: a work-group of 256 threads per KV head
+    (selection and compaction of that head), then one work-group that appends and writes ``fill``
+    (the fill update rides in it: every work-group of the first launch reads ``fill``)."""
     for shape in SHAPES:
         _, _, launches = _gpu_program(shape, "")
-        assert launches == [(1, 256)], launches
+        assert launches == [(shape[0], 256), (1, 256)], launches

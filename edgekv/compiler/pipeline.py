@@ -262,8 +262,8 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     ``program.ekv`` for the native runtime — and OpenCL each device kernel's launch description
     (``backend/device_kernels.py``); other GPU targets (CUDA, Metal) have no native runtime."""
     from .backend.cpu_schedule import cpu_pipeline
-    from .backend.gpu_schedule import (CheckAllOnDevice, ReplaceKernels, demote_float64, fusions_of, gemv_schedule_of,
-                                       gpu_pipeline)
+    from .backend.gpu_schedule import (CheckAllOnDevice, ReplaceKernels, block_attention_of, demote_float64, fusions_of,
+                                       gemv_schedule_of, gpu_pipeline)
     from .backend.program import capture_final_module
     from .passes.gate_up_silu import FuseGateUpSiLU
     from .passes.gpu_fusion import FuseForGPU
@@ -292,11 +292,13 @@ def schedule_and_build(lowered: Lowered, spec: BlockCacheSpec, target) -> tuple[
     info[D.GPU_FUSION] = dict(fusion.folded, combined_projections=lowered.combined_projections,
                               gate_up_silu=gate_up.fused, **norm.fused)
     scales = {(s.num_q_heads, s.num_kv_heads, s.head_dim): s.sm_scale for s in lowered.sites}
-    replace = ReplaceKernels(spec.policy, spec.policy_params, scales)
+    block_attention = block_attention_of(target.profile)
+    replace = ReplaceKernels(spec.policy, spec.policy_params, scales, block_attention)
     mod = replace(mod)
     check = CheckAllOnDevice()
     gemv = gemv_schedule_of(target.profile)
     info[D.GPU_FUSION]["gemv_schedule"] = gemv
+    info[D.GPU_FUSION]["block_attention"] = block_attention
     if target.native_runtime:
         from .backend.device_kernels import record_device_kernels
 

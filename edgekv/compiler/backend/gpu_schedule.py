@@ -46,8 +46,10 @@ def _shape(func: tirx.PrimFunc, index: int) -> tuple[int, ...]:
     return tuple(int(x) for x in func.params[index].ty.shape)
 
 
-def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: dict, sm_scales: dict) -> tirx.PrimFunc | None:
-    """The GPU version of the edgekv kernel ``name`` (``None`` if ``name`` is not one)."""
+def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: dict, sm_scales: dict,
+                   block_attention: str = "key-parallel") -> tirx.PrimFunc | None:
+    """The GPU version of the edgekv kernel ``name`` (``None`` if ``name`` is not one); a block
+    step's attention is built as ``block_attention`` says (``BLOCK_ATTENTION``)."""
     m = _ATTN.search(name)
     if m:
         _, Hq, B, D = _shape(func, 0)
@@ -57,7 +59,8 @@ def gpu_kernel_for(name: str, func: tirx.PrimFunc, policy: str, policy_params: d
         scale = sm_scales.get((Hq, H, D))
         if scale is None:
             raise GPUKernelError(f"{name}: no attention site with {Hq} query heads, {H} KV heads, head dim {D}")
-        return build_block_attention_kernel_gpu(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0))
+        return build_block_attention_kernel_gpu(Hq, H, N, B, D, scale, extra_rows=int(m.group(4) or 0),
+                                                key_parallel=True if B == 1 else block_attention == "key-parallel")
     for rx, attr, what in ((_SCORE, "gpu_evict_kernel", "score"), (_OBSERVE, "gpu_observe_kernel", "observe")):
         m = rx.search(name)
         if not m:
@@ -100,8 +103,10 @@ class ReplaceKernels:
     """Swap edgekv's CPU kernels for their GPU versions. ``replaced`` records
     ``{function name: GPU kernel name}``."""
 
-    def __init__(self, policy: str, policy_params: dict | None = None, sm_scales: dict | None = None):
+    def __init__(self, policy: str, policy_params: dict | None = None, sm_scales: dict | None = None,
+                 block_attention: str = "key-parallel"):
         self.policy = policy
+        self.block_attention = block_attention
         self.policy_params = dict(policy_params or {})
         self.sm_scales = dict(sm_scales or {})
         self.replaced: dict[str, str] = {}
@@ -115,7 +120,8 @@ class ReplaceKernels:
             # a policy that wires its own kernels (D2O) also provides their GPU versions
             own = self.policy_kernel(gv.name_hint, func, self.policy_params, self.sm_scales) if self.policy_kernel else None
             kind, new = own if own is not None else (
-                _kind(gv.name_hint), gpu_kernel_for(gv.name_hint, func, self.policy, self.policy_params, self.sm_scales))
+                _kind(gv.name_hint), gpu_kernel_for(gv.name_hint, func, self.policy, self.policy_params, self.sm_scales,
+                                                    self.block_attention))
             if new is None:
                 continue
             updates[gv] = new
@@ -223,6 +229,26 @@ def gemv_schedule_of(profile: dict) -> str:
     if choice not in GEMV_SCHEDULES:
         raise GPUKernelError(f"target profile '{profile.get('name')}': gpu_schedule.gemv '{choice}' is not one of "
                              f"{', '.join(GEMV_SCHEDULES)}")
+    return choice
+
+
+# ---- the block step's attention kernel, a target profile's choice (``"gpu_schedule": {"block_attention": ...}``) --
+# Default key-parallel: on an H200 its prefill attention took 100 µs a block and layer against the
+# row-tiled kernel's 329 (SmolLM2 8K, docs/results/gpu_check_h200.md, fourth run).
+BLOCK_ATTENTION = {
+    "key-parallel": "up to 8 query rows a work-group, its 256 threads splitting the keys (flash-decoding "
+                    "inside the work-group, as every decode step's attention)",
+    "row-tiled": "a work-group per tile of query rows, streaming the keys (kernels/attention.py)",
+}
+
+
+def block_attention_of(profile: dict) -> str:
+    """The block-step attention kernel a target profile names (default ``key-parallel``; decode always
+    takes the key-parallel one); an unknown one is refused."""
+    choice = str((profile.get("gpu_schedule") or {}).get("block_attention", "key-parallel"))
+    if choice not in BLOCK_ATTENTION:
+        raise GPUKernelError(f"target profile '{profile.get('name')}': gpu_schedule.block_attention '{choice}' is "
+                             f"not one of {', '.join(BLOCK_ATTENTION)}")
     return choice
 
 

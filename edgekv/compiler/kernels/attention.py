@@ -444,6 +444,12 @@ def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, s
     if NT % D and D % NT:
         raise ValueError(f"key-parallel attention: head dim {D} and {NT} threads do not tile")
     KS = max(1, NT // D)  # key slices of the P·V pass
+    # decode (one query row): Q·K with LQ lanes per key, reading K rows coalesced (a warp reads two
+    # whole rows per load, against 32 rows' one channel when a thread walks its own key's row)
+    LQ = 16
+    COAL = RW == 1 and D % LQ == 0 and NT % LQ == 0
+    KR = NT // LQ  # keys per pass of the coalesced Q·K
+    PV = min(16, NT // KS)  # keys whose V loads are in flight together in P·V
     CPT = max(1, D // NT)  # channels per thread (D > NT)
     RL = 16  # lanes of the row reductions
     PER = NT // RL  # keys per lane in a reduction
@@ -475,6 +481,9 @@ def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, s
                     lsum = T.sblock_alloc_buffer((RW,), "float32", scope="local")
                     alpha = T.sblock_alloc_buffer((RW,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    kp_sh = T.sblock_alloc_buffer(((LQ + 1) * NT if COAL else 1,), "float32", scope="shared")
+                    kpart = T.sblock_alloc_buffer((NT // KR if COAL else 1,), "float32", scope="local")
+                    vbuf = T.sblock_alloc_buffer((PV, CPT), "float32", scope="local")
                     kh: T.let[T.int32] = bx // RT
                     r0: T.let[T.int32] = (bx % RT) * RW  # first query row (within the KV head)
                     nf: T.let[T.int32] = fill[0]
@@ -497,10 +506,30 @@ def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, s
                         T.tvm_storage_sync("shared")
                         for r in T.unroll(RW):
                             dot[r] = T.float32(0)
-                        for c in T.serial(D):
-                            red[0] = key_row(k_cache, k_blk, kh, it * NT + tx, nf, c)
-                            for r in T.unroll(RW):
-                                dot[r] = dot[r] + q_sh[r, c] * red[0]
+                        if COAL:
+                            # thread (key kk, lane l) of each pass: channels l, l + LQ, ... of key
+                            # m·KR + kk; the LQ partial dots meet in kp_sh (rows padded to LQ + 1 floats, flat so that
+                            # TVM keeps the padding: threads reading their own key's row then hit distinct banks)
+                            for m in T.unroll(NT // KR):
+                                kpart[m] = T.float32(0)
+                                if it * NT + m * KR + tx // LQ < nf:
+                                    for cc in T.unroll(D // LQ):
+                                        kpart[m] = kpart[m] + q_sh[0, cc * LQ + tx % LQ] * k_cache[
+                                            kh, T.min(it * NT + m * KR + tx // LQ, N - 1), cc * LQ + tx % LQ]
+                                elif it * NT + m * KR + tx // LQ < nkeys:
+                                    for cc in T.unroll(D // LQ):
+                                        kpart[m] = kpart[m] + q_sh[0, cc * LQ + tx % LQ] * k_blk[
+                                            0, kh, T.min(T.max(it * NT + m * KR + tx // LQ - nf, 0), B - 1),
+                                            cc * LQ + tx % LQ]
+                                kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                            T.tvm_storage_sync("shared")
+                            for l in T.unroll(LQ):
+                                dot[0] = dot[0] + kp_sh[tx * (LQ + 1) + l]
+                        else:
+                            for c in T.serial(D):
+                                red[0] = key_row(k_cache, k_blk, kh, it * NT + tx, nf, c)
+                                for r in T.unroll(RW):
+                                    dot[r] = dot[r] + q_sh[r, c] * red[0]
                         for r in T.unroll(RW):
                             s_sh[r, tx] = T.if_then_else(
                                 T.And(it * NT + tx < nkeys,
@@ -532,15 +561,23 @@ def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, s
                         for r in T.unroll(RW):
                             for u in T.unroll(CPT):
                                 acc[r, u] = acc[r, u] * alpha[r]
-                        for jj in T.serial(NT // KS):
-                            if it * NT + jj * KS + ks < nkeys:
+                        # PV keys' V loads first (unrolled, masked keys read as 0), then their
+                        # FMAs: a loop of one load then its use waited out every load's latency
+                        for jo in T.serial(NT // KS // PV):
+                            for ji in T.unroll(PV):
                                 for u in T.unroll(CPT):
-                                    red[0] = T.if_then_else(
-                                        it * NT + jj * KS + ks < nf,
-                                        v_cache[kh, T.min(it * NT + jj * KS + ks, N - 1), u * NT + c0],
-                                        v_blk[0, kh, T.min(T.max(it * NT + jj * KS + ks - nf, 0), B - 1), u * NT + c0])
+                                    vbuf[ji, u] = T.if_then_else(
+                                        it * NT + (jo * PV + ji) * KS + ks < nkeys,
+                                        T.if_then_else(
+                                            it * NT + (jo * PV + ji) * KS + ks < nf,
+                                            v_cache[kh, T.min(it * NT + (jo * PV + ji) * KS + ks, N - 1), u * NT + c0],
+                                            v_blk[0, kh, T.min(T.max(it * NT + (jo * PV + ji) * KS + ks - nf, 0), B - 1),
+                                                  u * NT + c0]),
+                                        T.float32(0))
+                            for ji in T.unroll(PV):
+                                for u in T.unroll(CPT):
                                     for r in T.unroll(RW):
-                                        acc[r, u] = acc[r, u] + s_sh[r, jj * KS + ks] * red[0]
+                                        acc[r, u] = acc[r, u] + s_sh[r, (jo * PV + ji) * KS + ks] * vbuf[ji, u]
                         T.tvm_storage_sync("shared")
                         for r in T.unroll(RW):
                             red[0] = T.float32(0)

@@ -143,6 +143,14 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
     NT = KEYDIFF_GPU_THREADS if D <= KEYDIFF_GPU_THREADS else D
     GR = max(1, NT // D)  # row groups in the column pass
     SPL = (NB + NT - 1) // NT  # work-groups per head: one tile of candidates each
+    # row dot products with LQ lanes per row, K read coalesced (a warp reads two whole rows per load,
+    # against 32 rows' one channel when a thread walks its own row)
+    LQ = 16
+    COAL = D % LQ == 0 and NT % LQ == 0
+    KR = NT // LQ if COAL else 1  # rows per pass
+    NP = NT // KR if COAL else 1  # passes per tile
+    RPG = (NT + GR - 1) // GR  # rows per thread in the column pass
+    CP = max(c for c in (1, 2, 4, 8, 16) if RPG % c == 0)  # of them, loads in flight together
 
     def cand(k_cache, k_blk, h, i, nf, c):
         return T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf, 0), B - 1), c])
@@ -158,6 +166,9 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                     part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
                     anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")  # sum, anchor part, own norm
+                    kp_sh = T.sblock_alloc_buffer(((LQ + 1) * NT if COAL else 1,), "float32", scope="shared")
+                    kpart = T.sblock_alloc_buffer((NP,), "float32", scope="local")
+                    cbuf = T.sblock_alloc_buffer((CP,), "float32", scope="local")
                     h: T.let[T.int32] = bx // SPL
                     sp: T.let[T.int32] = bx % SPL
                     nf: T.let[T.int32] = fill[0]
@@ -172,7 +183,19 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                         for it in T.serial((n + NT - 1) // NT):
                             # norm of candidate it*NT + tx
                             red[0] = T.float32(0)
-                            if it * NT + tx < n:
+                            if COAL:  # thread (row kk, lane l): channels l, l + LQ, ... of rows m·KR + kk
+                                for m in T.unroll(NP):
+                                    kpart[m] = T.float32(0)
+                                    if it * NT + m * KR + tx // LQ < n:
+                                        for cc in T.unroll(D // LQ):
+                                            kpart[m] = kpart[m] + cand(k_cache, k_blk, h, it * NT + m * KR + tx // LQ,
+                                                                       nf, cc * LQ + tx % LQ) * cand(
+                                                k_cache, k_blk, h, it * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ)
+                                    kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                                T.tvm_storage_sync("shared")
+                                for l in T.unroll(LQ):
+                                    red[0] = red[0] + kp_sh[tx * (LQ + 1) + l]
+                            elif it * NT + tx < n:
                                 for c in T.serial(D):
                                     red[0] = red[0] + cand(k_cache, k_blk, h, it * NT + tx, nf, c) * cand(
                                         k_cache, k_blk, h, it * NT + tx, nf, c)
@@ -181,11 +204,16 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                                 red[2] = inv_sh[tx]
                             T.tvm_storage_sync("shared")
                             if grp < GR:
-                                for r in T.serial((NT + GR - 1) // GR):
-                                    if r * GR + grp < NT:
-                                        if it * NT + r * GR + grp < n:
-                                            red[1] = red[1] + cand(k_cache, k_blk, h, it * NT + r * GR + grp, nf,
-                                                                   ch) / inv_sh[r * GR + grp]
+                                # CP rows' loads first (unrolled; rows past n read as 0), then their sum in
+                                # row order: a loop of one load then its use waited out every load's latency
+                                for ro in T.serial(RPG // CP):
+                                    for ri in T.unroll(CP):
+                                        cbuf[ri] = T.if_then_else(
+                                            T.And((ro * CP + ri) * GR + grp < NT, it * NT + (ro * CP + ri) * GR + grp < n),
+                                            cand(k_cache, k_blk, h, it * NT + T.min((ro * CP + ri) * GR + grp, NT - 1), nf, ch)
+                                            / inv_sh[T.min((ro * CP + ri) * GR + grp, NT - 1)], T.float32(0))
+                                    for ri in T.unroll(CP):
+                                        red[1] = red[1] + cbuf[ri]
                             T.tvm_storage_sync("shared")
                         if grp < GR:
                             part_sh[grp, ch] = red[1]
@@ -204,10 +232,23 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                         if tx < D:
                             anchor_sh[tx] = anchor_sh[tx] / red[0]
                         T.tvm_storage_sync("shared")
+                        red[1] = T.float32(0)
+                        if COAL:  # −k̂ · μ̂ of this work-group's rows, coalesced as the norms
+                            for m in T.unroll(NP):
+                                kpart[m] = T.float32(0)
+                                if sp * NT + m * KR + tx // LQ < n:
+                                    for cc in T.unroll(D // LQ):
+                                        kpart[m] = kpart[m] + cand(k_cache, k_blk, h, sp * NT + m * KR + tx // LQ, nf,
+                                                                   cc * LQ + tx % LQ) * anchor_sh[cc * LQ + tx % LQ]
+                                kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                            T.tvm_storage_sync("shared")
+                            for l in T.unroll(LQ):
+                                red[1] = red[1] - kp_sh[tx * (LQ + 1) + l]
+                            red[1] = red[1] / red[2]
                         if i < n:
-                            red[1] = T.float32(0)
-                            for c in T.serial(D):
-                                red[1] = red[1] - (cand(k_cache, k_blk, h, i, nf, c) / red[2]) * anchor_sh[c]
+                            if not COAL:
+                                for c in T.serial(D):
+                                    red[1] = red[1] - (cand(k_cache, k_blk, h, i, nf, c) / red[2]) * anchor_sh[c]
                             if W > 0:
                                 if T.if_then_else(i < nf, pos_cache[h, T.min(i, N - 1)],
                                                   pos_blk[T.min(T.max(i - nf, 0), B - 1)]) > pos_blk[
