@@ -138,8 +138,9 @@ def test_decode_attention_spreads_over_work_groups():
 SCORE_NAMES = ["k_cache", "v_cache", "pos_cache", "fill", "k_blk", "v_blk", "pos_blk", "n_valid", "score"]
 # (H, N, B, D, fill, n_valid, recent): decode over more candidates than a work-group's 256 (N + B not
 # a multiple of it), block steps, the recent window, D = 16
+# head dim 8 is not a multiple of the 16 lanes: the thread-per-row fallback
 SCORE_CASES = [(3, 512, 1, 64, 512, 1, 0), (3, 300, 8, 64, 300, 5, 0), (2, 40, 8, 16, 37, 8, 3),
-               (3, 512, 1, 64, 512, 1, 4), (1, 600, 128, 64, 600, 100, 0)]
+               (3, 512, 1, 64, 512, 1, 4), (1, 600, 128, 64, 600, 100, 0), (2, 40, 8, 8, 37, 8, 0)]
 
 
 @pytest.mark.parametrize("case", SCORE_CASES, ids=[f"H{c[0]}N{c[1]}B{c[2]}D{c[3]}f{c[4]}v{c[5]}r{c[6]}"

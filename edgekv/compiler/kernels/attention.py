@@ -507,21 +507,21 @@ def _build_key_parallel_attention_gpu(Hq: int, H: int, N: int, B: int, D: int, s
                         for r in T.unroll(RW):
                             dot[r] = T.float32(0)
                         if COAL:
-                            # thread (key kk, lane l) of each pass: channels l, l + LQ, ... of key
-                            # m·KR + kk; the LQ partial dots meet in kp_sh (rows padded to LQ + 1 floats, flat so that
+                            # thread (key kk, lane l) of each pass kq: channels l, l + LQ, ... of key
+                            # kq·KR + kk; the LQ partial dots meet in kp_sh (rows padded to LQ + 1 floats, flat so that
                             # TVM keeps the padding: threads reading their own key's row then hit distinct banks)
-                            for m in T.unroll(NT // KR):
-                                kpart[m] = T.float32(0)
-                                if it * NT + m * KR + tx // LQ < nf:
+                            for kq in T.unroll(NT // KR):
+                                kpart[kq] = T.float32(0)
+                                if it * NT + kq * KR + tx // LQ < nf:
                                     for cc in T.unroll(D // LQ):
-                                        kpart[m] = kpart[m] + q_sh[0, cc * LQ + tx % LQ] * k_cache[
-                                            kh, T.min(it * NT + m * KR + tx // LQ, N - 1), cc * LQ + tx % LQ]
-                                elif it * NT + m * KR + tx // LQ < nkeys:
+                                        kpart[kq] = kpart[kq] + q_sh[0, cc * LQ + tx % LQ] * k_cache[
+                                            kh, T.min(it * NT + kq * KR + tx // LQ, N - 1), cc * LQ + tx % LQ]
+                                elif it * NT + kq * KR + tx // LQ < nkeys:
                                     for cc in T.unroll(D // LQ):
-                                        kpart[m] = kpart[m] + q_sh[0, cc * LQ + tx % LQ] * k_blk[
-                                            0, kh, T.min(T.max(it * NT + m * KR + tx // LQ - nf, 0), B - 1),
+                                        kpart[kq] = kpart[kq] + q_sh[0, cc * LQ + tx % LQ] * k_blk[
+                                            0, kh, T.min(T.max(it * NT + kq * KR + tx // LQ - nf, 0), B - 1),
                                             cc * LQ + tx % LQ]
-                                kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                                kp_sh[(kq * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[kq]
                             T.tvm_storage_sync("shared")
                             for l in T.unroll(LQ):
                                 dot[0] = dot[0] + kp_sh[tx * (LQ + 1) + l]

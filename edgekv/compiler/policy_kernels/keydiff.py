@@ -126,10 +126,13 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
 
     The anchor (mean of the normalised keys) needs every candidate, so each work-group of a head
     computes it itself, in the same order (identical anchors, no second launch and no exchange
-    between work-groups): per tile of NT candidates each thread computes one row's norm (kept in
-    a register when the tile is the work-group's own), then thread (group, channel) pairs sum
-    the normalised keys column-wise (coalesced); the group partials are summed in shared memory
-    and normalised. Then one thread per own candidate: −k̂ · μ̂ (the recent window +inf)."""
+    between work-groups). With head_dim a multiple of 16 each tile of NT candidates is one pass:
+    thread (row kk, lane l) holds channels l, l + 16, ... of 16 rows in registers (K read
+    coalesced, every load in flight at once), the rows' squared norms meet in shared memory, and
+    the same registers, normalised, go into the thread's column sums, which meet in shared memory
+    after the last tile. (The first GPU version walked each row in one thread and read the tile
+    twice; on an H200 each such step is a global round trip, and the kernel was those round trips.)
+    Then the work-group's own candidates: −k̂ · μ̂ (the recent window +inf)."""
     from tvm.script import tirx as T  # lazy: tvm is the optional `compile` extra
 
     from ..kernels.common import check_dtype
@@ -146,11 +149,11 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
     # row dot products with LQ lanes per row, K read coalesced (a warp reads two whole rows per load,
     # against 32 rows' one channel when a thread walks its own row)
     LQ = 16
-    COAL = D % LQ == 0 and NT % LQ == 0
+    # (and D ≤ 128: a thread holds D floats of its rows in registers)
+    COAL = D % LQ == 0 and NT % LQ == 0 and D <= 128
     KR = NT // LQ if COAL else 1  # rows per pass
     NP = NT // KR if COAL else 1  # passes per tile
-    RPG = (NT + GR - 1) // GR  # rows per thread in the column pass
-    CP = max(c for c in (1, 2, 4, 8, 16) if RPG % c == 0)  # of them, loads in flight together
+    CPL = D // LQ if COAL else 1  # channels per lane
 
     def cand(k_cache, k_blk, h, i, nf, c):
         return T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf, 0), B - 1), c])
@@ -162,13 +165,13 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                 with T.sblock("keydiff"):
                     T.reads()
                     T.writes()
-                    inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-                    part_sh = T.sblock_alloc_buffer((GR, D), "float32", scope="shared")
+                    inv_sh = T.sblock_alloc_buffer((NT,), "float32", scope="shared")  # row norms
+                    part_sh = T.sblock_alloc_buffer((1 if COAL else GR, D), "float32", scope="shared")
                     anchor_sh = T.sblock_alloc_buffer((D,), "float32", scope="shared")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")  # sum, anchor part, own norm
                     kp_sh = T.sblock_alloc_buffer(((LQ + 1) * NT if COAL else 1,), "float32", scope="shared")
-                    kpart = T.sblock_alloc_buffer((NP,), "float32", scope="local")
-                    cbuf = T.sblock_alloc_buffer((CP,), "float32", scope="local")
+                    kv = T.sblock_alloc_buffer((NP, CPL), "float32", scope="local")
+                    colacc = T.sblock_alloc_buffer((CPL,), "float32", scope="local")
                     h: T.let[T.int32] = bx // SPL
                     sp: T.let[T.int32] = bx % SPL
                     nf: T.let[T.int32] = fill[0]
@@ -180,50 +183,75 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                     if n > N:
                         red[1] = T.float32(0)  # this thread's partial anchor for channel ch
                         red[2] = T.float32(1)
-                        for it in T.serial((n + NT - 1) // NT):
-                            # norm of candidate it*NT + tx
-                            red[0] = T.float32(0)
-                            if COAL:  # thread (row kk, lane l): channels l, l + LQ, ... of rows m·KR + kk
+                        if COAL:
+                            # one pass over each tile: thread (row kk, lane l) loads channels l, l + LQ, ...
+                            # of rows m·KR + kk (all in flight together), their squares meet in kp_sh
+                            # for the row norms, and the same registers, normalised, go into the
+                            # thread's column sums (one global round trip a tile, not two)
+                            for cc in T.unroll(CPL):
+                                colacc[cc] = T.float32(0)
+                            for it in T.serial((n + NT - 1) // NT):
                                 for m in T.unroll(NP):
-                                    kpart[m] = T.float32(0)
-                                    if it * NT + m * KR + tx // LQ < n:
-                                        for cc in T.unroll(D // LQ):
-                                            kpart[m] = kpart[m] + cand(k_cache, k_blk, h, it * NT + m * KR + tx // LQ,
-                                                                       nf, cc * LQ + tx % LQ) * cand(
-                                                k_cache, k_blk, h, it * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ)
-                                    kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                                    for cc in T.unroll(CPL):
+                                        kv[m, cc] = T.if_then_else(
+                                            it * NT + m * KR + tx // LQ < n,
+                                            cand(k_cache, k_blk, h, it * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ),
+                                            T.float32(0))
+                                for m in T.unroll(NP):
+                                    red[0] = T.float32(0)
+                                    for cc in T.unroll(CPL):
+                                        red[0] = red[0] + kv[m, cc] * kv[m, cc]
+                                    kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = red[0]
                                 T.tvm_storage_sync("shared")
+                                red[0] = T.float32(0)
                                 for l in T.unroll(LQ):
                                     red[0] = red[0] + kp_sh[tx * (LQ + 1) + l]
-                            elif it * NT + tx < n:
-                                for c in T.serial(D):
-                                    red[0] = red[0] + cand(k_cache, k_blk, h, it * NT + tx, nf, c) * cand(
-                                        k_cache, k_blk, h, it * NT + tx, nf, c)
-                            inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
-                            if it == sp:
-                                red[2] = inv_sh[tx]
+                                inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                if it == sp:
+                                    red[2] = inv_sh[tx]
+                                T.tvm_storage_sync("shared")
+                                for m in T.unroll(NP):
+                                    for cc in T.unroll(CPL):
+                                        colacc[cc] = colacc[cc] + kv[m, cc] / inv_sh[m * KR + tx // LQ]
+                            # the column sums meet in kp_sh (free after the last tile's second barrier;
+                            # KR·D ≤ (LQ + 1)·NT)
+                            for cc in T.unroll(CPL):
+                                kp_sh[(tx // LQ) * D + cc * LQ + tx % LQ] = colacc[cc]
                             T.tvm_storage_sync("shared")
+                            if tx < D:
+                                red[1] = T.float32(0)
+                                for k2 in T.serial(KR):
+                                    red[1] = red[1] + kp_sh[k2 * D + tx]
+                                anchor_sh[tx] = red[1] / T.Cast("float32", n)
+                            T.tvm_storage_sync("shared")
+                        else:
+                            for it in T.serial((n + NT - 1) // NT):
+                                # norm of candidate it*NT + tx
+                                red[0] = T.float32(0)
+                                if it * NT + tx < n:
+                                    for c in T.serial(D):
+                                        red[0] = red[0] + cand(k_cache, k_blk, h, it * NT + tx, nf, c) * cand(
+                                            k_cache, k_blk, h, it * NT + tx, nf, c)
+                                inv_sh[tx] = T.max(T.sqrt(red[0]), T.float32(EPS))
+                                if it == sp:
+                                    red[2] = inv_sh[tx]
+                                T.tvm_storage_sync("shared")
+                                if grp < GR:
+                                    for r in T.serial((NT + GR - 1) // GR):
+                                        if r * GR + grp < NT:
+                                            if it * NT + r * GR + grp < n:
+                                                red[1] = red[1] + cand(k_cache, k_blk, h, it * NT + r * GR + grp, nf,
+                                                                       ch) / inv_sh[r * GR + grp]
+                                T.tvm_storage_sync("shared")
                             if grp < GR:
-                                # CP rows' loads first (unrolled; rows past n read as 0), then their sum in
-                                # row order: a loop of one load then its use waited out every load's latency
-                                for ro in T.serial(RPG // CP):
-                                    for ri in T.unroll(CP):
-                                        cbuf[ri] = T.if_then_else(
-                                            T.And((ro * CP + ri) * GR + grp < NT, it * NT + (ro * CP + ri) * GR + grp < n),
-                                            cand(k_cache, k_blk, h, it * NT + T.min((ro * CP + ri) * GR + grp, NT - 1), nf, ch)
-                                            / inv_sh[T.min((ro * CP + ri) * GR + grp, NT - 1)], T.float32(0))
-                                    for ri in T.unroll(CP):
-                                        red[1] = red[1] + cbuf[ri]
+                                part_sh[grp, ch] = red[1]
                             T.tvm_storage_sync("shared")
-                        if grp < GR:
-                            part_sh[grp, ch] = red[1]
-                        T.tvm_storage_sync("shared")
-                        if tx < D:
-                            red[1] = T.float32(0)
-                            for gg in T.serial(GR):
-                                red[1] = red[1] + part_sh[gg, tx]
-                            anchor_sh[tx] = red[1] / T.Cast("float32", n)
-                        T.tvm_storage_sync("shared")
+                            if tx < D:
+                                red[1] = T.float32(0)
+                                for gg in T.serial(GR):
+                                    red[1] = red[1] + part_sh[gg, tx]
+                                anchor_sh[tx] = red[1] / T.Cast("float32", n)
+                            T.tvm_storage_sync("shared")
                         red[0] = T.float32(0)
                         for c in T.serial(D):
                             red[0] = red[0] + anchor_sh[c] * anchor_sh[c]
@@ -233,14 +261,18 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                             anchor_sh[tx] = anchor_sh[tx] / red[0]
                         T.tvm_storage_sync("shared")
                         red[1] = T.float32(0)
-                        if COAL:  # −k̂ · μ̂ of this work-group's rows, coalesced as the norms
+                        if COAL:  # −k̂ · μ̂ of this work-group's rows, loaded as in the tile pass
                             for m in T.unroll(NP):
-                                kpart[m] = T.float32(0)
-                                if sp * NT + m * KR + tx // LQ < n:
-                                    for cc in T.unroll(D // LQ):
-                                        kpart[m] = kpart[m] + cand(k_cache, k_blk, h, sp * NT + m * KR + tx // LQ, nf,
-                                                                   cc * LQ + tx % LQ) * anchor_sh[cc * LQ + tx % LQ]
-                                kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = kpart[m]
+                                for cc in T.unroll(CPL):
+                                    kv[m, cc] = T.if_then_else(
+                                        sp * NT + m * KR + tx // LQ < n,
+                                        cand(k_cache, k_blk, h, sp * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ),
+                                        T.float32(0))
+                            for m in T.unroll(NP):
+                                red[0] = T.float32(0)
+                                for cc in T.unroll(CPL):
+                                    red[0] = red[0] + kv[m, cc] * anchor_sh[cc * LQ + tx % LQ]
+                                kp_sh[(m * KR + tx // LQ) * (LQ + 1) + tx % LQ] = red[0]
                             T.tvm_storage_sync("shared")
                             for l in T.unroll(LQ):
                                 red[1] = red[1] - kp_sh[tx * (LQ + 1) + l]
