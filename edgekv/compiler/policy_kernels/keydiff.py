@@ -159,6 +159,16 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
         return T.if_then_else(i < nf, k_cache[h, T.min(i, N - 1), c], k_blk[0, h, T.min(T.max(i - nf, 0), B - 1), c])
 
     @T.macro
+    def load_rows(k_cache, k_blk, kv, h, r0, n, nf, tx):
+        # thread (row kk, lane l): channels l, l + LQ, ... of rows r0 + m·KR + kk (rows past n read as
+        # 0), every load in flight at once
+        for m in T.unroll(NP):
+            for cc in T.unroll(CPL):
+                kv[m, cc] = T.if_then_else(r0 + m * KR + tx // LQ < n,
+                                           cand(k_cache, k_blk, h, r0 + m * KR + tx // LQ, nf, cc * LQ + tx % LQ),
+                                           T.float32(0))
+
+    @T.macro
     def keydiff_score_gpu(k_cache, v_cache, pos_cache, fill, k_blk, v_blk, pos_blk, n_valid, score):
         for bx in T.thread_binding(H * SPL, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -191,12 +201,7 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                             for cc in T.unroll(CPL):
                                 colacc[cc] = T.float32(0)
                             for it in T.serial((n + NT - 1) // NT):
-                                for m in T.unroll(NP):
-                                    for cc in T.unroll(CPL):
-                                        kv[m, cc] = T.if_then_else(
-                                            it * NT + m * KR + tx // LQ < n,
-                                            cand(k_cache, k_blk, h, it * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ),
-                                            T.float32(0))
+                                load_rows(k_cache, k_blk, kv, h, it * NT, n, nf, tx)
                                 for m in T.unroll(NP):
                                     red[0] = T.float32(0)
                                     for cc in T.unroll(CPL):
@@ -262,12 +267,7 @@ def build_keydiff_evict_kernel_gpu(num_kv_heads: int, budget: int, block: int, h
                         T.tvm_storage_sync("shared")
                         red[1] = T.float32(0)
                         if COAL:  # −k̂ · μ̂ of this work-group's rows, loaded as in the tile pass
-                            for m in T.unroll(NP):
-                                for cc in T.unroll(CPL):
-                                    kv[m, cc] = T.if_then_else(
-                                        sp * NT + m * KR + tx // LQ < n,
-                                        cand(k_cache, k_blk, h, sp * NT + m * KR + tx // LQ, nf, cc * LQ + tx % LQ),
-                                        T.float32(0))
+                            load_rows(k_cache, k_blk, kv, h, sp * NT, n, nf, tx)
                             for m in T.unroll(NP):
                                 red[0] = T.float32(0)
                                 for cc in T.unroll(CPL):
