@@ -25,7 +25,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start, time_warm  # noqa: E402
+from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start_provenance, time_warm  # noqa: E402
 
 # (model, projection, K, N)
 SHAPES = [("SmolLM2", "q/o", 576, 576), ("SmolLM2", "k/v", 576, 192), ("SmolLM2", "gate/up", 576, 1536),
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=128, help="M of the prefill GEMM (the block)")
     ap.add_argument("--baseline-ref", default="main", help="git ref whose dense.py / quant_dense.py are timed too")
     args = ap.parse_args(argv)
-    prov = start(args)
+    prov = start_provenance(args)
     timer = clock(args)
 
     import tvm

@@ -24,7 +24,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tools.bench.kernel_timing import add_timing_args, clock, start, time_cold  # noqa: E402
+from tools.bench.kernel_timing import add_timing_args, clock, start_provenance, time_cold  # noqa: E402
 
 
 # (model, weight, GGUF type, K, N, NR, calls per token)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mcpu", default="znver3")
     ap.add_argument("--only", default=None, help="run the shapes of this model only (qwen2.5-1.5b | smollm2-135m)")
     args = ap.parse_args(argv)
-    prov = start(args)
+    prov = start_provenance(args)
     timer = clock(args)
     import tvm
 

@@ -24,7 +24,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start, time_cold, time_warm  # noqa: E402
+from tools.bench.kernel_timing import add_timing_args, clock, kernels_at, start_provenance, time_cold, time_warm  # noqa: E402
 
 SHAPES = [(1536, 8960), (1536, 1536), (8960, 1536)]
 NR = 64
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=128, help="M of the prefill GEMM")
     ap.add_argument("--baseline-ref", default=None, help="git ref whose kquant_dense.py is timed too")
     args = ap.parse_args(argv)
-    prov = start(args)
+    prov = start_provenance(args)
     timer = clock(args)
 
     import tvm

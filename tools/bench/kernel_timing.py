@@ -24,7 +24,7 @@ def add_timing_args(ap, threads: int) -> None:
     ap.add_argument("-o", "--out", type=Path, default=REPO / "docs" / "results")
 
 
-def start(args) -> dict:
+def start_provenance(args) -> dict:
     """The run's provenance (taken before anything runs) and TVM's thread pool size (set before TVM
     loads); ``clock(args)`` is the timer to pass on."""
     from edgekv.evaluation.report import provenance
