@@ -91,7 +91,7 @@ def markdown(r: dict) -> str:
                      for name, v in r["runtimes"].items())
     mib = 1 << 20
     return (f"Compiled Gemma 3 270M (`{r['policy']}`, N = {r['budget']} on the {len(r['cache_kinds']) - local} global "
-            f"layers, the {local} local layers a cache of their window {r['window']}, B = {r['block']}, "
+            f"layers, the {local} local layers a ring of their window {r['window']} (token p in slot p mod window), B = {r['block']}, "
             f"{r['weights']} weights) against the eager engine on {r['prompt_tokens']} prompt tokens of natural text "
             f"(longer than the window: the local caches slide) and {r['new_tokens']} greedy tokens "
             f"(`{r.get('command', '')}`, commit `{r.get('commit', '')}`; the machine was shared):\n\n"
